@@ -1,0 +1,5 @@
+import sys
+
+from tformer.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""Multi-head attention (Vaswani et al., 2017) with grouped K/V heads (GQA / MQA).
+
+Shapes: x (B, T, D); q (B, H, T, E); k, v (B, Hkv, S, E) with H = n_heads, Hkv = n_kv_heads,
+E = head_dim; memory (B, S, D). Kernels take (q, k, v, mask) with k/v already expanded to H heads:
+`EagerAttention` is the readable softmax(q k^T / sqrt(E)) v reference; `SdpaAttention` is PyTorch's
+fused `scaled_dot_product_attention`. Both honour the same `Mask` and attention dropout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import ModelConfig
+from tformer.model.cache import NoCache
+from tformer.model.masks import Mask
+
+
+class EagerAttention(nn.Module):
+    """softmax(q k^T / sqrt(E) + mask) v, written out (the slow twin of SdpaAttention)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        scores = scores.masked_fill(~mask.allowed, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return self.dropout(probs) @ v  # (B, H, Tq, E)
+
+
+class SdpaAttention(nn.Module):
+    """torch's fused attention; uses its causal path when the mask says it is the square causal one."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.p = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        p = self.p if self.training else 0.0
+        if mask.is_causal:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, dropout_p=p)
+
+
+ATTENTION_KERNELS: dict[str, type[nn.Module]] = {"eager": EagerAttention, "sdpa": SdpaAttention}
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, Hkv, S, E) -> (B, Hkv * n_rep, S, E): each K/V head serves n_rep query heads."""
+    if n_rep == 1:
+        return x
+    b, h, s, e = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, e).reshape(b, h * n_rep, s, e)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Encoder output seen by cross-attention: states (B, S, D), positions (S,), key mask over S."""
+
+    states: Tensor
+    positions: Tensor
+    mask: Mask
+
+
+class Attention(nn.Module):
+    """Projections and head bookkeeping shared by self- and cross-attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.resolved_n_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        d, e = cfg.d_model, self.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * e, bias=cfg.bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * e, bias=cfg.bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * e, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * e, d, bias=cfg.bias)
+        self.rotary = rotary
+        self.kernel = ATTENTION_KERNELS[cfg.attn_kernel](cfg.attn_dropout)
+
+    def split_heads(self, x: Tensor, n: int) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (B, n, T, E)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        n_rep = self.n_heads // self.n_kv_heads
+        y = self.kernel(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, T, E)
+        b, _, t, _ = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, D)
+
+
+class SelfAttention(Attention):
+    """Attention of x over itself (and over the cached past when decoding)."""
+
+    def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache) -> Tensor:
+        q = self.rotary(self.split_heads(self.q_proj(x), self.n_heads), positions)
+        k = self.rotary(self.split_heads(self.k_proj(x), self.n_kv_heads), positions)
+        v = self.split_heads(self.v_proj(x), self.n_kv_heads)
+        k, v = cache.update(self.layer_idx, k, v)
+        return self.attend(q, k, v, mask)
+
+
+class CrossAttention(Attention):
+    """Attention of the decoder states x over the encoder memory; memory K/V computed once per source."""
+
+    def memory_kv(self, memory: Memory) -> tuple[Tensor, Tensor]:
+        k = self.rotary(self.split_heads(self.k_proj(memory.states), self.n_kv_heads), memory.positions)
+        return k, self.split_heads(self.v_proj(memory.states), self.n_kv_heads)
+
+    def forward(self, x: Tensor, positions: Tensor, memory: Memory, cache: NoCache) -> Tensor:
+        q = self.rotary(self.split_heads(self.q_proj(x), self.n_heads), positions)
+        k, v = cache.cross(self.layer_idx, lambda: self.memory_kv(memory))
+        return self.attend(q, k, v, memory.mask)

@@ -1,0 +1,88 @@
+"""Key/value caches for incremental decoding.
+
+Shapes: k/v (B, Hkv, T, E). A cache is handed to the spine; each attention layer calls
+`cache.update(layer_idx, k, v)` with the new keys/values and gets back all keys/values so far.
+Cross-attention asks `cache.cross(layer_idx, compute)` for the encoder memory's K/V, computed once
+per source. `NO_CACHE` is the null object used in training and full forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+KV = tuple[Tensor, Tensor]
+
+
+class NoCache:
+    """Null object: nothing is stored; every call computes."""
+
+    seq_len = 0
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> KV:
+        return k, v
+
+    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
+        return compute()
+
+
+NO_CACHE = NoCache()
+
+
+class KVCache:
+    """Preallocated self-attention cache of `capacity` slots plus cross-attention K/V per layer.
+
+    Writes go in place into (B, Hkv, capacity, E) buffers, so a decoding step copies only its own
+    keys; `update` returns views of the filled prefix. `reorder(index)` selects batch rows (beam search).
+    """
+
+    def __init__(self, n_layers: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+        self.lengths = [0] * n_layers
+        self.cross_kv: list[KV | None] = [None] * n_layers
+
+    @property
+    def seq_len(self) -> int:
+        """Slots filled in layer 0: the absolute slot index of the next token."""
+        return self.lengths[0]
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> KV:
+        start, t = self.lengths[layer_idx], k.shape[2]
+        if start + t > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; cannot add {t} after {start}")
+        if self.k[layer_idx] is None:
+            b, h, _, e = k.shape
+            self.k[layer_idx] = k.new_empty(b, h, self.capacity, e)
+            self.v[layer_idx] = v.new_empty(b, h, self.capacity, v.shape[-1])
+        k_buf, v_buf = self.k[layer_idx], self.v[layer_idx]
+        k_buf[:, :, start : start + t] = k
+        v_buf[:, :, start : start + t] = v
+        self.lengths[layer_idx] = start + t
+        return k_buf[:, :, : start + t], v_buf[:, :, : start + t]
+
+    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
+        if self.cross_kv[layer_idx] is None:
+            self.cross_kv[layer_idx] = compute()
+        return self.cross_kv[layer_idx]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (B',) in every buffer, e.g. the surviving beams."""
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i].index_select(0, index)
+                self.v[i] = self.v[i].index_select(0, index)
+            if self.cross_kv[i] is not None:
+                k, v = self.cross_kv[i]
+                self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
+
+    def truncate(self, length: int) -> None:
+        """Forget slots from `length` on (e.g. to reuse a prefilled prompt)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    @torch.no_grad()
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)

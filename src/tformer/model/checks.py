@@ -1,0 +1,72 @@
+"""Input validation done on the host before any compute: bad input gets a specific error.
+
+Every check raises TypeError (wrong type or dtype) or ValueError (wrong shape or value), naming the
+argument, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:
+    """tokens: (B, T) integer ids in [0, vocab_size)."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (torch.long), got dtype {tokens.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must have shape (batch, seq_len), got {tuple(tokens.shape)}")
+    if tokens.shape[0] == 0:
+        raise ValueError(f"{name} is an empty batch (batch size 0)")
+    if tokens.shape[1] == 0:
+        raise ValueError(f"{name} holds empty sequences (seq_len 0)")
+    lo, hi = torch.aminmax(tokens)
+    if lo.item() < 0 or hi.item() >= vocab_size:
+        bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} contains id {tokens[bad[0], bad[1]].item()} at (batch {bad[0]}, position {bad[1]}); "
+            f"allowed ids are 0..{vocab_size - 1} (vocab_size={vocab_size})"
+        )
+    return tokens
+
+
+def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int, scheme: str) -> Tensor:
+    """positions: (T,) or (B, T) integer positions in [0, max_seq_len)."""
+    if not isinstance(positions, Tensor) or positions.dtype not in _INT_DTYPES:
+        raise TypeError(
+            f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}"
+        )
+    if positions.shape not in ((length,), (batch, length)):
+        raise ValueError(
+            f"positions must have shape ({length},) or ({batch}, {length}), got {tuple(positions.shape)}"
+        )
+    lo, hi = torch.aminmax(positions)
+    if lo.item() < 0:
+        raise ValueError(f"positions must be >= 0, got {lo.item()}")
+    if hi.item() >= max_seq_len:
+        hint = {
+            "rope": "raise max_seq_len (with rope scaling to stretch a trained context)",
+            "none": "raise max_seq_len",
+        }.get(scheme, f"positions='{scheme}' has no entries beyond it")
+        raise ValueError(
+            f"sequence reaches position {hi.item()} but the model allows at most max_seq_len={max_seq_len} "
+            f"positions (0..{max_seq_len - 1}); {hint}"
+        )
+    return positions
+
+
+def check_key_padding(mask: Tensor | None, batch: int, length: int, name: str) -> Tensor | None:
+    """mask: (B, T) bool, True for real tokens, or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a bool tensor (True = real token), got {getattr(mask, 'dtype', type(mask))}"
+        )
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape ({batch}, {length}) (batch, keys), got {tuple(mask.shape)}")
+    return mask

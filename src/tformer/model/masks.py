@@ -1,0 +1,51 @@
+"""Attention masks as data, built from absolute slot indices.
+
+Shapes: B batch, Tq queries, Tk keys. A `Mask` holds `allowed` (B or 1, 1, Tq, Tk) bool, True where a
+query may attend to a key. `is_causal` is a hint that `allowed` is exactly the square lower-triangular
+pattern with no padding, so a fused kernel may use its own causal path (SDPA's `is_causal=True` is
+top-left aligned and is only correct when Tq == Tk, which is why the hint is set only then).
+
+Every query row keeps at least one allowed key: a row with none (a fully padded sample) is opened to
+all its keys so the softmax stays finite; such rows are padding and their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Mask:
+    allowed: Tensor  # (B|1, 1, Tq, Tk) bool
+    is_causal: bool = False
+
+
+def _finite_rows(allowed: Tensor) -> Tensor:
+    """Open rows that allow no key at all (fully padded samples) so softmax stays finite."""
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torch.device) -> Mask:
+    """Causal self-attention mask for queries in slots [q_start, q_start + t_q) over keys [0, q_start + t_q).
+
+    key_padding: (B, Tk) bool, True for real tokens, covering every key slot (cache included).
+    """
+    t_k = q_start + t_q
+    q_slot = torch.arange(q_start, t_k, device=device)  # (Tq,)
+    k_slot = torch.arange(t_k, device=device)  # (Tk,)
+    allowed = (k_slot[None, :] <= q_slot[:, None])[None, None]  # (1, 1, Tq, Tk)
+    if key_padding is None:
+        return Mask(allowed, is_causal=q_start == 0)
+    allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
+    return Mask(_finite_rows(allowed))
+
+
+def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:
+    """Bidirectional mask: every query sees every real key. key_padding: (B, Tk) bool or None."""
+    if key_padding is None:
+        return Mask(torch.ones(1, 1, t_q, t_k, dtype=torch.bool, device=device))
+    allowed = key_padding[:, None, None, :].expand(-1, 1, t_q, -1)  # (B, 1, Tq, Tk)
+    return Mask(_finite_rows(allowed))

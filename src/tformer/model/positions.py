@@ -1,0 +1,144 @@
+"""Position information: added to the input (sinusoidal, learned) or rotated into Q and K (RoPE).
+
+Shapes: x (B, T, D) token embeddings; q/k (B, H, T, E) per-head features; positions (B, T) or (T,)
+absolute integer positions. `make_positions(cfg)` returns the pair (input hook, rotary hook); the
+hook a scheme does not use is a null object (`NoPositions`, `NoRotary`), so the spine calls both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from tformer.config import ModelConfig, RopeConfig
+
+
+# --------------------------------------------------------------------------- input positions
+def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
+    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d)) (Vaswani et al., 2017)."""
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (ceil(D/2),)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, ceil(D/2))
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.float()
+
+
+class NoPositions(nn.Module):
+    """Null object: the input carries no position information (RoPE or position-free models)."""
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x
+
+
+class SinusoidalPositions(nn.Module):
+    """x + PE[positions], a fixed table (not a parameter, not saved)."""
+
+    def __init__(self, max_seq_len: int, d_model: int) -> None:
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(max_seq_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x + self.table[positions].to(x.dtype)
+
+
+class LearnedPositions(nn.Module):
+    """x + P[positions], a learned table (BERT, GPT-2)."""
+
+    def __init__(self, max_seq_len: int, d_model: int) -> None:
+        super().__init__()
+        self.pos_embed = nn.Embedding(max_seq_len, d_model)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x + self.pos_embed(positions)
+
+
+# --------------------------------------------------------------------------- rotary
+def rope_inv_freq(rot_dim: int, rope: RopeConfig, max_seq_len: int) -> tuple[Tensor, float]:
+    """Per-pair angular frequencies theta_i (rot_dim/2,) after scaling, and the attention scale.
+
+    none:   theta_i = base^(-2i/d)
+    linear: theta_i / s                       (position interpolation: p -> p / s)
+    ntk:    base' = base * s^(d / (d - 2))    (NTK-aware: high frequencies kept, low ones stretched)
+    yarn:   theta_i blended between theta_i / s and theta_i by the ramp gamma(r_i) of the number of
+            rotations r_i = L / wavelength_i in the trained context L, with a softmax temperature
+            that scales q and k by 0.1 ln(s) + 1 (Peng et al., 2023).
+    """
+    i2 = torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim  # (d/2,) = 2i/d
+    s = rope.factor
+    if rope.scaling == "ntk":
+        base = rope.theta * s ** (rot_dim / (rot_dim - 2)) if rot_dim > 2 else rope.theta * s
+        return base**-i2, 1.0
+    inv_freq = rope.theta**-i2
+    if rope.scaling == "linear":
+        return inv_freq / s, 1.0
+    if rope.scaling == "yarn":
+        original = rope.original_max_seq_len or max(1, int(max_seq_len / s))
+        rotations = original * inv_freq / (2 * math.pi)  # r_i = L / lambda_i
+        lo, hi = rope.yarn_beta_slow, rope.yarn_beta_fast
+        gamma = ((rotations - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: interpolate, 1: keep
+        inv_freq = (1 - gamma) * inv_freq / s + gamma * inv_freq
+        return inv_freq, 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    return inv_freq, 1.0
+
+
+def rotate_half_layout(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Pairs (j, j + r/2) of the first r features: Llama / Hugging Face layout."""
+    r = cos.shape[-1] * 2
+    x1, x2, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def rotate_interleaved_layout(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Pairs (2j, 2j + 1) of the first r features: the RoFormer paper's layout."""
+    r = cos.shape[-1] * 2
+    x1, x2, rest = x[..., 0:r:2], x[..., 1:r:2], x[..., r:]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)  # (..., r)
+    return torch.cat((rotated, rest), dim=-1)
+
+
+ROPE_LAYOUTS = {"half": rotate_half_layout, "interleaved": rotate_interleaved_layout}
+
+
+class NoRotary(nn.Module):
+    """Null object: attention features are not rotated."""
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate each pair of features of x (B, H, T, E) by angle p * theta_i (Su et al., 2021)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
+        super().__init__()
+        rot_dim = int(head_dim * rope.fraction)
+        inv_freq, scale = rope_inv_freq(rot_dim, rope, max_seq_len)
+        angle = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, r/2)
+        self.register_buffer("cos", (angle.cos() * scale).float(), persistent=False)
+        self.register_buffer("sin", (angle.sin() * scale).float(), persistent=False)
+        self.rotate = ROPE_LAYOUTS[rope.layout]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        cos = self.cos[positions].to(x.dtype)  # (B, T, r/2) or (T, r/2)
+        sin = self.sin[positions].to(x.dtype)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, r/2)
+        return self.rotate(x, cos, sin)
+
+
+POSITIONS: dict[str, Callable[[ModelConfig], tuple[nn.Module, nn.Module]]] = {
+    "sinusoidal": lambda cfg: (SinusoidalPositions(cfg.max_seq_len, cfg.d_model), NoRotary()),
+    "learned": lambda cfg: (LearnedPositions(cfg.max_seq_len, cfg.d_model), NoRotary()),
+    "rope": lambda cfg: (NoPositions(), RotaryEmbedding(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope)),
+    "none": lambda cfg: (NoPositions(), NoRotary()),
+}
+
+
+def make_positions(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
+    """(input-position hook, rotary hook) for `cfg.positions`; the unused one is a null object."""
+    return POSITIONS[cfg.positions](cfg)

@@ -1,0 +1,238 @@
+"""The three spines: decoder-only LM, encoder (+ classification head), encoder-decoder.
+
+Shapes: tokens (B, T) int; key_padding_mask (B, T) bool, True for real tokens (for cached decoding it
+covers every key slot, cached ones included); positions (T,) or (B, T); hidden (B, T, D); logits
+(B, T, V) or (B, n_classes). Each constructor reads the config once; each forward validates its
+inputs on the host, builds the mask as data, then runs the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tformer.config import ModelConfig
+from tformer.model.attention import Memory
+from tformer.model.blocks import BLOCKS, CROSS_BLOCKS
+from tformer.model.cache import NO_CACHE, KVCache, NoCache
+from tformer.model.checks import check_key_padding, check_positions, check_tokens
+from tformer.model.init import init_weights
+from tformer.model.masks import causal_mask, padding_mask
+from tformer.model.norms import make_norm
+from tformer.model.positions import NoRotary, make_positions
+
+
+class Stack(nn.Module):
+    """Token embedding (times sqrt(D) if cfg.embed_scale) + input positions + dropout, then blocks,
+    then the final norm (Pre-Norm) or nothing (Post-Norm, whose blocks end in a norm)."""
+
+    def __init__(self, cfg: ModelConfig, tok_embed: nn.Embedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embed = tok_embed
+        self.input_positions, self.rotary = make_positions(cfg)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
+        self.embed_drop = nn.Dropout(cfg.dropout)
+        self.final_norm = make_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        x = self.tok_embed(tokens) * self.embed_scale  # (B, T, D)
+        return self.embed_drop(self.input_positions(x, positions))
+
+    def resolve_positions(self, tokens: Tensor, positions: Tensor | None, start: int) -> Tensor:
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(start, start + t, device=tokens.device)  # (T,)
+        return check_positions(positions, b, t, self.cfg.max_seq_len, self.cfg.positions)
+
+
+class Encoder(Stack):
+    """Bidirectional stack: every token attends to every real token."""
+
+    def __init__(self, cfg: ModelConfig, tok_embed: nn.Embedding, n_layers: int) -> None:
+        super().__init__(cfg, tok_embed)
+        block = BLOCKS[cfg.norm_placement]
+        self.blocks = nn.ModuleList(block(cfg, i, self.rotary) for i in range(n_layers))
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        check_tokens(tokens, self.tok_embed.num_embeddings, "source tokens")
+        b, t = tokens.shape
+        key_padding_mask = check_key_padding(key_padding_mask, b, t, "source key_padding_mask")
+        positions = self.resolve_positions(tokens, None, 0)
+        mask = padding_mask(t, key_padding_mask, t, tokens.device)
+        x = self.embed(tokens, positions)
+        for block in self.blocks:
+            x = block(x, positions, mask, NO_CACHE)
+        return self.final_norm(x)  # (B, T, D)
+
+
+class DecoderLM(Stack):
+    """Causal language model: logits for the next token at every position."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model))
+        block = BLOCKS[cfg.norm_placement]
+        self.blocks = nn.ModuleList(block(cfg, i, self.rotary) for i in range(cfg.n_layers))
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        cache: NoCache = NO_CACHE,
+    ) -> Tensor:
+        check_tokens(tokens, self.cfg.vocab_size)
+        b, t = tokens.shape
+        start = cache.seq_len
+        key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "key_padding_mask")
+        positions = self.resolve_positions(tokens, positions, start)
+        mask = causal_mask(start, t, key_padding_mask, tokens.device)
+        x = self.embed(tokens, positions)
+        for block in self.blocks:
+            x = block(x, positions, mask, cache)
+        return self.lm_head(self.final_norm(x))  # (B, T, V)
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
+
+
+class ClsPooling(nn.Module):
+    """The first token's state (a <cls>/<bos> token the data pipeline puts first)."""
+
+    def forward(self, h: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        return h[:, 0]  # (B, D)
+
+
+class MeanPooling(nn.Module):
+    """Mean of the real tokens' states."""
+
+    def forward(self, h: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        if key_padding_mask is None:
+            return h.mean(dim=1)
+        w = key_padding_mask.to(h.dtype)[..., None]  # (B, T, 1)
+        return (h * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)  # (B, D)
+
+
+POOLINGS: dict[str, type[nn.Module]] = {"cls": ClsPooling, "mean": MeanPooling}
+
+
+class EncoderClassifier(nn.Module):
+    """Encoder + pooling + linear head: class logits (B, n_classes)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model), cfg.n_layers)
+        self.pool = POOLINGS[cfg.pooling]()
+        self.head = nn.Linear(cfg.d_model, cfg.n_classes)
+        init_weights(self, cfg)
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        h = self.encoder(tokens, key_padding_mask)
+        return self.head(self.pool(h, key_padding_mask))
+
+
+class Decoder(Stack):
+    """Causal stack with cross-attention over the encoder memory in every block."""
+
+    def __init__(self, cfg: ModelConfig, tok_embed: nn.Embedding) -> None:
+        super().__init__(cfg, tok_embed)
+        cross_rotary = self.rotary if cfg.rope.cross_attention else NoRotary()
+        block = CROSS_BLOCKS[cfg.norm_placement]
+        self.blocks = nn.ModuleList(block(cfg, i, self.rotary, cross_rotary) for i in range(cfg.n_layers))
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        key_padding_mask: Tensor | None,
+        cache: NoCache,
+        memory: Memory,
+    ) -> Tensor:
+        mask = causal_mask(cache.seq_len, tokens.shape[1], key_padding_mask, tokens.device)
+        x = self.embed(tokens, positions)
+        for block in self.blocks:
+            x = block(x, positions, mask, cache, memory)
+        return self.final_norm(x)  # (B, T, D)
+
+
+class EncoderDecoder(nn.Module):
+    """Sequence-to-sequence Transformer (Vaswani et al., 2017): encode the source once, decode causally."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        shared = cfg.share_embeddings
+        self.src_embed = self.tok_embed if shared else nn.Embedding(cfg.resolved_src_vocab_size, cfg.d_model)
+        self.encoder = Encoder(cfg, self.src_embed, cfg.resolved_n_encoder_layers)
+        self.decoder = Decoder(cfg, self.tok_embed)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+
+    def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Memory:
+        states = self.encoder(src, src_key_padding_mask)  # (B, S, D)
+        b, s = src.shape
+        positions = torch.arange(s, device=src.device)  # (S,)
+        return Memory(states, positions, padding_mask(1, src_key_padding_mask, s, src.device))
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Memory | None,
+        positions: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        cache: NoCache = NO_CACHE,
+    ) -> Tensor:
+        if not isinstance(memory, Memory):
+            raise ValueError("the decoder needs the encoder memory: call decode(tgt, model.encode(src), ...)")
+        check_tokens(tgt, self.cfg.vocab_size, "target tokens")
+        b, t = tgt.shape
+        if memory.states.shape[0] != b:
+            raise ValueError(
+                f"target batch size {b} does not match the encoder memory's {memory.states.shape[0]}"
+            )
+        start = cache.seq_len
+        key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
+        positions = self.decoder.resolve_positions(tgt, positions, start)
+        return self.lm_head(self.decoder(tgt, positions, key_padding_mask, cache, memory))  # (B, T, V)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        check_tokens(src, self.cfg.resolved_src_vocab_size, "source tokens")
+        check_tokens(tgt, self.cfg.vocab_size, "target tokens")
+        if src.shape[0] != tgt.shape[0]:
+            raise ValueError(
+                f"source batch size {src.shape[0]} does not match target batch size {tgt.shape[0]}"
+            )
+        return self.decode(tgt, self.encode(src, src_key_padding_mask), key_padding_mask=tgt_key_padding_mask)
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
+
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "decoder": DecoderLM,
+    "encoder": EncoderClassifier,
+    "encoder_decoder": EncoderDecoder,
+}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model `cfg` describes, initialised by `cfg.init`."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"build_model expects a ModelConfig, got {type(cfg).__name__}")
+    return ARCHITECTURES[cfg.arch](cfg)

@@ -1,0 +1,170 @@
+"""Typed, frozen, validated configuration dataclasses (no torch import).
+
+A config class derives from `Config`, declares its fields with type annotations (`int`, `float`,
+`bool`, `str`, `Literal[...]`, `X | None`, or a nested `Config`) and may add cross-field checks in
+`check()`. Every field is type-checked at construction; errors name the class, the field, the bad
+value and what is allowed. `from_dict` rejects unknown keys and lists the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+C = TypeVar("C", bound="Config")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is not allowed; the message says which and what is."""
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widened to float, dicts to configs)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in get_args(tp):
+            try:
+                return _coerce(owner, name, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp) and type(value) is type(get_args(tp)[0]):
+            return value
+        raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and issubclass(tp, Config):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return tp.from_dict(value, _path=f"{owner}.{name}")
+    raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Base of every config: type checks, `check()` hook, dict/JSON/YAML round trip."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(type(self).__name__, f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field validation; subclasses raise ConfigError naming the fields."""
+
+    def _fail(self, field: str, allowed: str) -> None:
+        raise ConfigError(f"{type(self).__name__}.{field} {allowed}, got {getattr(self, field)!r}")
+
+    def _require(self, ok: bool, field: str, allowed: str) -> None:
+        if not ok:
+            self._fail(field, allowed)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, Config) else v
+        return out
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any], _path: str | None = None) -> C:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{_path or cls.__name__} must be a mapping, got {type(data).__name__}")
+        allowed = cls.field_names()
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise ConfigError(
+                f"unknown key {unknown[0]!r} in {_path or cls.__name__}; allowed: {', '.join(allowed)}"
+            )
+        return cls(**data)
+
+    def replace(self: C, **changes: Any) -> C:
+        unknown = [k for k in changes if k not in self.field_names()]
+        if unknown:
+            raise ConfigError(
+                f"unknown key {unknown[0]!r} in {type(self).__name__}; "
+                f"allowed: {', '.join(self.field_names())}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self: C, overrides: dict[str, Any]) -> C:
+        """Apply dotted overrides such as {"rope.theta": 5e5, "d_model": 256}."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            node, parts = data, dotted.split(".")
+            for i, part in enumerate(parts[:-1]):
+                if not isinstance(node.get(part), dict):
+                    if part in node and node[part] is None:
+                        node[part] = {}
+                    else:
+                        where = ".".join(parts[: i + 1])
+                        raise ConfigError(f"unknown or non-nested key {where!r} in override {dotted!r}")
+                node = node[part]
+            node[parts[-1]] = value
+        return type(self).from_dict(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_json(cls: type[C], text: str) -> C:
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls: type[C], text: str) -> C:
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        path.write_text(text)
+
+    @classmethod
+    def load(cls: type[C], path: str | Path) -> C:
+        path = Path(path)
+        text = path.read_text()
+        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)

@@ -1,0 +1,98 @@
+"""Bad input raises a specific TypeError/ValueError naming the problem and the allowed range, before
+any compute (RELIABILITY D1-D7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer import ModelConfig, build_model
+from tformer.presets import tiny
+
+from .helpers import make
+
+
+@pytest.fixture
+def lm():
+    return make(tiny().replace(positions="learned", max_seq_len=16))
+
+
+def test_token_id_out_of_range(lm) -> None:
+    tokens = torch.randint(0, 128, (2, 5))
+    tokens[1, 3] = 128
+    with pytest.raises(
+        ValueError, match=r"contains id 128 at \(batch 1, position 3\); allowed ids are 0..127"
+    ):
+        lm(tokens)
+    tokens[1, 3] = -1
+    with pytest.raises(ValueError, match="contains id -1"):
+        lm(tokens)
+
+
+def test_wrong_dtype(lm) -> None:
+    with pytest.raises(TypeError, match=r"must be an integer tensor \(torch.long\), got dtype torch.float32"):
+        lm(torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="must be a torch.Tensor of token ids, got list"):
+        lm([[1, 2, 3]])
+
+
+def test_empty_batch_and_sequence(lm) -> None:
+    with pytest.raises(ValueError, match=r"empty batch \(batch size 0\)"):
+        lm(torch.zeros(0, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"empty sequences \(seq_len 0\)"):
+        lm(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must have shape \(batch, seq_len\), got \(5,\)"):
+        lm(torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal", "rope", "none"])
+def test_sequence_longer_than_the_model_allows(positions: str) -> None:
+    model = make(tiny().replace(positions=positions, max_seq_len=16))
+    model(torch.zeros(1, 16, dtype=torch.long))  # exactly the limit works
+    with pytest.raises(ValueError, match=r"reaches position 16 but the model allows at most max_seq_len=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_cached_decoding_past_the_limit(lm) -> None:
+    cache = lm.new_cache()
+    lm(torch.zeros(1, 16, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_mask_of_wrong_shape_or_dtype(lm) -> None:
+    tokens = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(
+        ValueError, match=r"key_padding_mask must have shape \(2, 5\) \(batch, keys\), got \(2, 4\)"
+    ):
+        lm(tokens, key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(
+        TypeError, match=r"key_padding_mask must be a bool tensor \(True = real token\), got torch.int64"
+    ):
+        lm(tokens, key_padding_mask=torch.ones(2, 5, dtype=torch.long))
+
+
+def test_positions_of_wrong_shape(lm) -> None:
+    with pytest.raises(ValueError, match=r"positions must have shape \(5,\) or \(2, 5\)"):
+        lm(torch.zeros(2, 5, dtype=torch.long), positions=torch.arange(4))
+
+
+def test_decoder_without_memory_and_mismatched_batches() -> None:
+    model = make(tiny("encoder_decoder"))
+    src, tgt = torch.zeros(2, 5, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="the decoder needs the encoder memory"):
+        model.decode(tgt, None)
+    with pytest.raises(ValueError, match="source batch size 2 does not match target batch size 3"):
+        model(src, tgt)
+    with pytest.raises(ValueError, match="target batch size 3 does not match the encoder memory's 2"):
+        model.decode(tgt, model.encode(src))
+    with pytest.raises(ValueError, match="source tokens contains id 999"):
+        model(torch.full((3, 5), 999), tgt)
+
+
+def test_build_model_rejects_non_config() -> None:
+    with pytest.raises(TypeError, match="build_model expects a ModelConfig, got dict"):
+        build_model({"d_model": 3})  # type: ignore[arg-type]
+    assert isinstance(
+        build_model(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=8, vocab_size=10)), torch.nn.Module
+    )

@@ -1,0 +1,99 @@
+"""Config schema: validation errors name field, value and what is allowed; round trips; presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tformer import PRESETS, ConfigError, ModelConfig, MoEConfig, RopeConfig, get_preset
+
+
+def test_defaults_are_the_paper_layer() -> None:
+    cfg = ModelConfig()
+    assert (cfg.norm_placement, cfg.positions, cfg.ffn, cfg.norm) == (
+        "post",
+        "sinusoidal",
+        "relu",
+        "layernorm",
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"d_model": -3}, "ModelConfig.d_model must be >= 1, got -3"),
+        (
+            {"norm_placement": "middle"},
+            "ModelConfig.norm_placement must be one of 'post', 'pre', got 'middle'",
+        ),
+        ({"dropout": 1.5}, "ModelConfig.dropout must be in [0, 1), got 1.5"),
+        ({"n_heads": 7}, "ModelConfig.n_heads must divide d_model=512"),
+        ({"n_kv_heads": 3}, "ModelConfig.n_kv_heads must be >= 1 and divide n_heads=8"),
+        ({"d_model": "512"}, "ModelConfig.d_model must be int, got '512'"),
+        ({"tie_embeddings": 1}, "ModelConfig.tie_embeddings must be bool, got 1"),
+        ({"positions": "rope", "rope": RopeConfig(fraction=0.01)}, "even number >= 2"),
+    ],
+)
+def test_bad_values_name_the_field(changes: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**changes)
+    assert needle in str(err.value)
+
+
+def test_nested_errors_name_the_nested_class() -> None:
+    with pytest.raises(
+        ConfigError, match=r"RopeConfig.layout must be one of 'half', 'interleaved', got 'spiral'"
+    ):
+        ModelConfig.from_dict({"rope": {"layout": "spiral"}})
+    with pytest.raises(ConfigError, match=r"MoEConfig.top_k must be in \[1, n_experts=4\], got 5"):
+        MoEConfig(n_experts=4, top_k=5)
+
+
+def test_unknown_keys_are_rejected_with_the_allowed_list() -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'hidden_size' in ModelConfig; allowed: arch, vocab_size"
+    ):
+        ModelConfig.from_dict({"hidden_size": 3})
+    with pytest.raises(ConfigError, match=r"unknown key 'base' in ModelConfig.rope; allowed: theta"):
+        ModelConfig.from_dict({"rope": {"base": 3}})
+    with pytest.raises(ConfigError, match="unknown key 'dim'"):
+        ModelConfig().replace(dim=3)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_round_trip_dict_json_yaml(name: str, tmp_path) -> None:
+    cfg = get_preset(name)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    assert ModelConfig.from_yaml(cfg.to_yaml()) == cfg
+    for suffix in (".json", ".yaml"):
+        cfg.save(tmp_path / f"c{suffix}")
+        assert ModelConfig.load(tmp_path / f"c{suffix}") == cfg
+    json.loads(cfg.to_json())  # plain JSON, nothing Python-specific
+
+
+def test_configs_are_frozen() -> None:
+    cfg = ModelConfig()
+    with pytest.raises(AttributeError):
+        cfg.d_model = 3  # type: ignore[misc]
+
+
+def test_dotted_overrides() -> None:
+    cfg = ModelConfig().with_overrides(
+        {"d_model": 256, "rope.theta": 500000, "moe.n_experts": 4, "moe.top_k": 1}
+    )
+    assert cfg.d_model == 256 and cfg.rope.theta == 500000.0 and cfg.moe == MoEConfig(n_experts=4, top_k=1)
+    with pytest.raises(ConfigError, match="unknown key 'thetaa'"):
+        ModelConfig().with_overrides({"rope.thetaa": 1})
+
+
+def test_ints_widen_to_float_and_floats_never_narrow() -> None:
+    assert ModelConfig(dropout=0).dropout == 0.0
+    with pytest.raises(ConfigError, match="ModelConfig.n_layers must be int, got 2.0"):
+        ModelConfig(n_layers=2.0)  # type: ignore[arg-type]
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ConfigError, match="unknown preset 'gpt5'; available: paper-base, tiny"):
+        get_preset("gpt5")
