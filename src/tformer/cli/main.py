@@ -6,7 +6,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from tformer.data.corpora import MissingDataError
 from tformer.schema import ConfigError
+from tformer.train.step import NonFiniteError
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
     # name: (help, add_arguments, "module:function")
@@ -21,30 +23,83 @@ def register(name: str, help: str, target: str) -> Callable:
     return wrap
 
 
+@register(
+    "train", "train a model (language modelling by default) from a preset or a config file", "train:run"
+)
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from tformer.cli.options import add_config_arguments
+
+    add_config_arguments(p, default_preset="shakespeare")
+    p.add_argument("--out", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue exactly from the run directory's last checkpoint"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-sample", action="store_true", help="do not print a generated sample at the end")
+
+
+@register("generate", "generate text with a trained decoder (KV-cached sampling, streamed)", "generate:run")
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line; generates for all as a batch")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
+    p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
+
+
+@register("eval", "perplexity and bits/char of a trained LM on a split or a text file", "evaluate:run")
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--split", default="test", choices=["train", "val", "test"])
+    p.add_argument("--text-file", default=None, help="evaluate on this text file instead of a split")
+    p.add_argument("--max-batches", type=int, default=1000)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 @register("demo", "smoke run: build each architecture and train a tiny decoder for a few steps", "demo:run")
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tformer", description="Build, train, run and compare Transformers."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+class Parser(argparse.ArgumentParser):
+    """argparse, with unknown options answered by the list of the allowed ones."""
+
+    def error(self, message: str):
+        if "unrecognized arguments" in message:
+            options = sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")})
+            message += f"; allowed options: {', '.join(options)}"
+        super().error(message)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="tformer", description="Build, train, run and compare Transformers.")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True, parser_class=Parser)
+    parser.commands = {}
     for name, (help_text, add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(parser.commands[name])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     module_name, func_name = COMMANDS[args.command][2].split(":")
     import importlib
 
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
     try:
         return int(func(args) or 0)
-    except (ConfigError, ValueError, TypeError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, TypeError, FileNotFoundError, MissingDataError, NonFiniteError) as err:
         print(f"tformer {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

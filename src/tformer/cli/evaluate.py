@@ -1,0 +1,44 @@
+"""`tformer eval`: loss, perplexity and bits per character of a trained LM on a split or a text file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from tformer.data.datasets import PackedLMDataset
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer.runs import load_run
+    from tformer.tasks.lm import evaluate_lm
+
+    run_ = load_run(args.run)
+    cfg = run_.train_config
+    if args.text_file is not None:
+        path = Path(args.text_file)
+        if not path.exists():
+            raise FileNotFoundError(f"text file {path} does not exist")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"text file {path} is empty")
+        ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))
+        chars, what = len(text) + 1, str(path)
+    else:
+        from tformer.data.corpora import load_corpus
+
+        texts = list(load_corpus(cfg.data.corpus).texts(args.split))
+        ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len)
+        chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
+    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, torch.device("cpu"))
+    result = {"data": what, "checkpoint_step": run_.step, **result}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{what} (step {run_.step}): loss {result['eval_loss']:.4f} nats/token | perplexity "
+            f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char"
+        )
+    return 0

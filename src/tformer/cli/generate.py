@@ -1,0 +1,77 @@
+"""`tformer generate`: sample text from a trained decoder, streaming to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tformer.generate.engine import generate, truncate_at_stop
+from tformer.generate.sampling import SamplingConfig
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.exists():
+            raise FileNotFoundError(f"prompts file {path} does not exist")
+        prompts = [line.rstrip("\n").replace("\\n", "\n") for line in path.read_text().splitlines()]
+        prompts = [p for p in prompts if p.strip()]
+        if not prompts:
+            raise ValueError(f"prompts file {path} holds no non-empty line")
+        return prompts
+    if args.prompt is None or not args.prompt.strip():
+        raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
+    return [args.prompt.replace("\\n", "\n")]
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer.runs import load_run
+
+    sampling = sampling_from_args(args)
+    prompts = read_prompts(args)
+    run_ = load_run(args.run)
+    tok = run_.tokenizer
+    encoded = [tok.encode(p) for p in prompts]
+    stream = args.stream and len(prompts) == 1 and not sampling.stop_strings
+    printed: list[int] = []
+
+    def on_step(ids) -> None:
+        if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:
+            printed.append(int(ids[0]))
+            text = tok.decode(printed)
+            sys.stdout.write(text[len(tok.decode(printed[:-1])) :])
+            sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompts[0])
+    outputs = generate(
+        run_.model,
+        encoded,
+        sampling,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+        decode=tok.decode,
+        on_step=on_step if stream else None,
+    )
+    if stream:
+        sys.stdout.write("\n")
+        return 0
+    for prompt, ids in zip(prompts, outputs):
+        text = truncate_at_stop(tok.decode(ids), sampling.stop_strings)
+        print(prompt + text)
+        if len(prompts) > 1:
+            print("---")
+    return 0

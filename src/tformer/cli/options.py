@@ -1,0 +1,52 @@
+"""Shared CLI plumbing: building a TrainConfig from a preset or YAML file plus dotted overrides."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from tformer.schema import ConfigError
+from tformer.train.config import TrainConfig
+from tformer.train.presets import TRAIN_PRESETS, get_train_preset
+
+
+def add_config_arguments(p: argparse.ArgumentParser, default_preset: str) -> None:
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=f"training preset: {', '.join(TRAIN_PRESETS)} "
+        f"(default {default_preset} unless --config is given)",
+    )
+    p.add_argument("--config", type=Path, default=None, help="a YAML or JSON TrainConfig file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, repeatable: --set model.d_model=128 --set optim.lr=1e-3 --set steps=50",
+    )
+
+
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE (for example model.d_model=128), got {item!r}")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return out
+
+
+def resolve_train_config(args: argparse.Namespace, default_preset: str) -> TrainConfig:
+    if args.config is not None and args.preset is not None:
+        raise ConfigError("give either --preset or --config, not both")
+    if args.config is not None:
+        if not args.config.exists():
+            raise FileNotFoundError(f"config file {args.config} does not exist")
+        cfg = TrainConfig.load(args.config)
+    else:
+        cfg = get_train_preset(args.preset or default_preset)
+    return cfg.with_overrides(parse_overrides(args.overrides))

@@ -1,0 +1,30 @@
+"""`tformer train`: train a model from a preset or config file; prints evaluation and a sample at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tformer.cli.options import resolve_train_config
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer.tasks import make_task
+    from tformer.train.loop import Trainer
+
+    cfg = resolve_train_config(args, default_preset="shakespeare")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path("runs") / (args.preset or (args.config.stem if args.config else "run"))
+    )
+    task = make_task(cfg.task)
+    trainer = Trainer(cfg, out, task, resume=args.resume, progress=not args.no_progress)
+    report = trainer.fit()
+    print(f"\nrun directory: {out}")
+    print(task.describe_result(report))
+    if not args.no_sample:
+        print(task.show_sample(trainer.model))
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,125 @@
+"""Text generation with a decoder LM: one prefill over the prompts, then one cached step per token.
+
+Shapes: prompts are lists of token ids, left-padded into tokens (B, L) with key_padding (B, L) True for
+real tokens and positions counted from each prompt's first real token, so a padded row computes what
+it would alone. Each decode step feeds (B, 1) new tokens against the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    length = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, length - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            real[i, length - len(p) :] = True
+    return tokens, real
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. some text)")
+    longest = max(len(p) for p in prompts)
+    if longest >= max_seq_len:
+        raise ValueError(
+            f"prompt of {longest} tokens does not fit the model's context of {max_seq_len} tokens"
+        )
+    if longest + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{max_seq_len} tokens; lower max_new_tokens to at most {max_seq_len - longest}"
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    decode: Callable[[list[int]], str] | None = None,
+    on_step: Callable[[Tensor], None] | None = None,
+) -> list[list[int]]:
+    """New tokens for each prompt (the prompt excluded), stopping at EOS, a stop string or the budget.
+
+    decode: turns a row's new ids into text; needed for `sampling.stop_strings`.
+    on_step: called with the (B,) tokens of each step, for streaming.
+    """
+    check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    tokens, real = _left_pad(prompts, pad_id, device)
+    b, length = tokens.shape
+    padded = not bool(real.all())
+    positions = (real.cumsum(-1) - 1).clamp_min(0) if padded else None
+    key_padding = real if padded else None
+    cache = model.new_cache(length + sampling.max_new_tokens)
+    logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    history = tokens.masked_fill(~real, -1) if sampling.repetition_penalty != 1.0 else None
+    next_pos = real.sum(-1, keepdim=True)  # (B, 1)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    for _ in range(sampling.max_new_tokens):
+        if history is not None:
+            logits = apply_repetition_penalty(
+                logits, history.clamp_min(0), sampling.repetition_penalty, mask=history >= 0
+            )
+        nxt = sample_next(
+            logits,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            generator=generator,
+        )
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        if on_step is not None:
+            on_step(nxt.masked_fill(done, -1))
+        for i in (~done).nonzero().flatten().tolist():
+            out[i].append(int(nxt[i]))
+        done |= _finished(nxt, out, eos_id, sampling.stop_strings, decode)
+        if bool(done.all()):
+            break
+        if history is not None:
+            history = torch.cat([history, nxt[:, None]], dim=1)
+        if padded:
+            key_padding = torch.cat([key_padding, torch.ones(b, 1, dtype=torch.bool, device=device)], dim=1)
+            positions = next_pos
+            next_pos = next_pos + 1
+        logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+    model.train(was_training)
+    return [_strip(row, eos_id) for row in out]
+
+
+def _finished(nxt: Tensor, out: list[list[int]], eos_id: int | None, stops: Sequence[str], decode) -> Tensor:
+    done = nxt == eos_id if eos_id is not None else torch.zeros_like(nxt, dtype=torch.bool)
+    if stops and decode is not None:
+        for i, row in enumerate(out):
+            if not bool(done[i]) and row and any(s in decode(row) for s in stops):
+                done[i] = True
+    return done
+
+
+def _strip(row: list[int], eos_id: int | None) -> list[int]:
+    return row[:-1] if eos_id is not None and row and row[-1] == eos_id else row
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Cut generated text at the first stop string (the stop string itself is removed)."""
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text[:cut] if cut >= 0 else text

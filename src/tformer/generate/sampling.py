@@ -1,0 +1,199 @@
+"""Next-token selection: pure functions on logits, and the sampling config.
+
+Shapes: B batch, V vocabulary, T previous tokens. `logits (B, V)` in, `(B, V)` out (filtered entries set
+to -inf), `sample_next -> (B,)` token ids. Nothing here holds state; randomness comes only from the
+caller's `torch.Generator`, so a seeded generator gives the same tokens on every run.
+
+Order in `sample_with_config`: repetition penalty, temperature, top-k, top-p, then a draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tformer.schema import Config, ConfigError, _coerce
+
+__all__ = [
+    "SamplingConfig",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "make_generator",
+    "sample_next",
+    "sample_with_config",
+]
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, (B, V) -> (B, V). temperature must be > 0 (0 means greedy: see sample_next)."""
+    _check_logits(logits)
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0 here (0 means greedy, handled by sample_next), got {temperature}"
+        )
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep exactly the top_k largest logits of each row (ties broken by torch.topk), the rest -inf.
+
+    top_k <= 0 or >= V leaves the logits unchanged. (B, V) -> (B, V).
+    """
+    _check_logits(logits)
+    if top_k <= 0 or top_k >= logits.size(-1):
+        return logits
+    values, indices = logits.topk(top_k, dim=-1)  # (B, k)
+    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering (Holtzman et al., 2020): keep the smallest set of most likely tokens whose
+    probability mass reaches top_p; the token that crosses top_p is kept, and so is always the most
+    likely one. top_p must be in (0, 1]; 1 leaves the logits unchanged. (B, V) -> (B, V).
+    """
+    _check_logits(logits)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p == 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    probs = sorted_logits.float().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens, (B, V)
+    drop_sorted = mass_before >= top_p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, prev_ids: torch.Tensor, penalty: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """CTRL repetition penalty (Keskar et al., 2019) on the tokens already present in each row.
+
+    A present token's logit is divided by `penalty` if positive and multiplied by it if negative, so
+    penalty > 1 makes repeats less likely. logits (B, V); prev_ids (B, T) long; mask (B, T) bool, True
+    for real tokens (False marks padding, whose ids, even out of range, are ignored). penalty > 0;
+    1 leaves the logits unchanged. Returns (B, V).
+    """
+    _check_logits(logits)
+    if not penalty > 0:
+        raise ValueError(f"repetition penalty must be > 0, got {penalty}")
+    if prev_ids.dim() != 2 or prev_ids.size(0) != logits.size(0):
+        raise ValueError(f"prev_ids must be (B, T) with B={logits.size(0)}, got {tuple(prev_ids.shape)}")
+    if mask is None:
+        mask = torch.ones_like(prev_ids, dtype=torch.bool)
+    if mask.shape != prev_ids.shape or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool with the shape of prev_ids {tuple(prev_ids.shape)}")
+    if penalty == 1.0:
+        return logits
+    ids = prev_ids.masked_fill(~mask, 0)  # (B, T)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= logits.size(-1)):
+        raise ValueError(f"prev_ids must be in [0, {logits.size(-1)}) where mask is True")
+    counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)  # (B, V)
+    present = counts.scatter_add_(-1, ids, mask.long()) > 0  # padding adds 0, never un-marks a token
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(present, penalised, logits)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator on `device` seeded with `seed`."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Draw one token per row: (B, V) -> (B,) long.
+
+    temperature 0 is greedy argmax (no randomness, top_k / top_p irrelevant). Otherwise temperature,
+    top-k and top-p filter the logits (in float32) and one token is drawn from the softmax with
+    `generator`, which the caller seeds: same seed, same tokens.
+    """
+    _check_logits(logits)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    filtered = apply_top_p(apply_top_k(apply_temperature(logits.float(), temperature), top_k), top_p)
+    probs = filtered.softmax(dim=-1)  # (B, V)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+@dataclass(frozen=True)
+class SamplingConfig(Config):
+    """How generate picks tokens.
+
+    temperature: 0 greedy, < 1 sharper, > 1 flatter. top_k: keep the k most likely tokens (0 off).
+    top_p: nucleus mass in (0, 1] (1 off). repetition_penalty: CTRL penalty (1 off, > 1 discourages
+    repeats). max_new_tokens: tokens generated at most. seed: seeds the sampling generator.
+    stop_strings: generation stops once the decoded text contains one of them.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # tformer.schema has no tuple type yet: check stop_strings here, every other field as Config does.
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "stop_strings":
+                value = self._stop_strings(value)
+            else:
+                value = _coerce(type(self).__name__, f.name, value, hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    @staticmethod
+    def _stop_strings(value: Any) -> tuple[str, ...]:
+        if isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value):
+            return tuple(value)
+        raise ConfigError(f"SamplingConfig.stop_strings must be a list of non-empty strings, got {value!r}")
+
+    def check(self) -> None:
+        self._require(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
+        self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
+        self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1] (1 means off)")
+        self._require(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0 (1 means off)")
+        self._require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        self._require(self.seed >= 0, "seed", "must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "stop_strings": list(self.stop_strings)}  # plain JSON / YAML list
+
+
+def sample_with_config(
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    *,
+    generator: torch.Generator | None,
+    prev_ids: torch.Tensor | None = None,
+    prev_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Repetition penalty over prev_ids (B, T) (if given), then sample_next: (B, V) -> (B,)."""
+    if prev_ids is not None:
+        logits = apply_repetition_penalty(logits, prev_ids, config.repetition_penalty, prev_mask)
+    return sample_next(
+        logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, generator=generator
+    )

@@ -1,0 +1,52 @@
+"""Opening a finished or running training run: its model, tokenizer and configs, from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tformer.config import ModelConfig
+from tformer.data.tokenizer import Tokenizer
+from tformer.model import build_model
+from tformer.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from tformer.train.config import TrainConfig
+
+
+@dataclass
+class LoadedRun:
+    model: nn.Module
+    tokenizer: Tokenizer
+    train_config: TrainConfig
+    checkpoint: Path
+    step: int
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A run directory (its newest committed checkpoint) or one checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (expected a run directory or a checkpoint directory)")
+    if (path / "meta.json").exists() or (path / "model.safetensors").exists():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} holds no committed checkpoint (looked in {path / 'checkpoints'})")
+    return found
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
+    ckpt = find_checkpoint(path)
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())["meta"]
+        model_cfg = ModelConfig.from_dict(meta["model_config"])
+        train_cfg = TrainConfig.from_dict(meta["train_config"])
+        tokenizer = Tokenizer.from_json_str(meta["tokenizer"])
+    except (OSError, KeyError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
+    model = build_model(model_cfg)
+    loaded = load_checkpoint(ckpt, model, restore_rng=False)
+    return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, loaded.step)

@@ -1,0 +1,19 @@
+"""Tasks: what data a run reads, what loss it minimises and how it is evaluated.
+
+A task object has `setup(cfg, run_dir, device)`, `model_config(cfg)`, `train_loader(cfg)`,
+`loss(model, batch) -> (loss sum, targets)`, `count_targets(batch)`, `count_inputs(batch)`,
+`evaluate(model, max_batches) -> dict`, `tokenizer_json()`, `describe_result(report)` and
+`show_sample(model)`. The trainer knows nothing else about the task.
+"""
+
+from __future__ import annotations
+
+from tformer.schema import ConfigError
+
+
+def make_task(name: str):
+    if name == "lm":
+        from tformer.tasks.lm import LMTask
+
+        return LMTask()
+    raise ConfigError(f"unknown task {name!r}; available: lm")

@@ -1,0 +1,130 @@
+"""Language modelling: byte-level BPE on the training split, packed fixed-length windows, next-token loss.
+
+Evaluation reports loss per token (nats), perplexity, and bits per character, using the held-out split's
+own token/character ratio: bits/char = loss * tokens / characters / ln 2.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.data.corpora import load_corpus
+from tformer.data.datasets import LMBatch, PackedLMDataset, collate_lm
+from tformer.data.loader import make_loader
+from tformer.data.tokenizer import Tokenizer
+from tformer.generate.engine import generate
+from tformer.generate.sampling import SamplingConfig
+from tformer.tasks.stream import BatchStream
+from tformer.train.config import TrainConfig
+
+IGNORE_INDEX = -100
+SAMPLE_PROMPT = "ROMEO.\n"
+
+
+def lm_loss_sum(model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
+    logits = model(batch.ids)  # (B, T, V)
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        batch.targets.flatten(),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
+    return loss, int((batch.targets != IGNORE_INDEX).sum())
+
+
+def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) -> Tokenizer:
+    path = run_dir / "tokenizer.json"
+    if path.exists():
+        return Tokenizer.load(path)
+    tokenizer = Tokenizer.train_bpe(texts, vocab_size)
+    tokenizer.save(path)
+    return tokenizer
+
+
+class LMTask:
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        corpus = load_corpus(cfg.data.corpus)
+        train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
+        self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
+        self.corpus = corpus
+        self.train_ds = PackedLMDataset.from_texts(self.tokenizer, train_texts, cfg.data.seq_len)
+        self.val_ds, self.val_chars = self.split_dataset("val")
+
+    def split_dataset(self, split: str) -> tuple[PackedLMDataset, int]:
+        texts = list(self.corpus.texts(split))
+        return PackedLMDataset.from_texts(self.tokenizer, texts, self.cfg.data.seq_len), sum(
+            len(t) + 1 for t in texts
+        )
+
+    def model_config(self, cfg: TrainConfig):
+        return cfg.model.replace(
+            vocab_size=self.tokenizer.vocab_size, max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len)
+        )
+
+    def train_loader(self, cfg: TrainConfig) -> BatchStream:
+        loader = make_loader(
+            self.train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, collate_fn=collate_lm, drop_last=True
+        )
+        return BatchStream(loader)
+
+    def loss(self, model: nn.Module, batch: LMBatch) -> tuple[Tensor, int]:
+        return lm_loss_sum(model, batch, self.cfg.label_smoothing)
+
+    def count_targets(self, batch: LMBatch) -> int:
+        return int((batch.targets != IGNORE_INDEX).sum())
+
+    def count_inputs(self, batch: LMBatch) -> int:
+        return batch.ids.numel()
+
+    def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        ds, chars = (self.val_ds, self.val_chars) if split == "val" else self.split_dataset(split)
+        return evaluate_lm(model, ds, chars, self.cfg.batch_size, max_batches, self.device)
+
+    def tokenizer_json(self) -> str:
+        return self.tokenizer.to_json_str()
+
+    def describe_result(self, report: dict) -> str:
+        if "eval_loss" not in report:
+            return "no evaluation recorded"
+        return (
+            f"validation loss {report['eval_loss']:.4f} nats/token | perplexity {report['perplexity']:.2f} | "
+            f"{report['bits_per_char']:.3f} bits per character (held-out works)"
+        )
+
+    def show_sample(self, model: nn.Module, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 160) -> str:
+        sampling = SamplingConfig(temperature=0.8, top_k=50, max_new_tokens=max_new_tokens, seed=0)
+        budget = model.cfg.max_seq_len - 1
+        ids = self.tokenizer.encode(prompt)[-budget:]
+        sampling = sampling.replace(max_new_tokens=min(max_new_tokens, model.cfg.max_seq_len - len(ids)))
+        out = generate(model, [ids], sampling, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)[0]
+        return f"--- sample (temperature 0.8, top-k 50) ---\n{prompt}{self.tokenizer.decode(out)}\n---"
+
+
+@torch.no_grad()
+def evaluate_lm(
+    model: nn.Module, ds: PackedLMDataset, chars: int, batch_size: int, max_batches: int, device: torch.device
+) -> dict[str, float]:
+    """Loss over up to max_batches * batch_size windows spread evenly over the split (all when it fits)."""
+    n = len(ds)
+    take = min(n, max_batches * batch_size)
+    index = torch.linspace(0, n - 1, take).round().long().unique().tolist()
+    total, count = 0.0, 0
+    for i in range(0, len(index), batch_size):
+        batch = collate_lm([ds[j] for j in index[i : i + batch_size]]).to(device)
+        loss, targets = lm_loss_sum(model, batch)
+        total, count = total + float(loss), count + targets
+    loss = total / max(1, count)
+    tokens_per_char = ds.n_tokens / max(1, chars)
+    return {
+        "eval_loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_token": loss / math.log(2),
+        "bits_per_char": loss * tokens_per_char / math.log(2),
+    }

@@ -1,0 +1,579 @@
+"""Checkpoints: atomic, pickle-free save / load / retention for any nn.Module, optimizer and scheduler.
+
+One checkpoint is a directory `run_dir/checkpoints/step_000123/` holding
+  model.safetensors       model.state_dict() (parameters and persistent buffers); tensors sharing one
+                          storage (tied weights) are stored once, the other names in the header metadata
+  optimizer.safetensors   optimizer state tensors under path names ("state.0.exp_avg")
+  optimizer.json          the rest of optimizer.state_dict() (param groups, scalars)
+  trainer.json            step, tokens_seen, scheduler state, data loader state, the caller's trainer_state
+  rng.json                python / numpy RNG state per rank, under "rank{r}" keys
+  meta.json               format_version and the caller's resolved configs (model config, tokenizer, ...)
+  *.safetensors           beside each *.json, the tensors found in it (RNG states, generator states)
+  COMMITTED               written last: format version, step, size and sha256 of every file.
+Everything is written into a hidden temporary sibling, fsynced, then renamed to `step_*`, so a
+`step_*` directory without COMMITTED never comes from this writer and is never treated as valid.
+Loading reads and checks every file and every key / shape before anything is copied: a failed load
+changes nothing. Nothing is ever pickled or unpickled; JSON encodes tuples, non-string dict keys and
+tensor references with small marker objects ({"__tuple__": [...]}, {"__items__": [...]}, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+FORMAT_VERSION = 1
+MARKER = "COMMITTED"
+CHECKPOINTS_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIXES = (".tmp-", ".trash-")
+_ALIASES_KEY = "tformer.aliases"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file cannot be written or loaded; the message names the file and key."""
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What `load_checkpoint` hands back besides the restored objects."""
+
+    path: Path
+    step: int
+    tokens_seen: int
+    data_state: Any
+    trainer_state: dict[str, Any]
+    meta: dict[str, Any]
+    rng_state: dict[str, Any] | None
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# ---------------------------------------------------------------- JSON + tensors, no pickle
+_MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
+
+
+class _Packer:
+    """Splits a nested Python object into a JSON-able tree and a dict of named CPU tensors."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()
+
+    def add(self, path: str, t: torch.Tensor) -> str:
+        key, n = path, 1
+        while key in self.tensors:
+            key, n = f"{path}#{n}", n + 1
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in self._storages:  # safetensors refuses tensors that share memory
+            t = t.clone()
+        self._storages.add(t.untyped_storage().data_ptr())
+        self.tensors[key] = t
+        return key
+
+    def pack(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"__tensor__": self.add(path, obj)}
+        if isinstance(obj, np.ndarray):
+            return {"__ndarray__": self.add(path, torch.from_numpy(np.ascontiguousarray(obj)))}
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self.pack(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.pack(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _MARKERS):
+                return {k: self.pack(v, f"{path}.{k}") for k, v in obj.items()}
+            items = [
+                [self.pack(k, f"{path}.k{i}"), self.pack(v, f"{path}.{k}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+            return {"__items__": items}
+        raise CheckpointError(
+            f"cannot store {type(obj).__name__} value at {path!r}: allowed are tensors, arrays, numbers, "
+            "strings, None, lists, tuples and dicts"
+        )
+
+
+def _unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_unpack(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        ((tag, value),) = obj.items()
+        if tag == "__tensor__":
+            return tensors[value]
+        if tag == "__ndarray__":
+            return tensors[value].numpy().copy()
+        if tag == "__tuple__":
+            return tuple(_unpack(v, tensors) for v in value)
+        if tag == "__items__":
+            return {_unpack(k, tensors): _unpack(v, tensors) for k, v in value}
+    return {k: _unpack(v, tensors) for k, v in obj.items()}
+
+
+# ---------------------------------------------------------------- files
+def _write_file(directory: Path, name: str, data: bytes, manifest: dict[str, Any]) -> None:
+    """Write, fsync, and record size + sha256 in the manifest."""
+    with open(directory / name, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    manifest[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json_bytes(obj: Any, what: str, indent: int | None = 2) -> bytes:
+    try:
+        return json.dumps(obj, indent=indent).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serialisable: {e}") from None
+
+
+def _write_pair(directory: Path, stem: str, obj: Any, manifest: dict[str, Any], indent: int | None) -> None:
+    """stem.json (structure) and, when it holds tensors, stem.safetensors."""
+    packer = _Packer()
+    tree = {k: packer.pack(v, k) for k, v in obj.items()}
+    if packer.tensors:
+        _write_file(directory, f"{stem}.safetensors", safetensors.torch.save(packer.tensors), manifest)
+    _write_file(directory, f"{stem}.json", _json_bytes(tree, f"{stem} state", indent), manifest)
+
+
+def _parse_safetensors(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        tensors = safetensors.torch.load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    except (safetensors.SafetensorError, ValueError) as e:
+        raise CheckpointError(f"{source}: not a valid safetensors file ({e})") from None
+    return tensors, metadata
+
+
+# ---------------------------------------------------------------- model weights
+def _alias_groups(state: dict[str, Any], source: str) -> list[list[str]]:
+    """Names of the state dict grouped by identical storage, offset, shape and stride (tied weights)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{source}: state dict entry {name!r} is a {type(t).__name__}")
+        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        groups.setdefault(where if t.numel() else name, []).append(name)  # empty tensors share ptr 0
+    return list(groups.values())
+
+
+def _weights_bytes(model: nn.Module) -> bytes:
+    state = model.state_dict()
+    packer, aliases = _Packer(), {}
+    for group in _alias_groups(state, "model"):
+        packer.add(group[0], state[group[0]])  # names are unique, so the key is the name
+        aliases.update({name: group[0] for name in group[1:]})
+    return safetensors.torch.save(
+        packer.tensors, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)}
+    )
+
+
+def _weights_from_bytes(data: bytes, source: str) -> dict[str, torch.Tensor]:
+    tensors, metadata = _parse_safetensors(data, source)
+    try:
+        aliases = json.loads(metadata.get(_ALIASES_KEY, "{}"))
+        tensors.update({name: tensors[target] for name, target in aliases.items()})
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{source}: bad {_ALIASES_KEY} metadata ({e!r})") from None
+    return tensors
+
+
+def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool, source: str):
+    """Check every key and shape; return (state to load, missing, unexpected). Touches nothing."""
+    state = model.state_dict()
+    resolved: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for group in _alias_groups(state, source):
+        found = [n for n in group if n in tensors]
+        if not found:
+            missing.extend(group)
+            continue
+        for name in found:
+            want, got = tuple(state[name].shape), tuple(tensors[name].shape)
+            if want != got:
+                raise CheckpointError(
+                    f"{source}: key {name!r} has shape {got} in the checkpoint but {want} in the model"
+                )
+        for name in found[1:]:
+            if not torch.equal(tensors[name], tensors[found[0]]):
+                raise CheckpointError(
+                    f"{source}: the model ties {found[0]!r} and {name!r} but the checkpoint holds different values"
+                )
+        resolved.update({name: tensors[found[0]] for name in group})
+    unexpected = sorted(set(tensors) - set(state))
+    if strict and (missing or unexpected):
+        first = f"model key {missing[0]!r} missing" if missing else f"unexpected key {unexpected[0]!r}"
+        raise CheckpointError(f"{source}: {first} ({len(missing)} missing, {len(unexpected)} unexpected)")
+    return resolved, missing, unexpected
+
+
+def load_state_dict_checked(
+    model: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True, source: str = "weights"
+) -> LoadResult:
+    """Copy `tensors` into `model` after checking every key and shape (all or nothing; ties kept)."""
+    resolved, missing, unexpected = _plan_model_load(model, tensors, strict, source)
+    model.load_state_dict(resolved, strict=False)
+    return LoadResult(missing, unexpected)
+
+
+def save_weights(model: nn.Module, path: str | Path) -> None:
+    """Export model.state_dict() as one safetensors file (tied weights once), written atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        _write_file(tmp.parent, tmp.name, _weights_bytes(model), {})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> LoadResult:
+    """Import weights from a safetensors file (or a tensors-only .pt/.pth/.bin, see import_torch_weights)."""
+    path = Path(path)
+    if path.suffix in (".pt", ".pth", ".bin"):
+        return load_state_dict_checked(model, import_torch_weights(path), strict=strict, source=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read weights ({e.strerror})") from None
+    return load_state_dict_checked(
+        model, _weights_from_bytes(data, str(path)), strict=strict, source=str(path)
+    )
+
+
+def import_torch_weights(path: str | Path, *, key: str | None = None) -> dict[str, torch.Tensor]:
+    """Read a torch.save'd dict of tensors with torch.load(weights_only=True); anything else is refused.
+
+    `key` picks a nested dict (e.g. "model" in {"model": state_dict, "step": 3}). Pickled objects other
+    than tensors and plain containers are rejected before they can run.
+    """
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln for ln in str(e).splitlines() if "Unsupported global" in ln] or [str(e).splitlines()[0]]
+        raise CheckpointError(
+            f"{path}: refused, the file holds pickled objects, not only tensors ({lines[0].strip()})"
+        ) from None
+    except Exception as e:  # truncated zip, missing file, not a torch file: all one clean error
+        raise CheckpointError(f"{path}: cannot be read as torch weights ({str(e).splitlines()[0]})") from None
+    if key is not None:
+        if not isinstance(obj, dict) or key not in obj:
+            raise CheckpointError(f"{path}: no entry {key!r} at the top level")
+        obj = obj[key]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a dict of tensors, got a {type(obj).__name__}")
+    for name, value in obj.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{path}: entry {name!r} is {type(value).__name__}, not a tensor")
+    return obj
+
+
+# ---------------------------------------------------------------- RNG
+def rng_key(rank: int) -> str:
+    """The key one rank's RNG state is stored under: per-rank keys never collide when ranks merge."""
+    return f"rank{rank}"
+
+
+def capture_rng_state(rank: int = 0) -> dict[str, Any]:
+    """torch CPU, CUDA (all devices, if any), python `random` and numpy global RNG states of this rank."""
+    return {
+        "rank": rank,
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of capture_rng_state. CUDA states are skipped, with a warning, if the devices differ."""
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = state["torch_cuda"]
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+    elif cuda:
+        warnings.warn(f"{len(cuda)} CUDA RNG states saved, device count differs: not restored", stacklevel=2)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+# ---------------------------------------------------------------- directory layout
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Committed checkpoint directories of a run, oldest step first (partial ones left out)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / MARKER).is_file()]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The committed checkpoint with the highest step, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename out of the `step_*` namespace first, so a half-deleted directory is never listed."""
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _clean_up(root: Path, keep_last: int | None, just_saved: Path) -> None:
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_TMP_PREFIXES):  # left behind by a crashed save / delete
+            shutil.rmtree(p, ignore_errors=True)
+    if keep_last is not None:
+        for old in list_checkpoints(root.parent)[:-keep_last]:
+            if old != just_saved:
+                _remove_dir(old)
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    *,
+    tokens_seen: int = 0,
+    data_state: Any = None,
+    trainer_state: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    rng_state: dict[str, Any] | list[dict[str, Any]] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write `run_dir/checkpoints/step_{step:06d}/` atomically and return its path.
+
+    scheduler: anything with state_dict() / load_state_dict() (an LR scheduler).
+    data_state / trainer_state: nested dicts, lists, tuples, numbers, strings, None, tensors, arrays
+        (e.g. a DataLoader generator state); any other key the trainer needs goes in trainer_state.
+    meta: plain JSON (resolved model config dict, tokenizer JSON string, ...), stored in meta.json.
+    rng_state: capture_rng_state(rank), or a list of them, one per rank (default: this process as rank 0).
+    keep_last: after the save, delete the oldest committed checkpoints beyond this many (>= 1).
+    Raises CheckpointError if the step directory exists already: checkpoints are never overwritten.
+    One process writes a run's checkpoints: temporary directories of other writers would be cleaned up.
+    """
+    if step < 0:
+        raise CheckpointError(f"step must be >= 0, got {step}")
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise CheckpointError(f"{final}: checkpoint exists already; refusing to overwrite it")
+    rng_states = [rng_state] if isinstance(rng_state, dict) else rng_state or [capture_rng_state(0)]
+    ranks = [s["rank"] for s in rng_states]
+    if len(set(ranks)) != len(ranks):
+        raise CheckpointError(f"rng_state holds ranks {ranks}; each rank must appear once")
+    meta_bytes = _json_bytes({"format_version": FORMAT_VERSION, "meta": meta or {}}, "meta")
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files: dict[str, Any] = {}
+        _write_file(tmp, "model.safetensors", _weights_bytes(model), files)
+        if optimizer is not None:
+            _write_pair(tmp, "optimizer", optimizer.state_dict(), files, indent=None)
+        trainer = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data_state": data_state,
+            "trainer_state": trainer_state or {},
+        }
+        _write_pair(tmp, "trainer", trainer, files, indent=2)
+        _write_pair(tmp, "rng", {rng_key(s["rank"]): s for s in rng_states}, files, indent=None)
+        _write_file(tmp, "meta.json", meta_bytes, files)
+        commit = {"format_version": FORMAT_VERSION, "step": step, "files": files}
+        _write_file(tmp, MARKER, _json_bytes(commit, MARKER), {})
+        _fsync_dir(tmp)
+        if final.exists():  # appeared while we were writing
+            raise CheckpointError(f"{final}: checkpoint exists already; refusing to overwrite it")
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    _clean_up(root, keep_last, final)
+    return final
+
+
+# ---------------------------------------------------------------- load
+class _Reader:
+    """Reads the files of one committed checkpoint, checking them against the COMMITTED manifest."""
+
+    def __init__(self, path: Path, verify: bool) -> None:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: checkpoint directory not found")
+        if not (path / MARKER).is_file():
+            raise CheckpointError(f"{path}: no {MARKER} marker, the save did not finish")
+        self.path, self.verify = path, verify
+        commit = self._json_of(MARKER, self._read(MARKER, None))
+        if not isinstance(commit, dict) or not isinstance(commit.get("files"), dict):
+            raise CheckpointError(f"{path / MARKER}: not a tformer commit manifest")
+        if commit.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {commit['format_version']} > {FORMAT_VERSION}")
+        self.files: dict[str, Any] = commit["files"]
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def _read(self, name: str, entry: dict[str, Any] | None) -> bytes:
+        file = self.path / name
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+        if entry is not None and len(data) != entry["bytes"]:
+            raise CheckpointError(f"{file}: {len(data)} bytes, manifest says {entry['bytes']} (truncated?)")
+        if entry is not None and self.verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupted)")
+        return data
+
+    def read(self, name: str) -> bytes:
+        if name not in self.files:
+            raise CheckpointError(f"{self.path / name}: not part of this checkpoint")
+        return self._read(name, self.files[name])
+
+    def _json_of(self, name: str, data: bytes) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise CheckpointError(f"{self.path / name}: invalid JSON ({e})") from None
+
+    def json(self, name: str) -> Any:
+        return self._json_of(name, self.read(name))
+
+    def pair(self, stem: str) -> dict[str, Any]:
+        """Inverse of _write_pair."""
+        tree = self.json(f"{stem}.json")
+        tensors: dict[str, torch.Tensor] = {}
+        if self.has(f"{stem}.safetensors"):
+            source = str(self.path / f"{stem}.safetensors")
+            tensors, _ = _parse_safetensors(self.read(f"{stem}.safetensors"), source)
+        try:
+            return _unpack(tree, tensors)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{self.path / stem}.json: bad structure or tensor reference ({e!r})"
+            ) from None
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], source: str) -> None:
+    saved, current = state.get("param_groups", []), optimizer.param_groups
+    if len(saved) != len(current):
+        raise CheckpointError(f"{source}: {len(saved)} param groups saved, {len(current)} in the optimizer")
+    for i, (s, c) in enumerate(zip(saved, current)):
+        if len(s["params"]) != len(c["params"]):
+            raise CheckpointError(
+                f"{source}: param group {i} has {len(s['params'])} parameters in the checkpoint, "
+                f"{len(c['params'])} in the optimizer"
+            )
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    strict: bool = True,
+    *,
+    restore_rng: bool = True,
+    rank: int = 0,
+    verify: bool = True,
+) -> LoadedCheckpoint:
+    """Restore model, optimizer, scheduler and (rank's) RNG from one checkpoint directory.
+
+    Every file is read and checked (manifest size and, with verify, sha256; JSON; safetensors headers;
+    model keys and shapes; optimizer group sizes) before anything is copied, so a CheckpointError
+    leaves model, optimizer, scheduler and RNG untouched. strict=False tolerates missing / unexpected
+    model keys (listed in the result), never a shape mismatch. The result carries what save_checkpoint
+    was given (step, tokens_seen, data_state, trainer_state, meta) and this rank's RNG state.
+    """
+    path = Path(path)
+    reader = _Reader(path, verify)
+    meta = reader.json("meta.json")
+    trainer = reader.pair("trainer")
+    weights = _weights_from_bytes(reader.read("model.safetensors"), str(path / "model.safetensors"))
+    resolved, missing, unexpected = _plan_model_load(model, weights, strict, str(path / "model.safetensors"))
+    opt_state = None
+    if optimizer is not None:
+        if not reader.has("optimizer.json"):
+            raise CheckpointError(f"{path}: holds no optimizer state")
+        opt_state = reader.pair("optimizer")
+        _check_optimizer(optimizer, opt_state, str(path / "optimizer.json"))
+    if scheduler is not None and trainer["scheduler"] is None:
+        raise CheckpointError(f"{path / 'trainer.json'}: holds no scheduler state")
+    rng = reader.pair("rng").get(rng_key(rank))
+    if restore_rng and rng is None:
+        raise CheckpointError(f"{path / 'rng.json'}: no RNG state under {rng_key(rank)!r}")
+
+    # everything read and checked: apply
+    model.load_state_dict(resolved, strict=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(opt_state)
+    if scheduler is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    if restore_rng:
+        restore_rng_state(rng)
+    return LoadedCheckpoint(
+        path=path,
+        step=trainer["step"],
+        tokens_seen=trainer["tokens_seen"],
+        data_state=trainer["data_state"],
+        trainer_state=trainer["trainer_state"],
+        meta=meta.get("meta", {}),
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        rng_state=rng,
+    )

@@ -1,0 +1,254 @@
+"""The training loop: cadence only (step, log, evaluate, save, resume). The task supplies data, loss and
+evaluation; `train_step` does one optimizer step.
+
+Run directory: config.json (the resolved TrainConfig), tokenizer.json, metrics.jsonl, tensorboard/,
+loss.png, checkpoints/step_XXXXXXX/ (see tformer.train.checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tformer.model import build_model
+from tformer.model.moe import moe_routing_stats
+from tformer.train.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from tformer.train.config import TrainConfig
+from tformer.train.metrics import MetricsLog, plot_loss_curve
+from tformer.train.optim import make_optimizer, make_scheduler
+from tformer.train.step import NonFiniteError, autocast_context, train_step
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but this machine has no CUDA device")
+    return torch.device(name)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    nonfinite_in_a_row: int = 0
+    best_eval: float = math.inf
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Builds everything a run needs from a TrainConfig and a task, and runs the loop."""
+
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path, task, resume: bool = False, progress: bool = True
+    ):
+        self.cfg, self.task, self.progress = cfg, task, progress
+        self.run_dir = Path(run_dir)
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        resume_from = latest_checkpoint(self.run_dir) if resume else None
+        if resume and resume_from is None:
+            raise FileNotFoundError(f"--resume: no committed checkpoint under {self.run_dir / 'checkpoints'}")
+        if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
+            raise ValueError(
+                f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        task.setup(cfg, self.run_dir, self.device)
+        self.model_cfg = task.model_config(cfg)
+        self.model: nn.Module = build_model(self.model_cfg).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
+        self.loader = task.train_loader(cfg)
+        self.state = TrainState()
+        self._saved: tuple[int, Path] | None = None
+        self.metrics = MetricsLog(self.run_dir)
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.autocast = autocast_context(self.device, cfg.dtype)
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            (self.run_dir / "config.json").write_text(
+                json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2)
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        """Checkpoint the current step (once: a second call at the same step returns the first)."""
+        s = self.state
+        if self._saved is not None and self._saved[0] == s.step:
+            return self._saved[1]
+        path = save_checkpoint(
+            self.run_dir,
+            s.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            trainer_state={
+                "step": s.step,
+                "tokens_seen": s.tokens_seen,
+                "skipped_steps": s.skipped_steps,
+                "nonfinite_in_a_row": s.nonfinite_in_a_row,
+                "best_eval": s.best_eval,
+                "loader": self.loader.state_dict(),
+            },
+            rng_state=capture_rng_state(),
+            meta={
+                "train_config": self.cfg.replace(model=self.model_cfg).to_dict(),
+                "model_config": self.model_cfg.to_dict(),
+                "task": self.cfg.task,
+                "tokenizer": self.task.tokenizer_json(),
+            },
+            keep_last=self.cfg.keep_last,
+        )
+        self._saved = (s.step, path)
+        return path
+
+    def _restore(self, path: Path) -> None:
+        loaded = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        t = loaded.trainer_state
+        self.state = TrainState(
+            t["step"], t["tokens_seen"], t["skipped_steps"], t["nonfinite_in_a_row"], t["best_eval"]
+        )
+        self.loader.load_state_dict(t["loader"])
+        restore_rng_state(loaded.rng_state)
+        self.metrics.truncate_after(self.state.step)
+
+    # ------------------------------------------------------------------ loop
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        with torch.no_grad(), self.autocast:
+            result = self.task.evaluate(self.model, self.cfg.eval_batches)
+        self.model.train()
+        return result
+
+    def fit(self, until: int | None = None) -> dict[str, Any]:
+        """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would)."""
+        cfg, s = self.cfg, self.state
+        stop = cfg.steps if until is None else min(until, cfg.steps)
+        self.model.train()
+        bar = self._progress_bar()
+        t0, tok0 = time.perf_counter(), s.tokens_seen
+        try:
+            while s.step < stop:
+                micro = [self.loader.next_batch(self.device) for _ in range(cfg.grad_accum)]
+                result = train_step(
+                    self.forward_model,
+                    self.task.loss,
+                    micro,
+                    self.task.count_targets,
+                    self.optimizer,
+                    self.scheduler,
+                    cfg.optim.grad_clip,
+                    self.autocast,
+                )
+                s.step += 1
+                s.tokens_seen += sum(self.task.count_inputs(b) for b in micro)
+                self._guard(result)
+                rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
+                if s.step % cfg.log_every == 0 or s.step == cfg.steps:
+                    self._log_train(result, rate)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{result.loss:.3f}",
+                        lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
+                        tok_s=f"{rate:,.0f}",
+                    )
+                if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
+                    self._log_eval()
+                if s.step % cfg.save_every == 0:
+                    self.save()
+        except KeyboardInterrupt:
+            if bar is not None:
+                bar.close()
+            path = self.save()
+            print(f"\ninterrupted at step {s.step}: checkpoint saved to {path}; continue with --resume")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self.save()
+        plot_loss_curve(self.run_dir)
+        self.metrics.close()
+        return self.final_report()
+
+    def _guard(self, result) -> None:
+        s = self.state
+        if result.skipped:
+            s.skipped_steps += 1
+            s.nonfinite_in_a_row += 1
+            self.metrics.write(
+                {"kind": "skip", "step": s.step, "loss": result.loss, "grad_norm": result.grad_norm}
+            )
+            if s.nonfinite_in_a_row >= self.cfg.max_nonfinite:
+                raise NonFiniteError(
+                    f"step {s.step}: {s.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
+                    f"norm (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the learning "
+                    f"rate or check the data; the last checkpoint is intact."
+                )
+        else:
+            s.nonfinite_in_a_row = 0
+
+    def _log_train(self, result, rate: float) -> None:
+        record = {
+            "kind": "train",
+            "step": self.state.step,
+            "loss": result.loss,
+            "aux_loss": result.aux_loss,
+            "grad_norm": result.grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "tokens_per_s": rate,
+            "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": self.state.skipped_steps,
+        }
+        stats = moe_routing_stats(self.model)
+        if stats:
+            record["moe"] = stats
+        self.metrics.write(record)
+
+    def _log_eval(self) -> None:
+        result = self.evaluate()
+        self.state.best_eval = min(self.state.best_eval, result["eval_loss"])
+        self.metrics.write({"kind": "eval", "step": self.state.step, **result})
+        if self.progress:
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
+            print(f"\nstep {self.state.step}: {shown}", flush=True)
+
+    def _progress_bar(self):
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=self.cfg.steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True
+        )
+
+    def final_report(self) -> dict[str, Any]:
+        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"]
+        return {
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": self.state.skipped_steps,
+            **(evals[-1] if evals else {}),
+        }
+
+
+def _read(run_dir: Path) -> list[dict]:
+    from tformer.train.metrics import read_metrics
+
+    return read_metrics(run_dir)

@@ -1,0 +1,73 @@
+"""Where a run's numbers go: JSON lines, TensorBoard event files, and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends one JSON object per record to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records written after the checkpoint's step (they will be written again)."""
+        if not self.path.exists():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
+    """run_dir/loss.png: training loss per step and evaluation loss at each evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title or run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = run_dir / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,169 @@
+"""Sampling functions on logits (B, V) and SamplingConfig."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.generate.sampling import (
+    SamplingConfig,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+    sample_next,
+    sample_with_config,
+)
+from tformer.schema import ConfigError
+
+NEG_INF = float("-inf")
+
+
+def logits_from_probs(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64).log()
+
+
+def test_temperature_scales():
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    assert torch.equal(apply_temperature(logits, 2.0), torch.tensor([[1.0, -0.5, 0.25]]))
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(logits, 0.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_top_k_keeps_exactly_k(k):
+    logits = torch.tensor([[0.1, 5.0, 5.0, 5.0, -2.0, 3.0, 5.0, 0.0], [1.0] * 8])  # ties included
+    out = apply_top_k(logits, k)
+    assert (out.isfinite().sum(-1) == k).all()
+    kept = out.isfinite()
+    assert torch.equal(out[kept], logits[kept])  # kept values unchanged
+    assert (logits[0][kept[0]].min() >= logits[0][~kept[0]].max()).item()  # and they are the largest
+    assert torch.equal(apply_top_k(logits, 0), logits) and torch.equal(apply_top_k(logits, 8), logits)
+
+
+def test_top_p_hand_computed():
+    logits = logits_from_probs([0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25])
+    # row 0 sorted: 0.5, 0.3, 0.15, 0.05 -> mass before each: 0, 0.5, 0.8, 0.95
+    assert apply_top_p(logits, 0.4)[0].isfinite().tolist() == [False, True, False, False]
+    assert apply_top_p(logits, 0.7)[0].isfinite().tolist() == [False, True, False, True]  # 0.3 crosses 0.7
+    assert apply_top_p(logits, 0.9)[0].isfinite().tolist() == [False, True, True, True]
+    assert apply_top_p(logits, 0.99)[0].isfinite().all()
+    assert apply_top_p(logits, 0.6)[1].isfinite().sum() == 3  # uniform: 0.25 x 3 = 0.75 >= 0.6
+    assert apply_top_p(logits, 1e-9).isfinite().sum(-1).tolist() == [1, 1]  # never empty
+    out = apply_top_p(logits, 0.7)
+    assert torch.equal(out[out.isfinite()], logits[out.isfinite()])
+    with pytest.raises(ValueError, match="top_p"):
+        apply_top_p(logits, 0.0)
+
+
+def test_repetition_penalty_hand_example():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -4.0], [2.0, -1.0, 0.5, 3.0, -4.0]])
+    prev = torch.tensor([[0, 1, 1, 0], [4, 9, 9, 9]])  # row 1 is right-padded with an out-of-range id 9
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    out = apply_repetition_penalty(logits, prev, 2.0, mask)
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0, -4.0], [2.0, -1.0, 0.5, 3.0, -8.0]]
+    assert torch.equal(apply_repetition_penalty(logits, prev, 1.0, mask), logits)
+    pad0 = torch.tensor([[3, 0, 0], [3, 0, 0]])  # pad id 0 is a real token id: the mask decides
+    out = apply_repetition_penalty(logits, pad0, 2.0, pad0 != 0)
+    assert out[:, 0].tolist() == [2.0, 2.0] and out[:, 3].tolist() == [1.5, 1.5]
+    with pytest.raises(ValueError, match="prev_ids"):
+        apply_repetition_penalty(logits, prev, 2.0)  # id 9 unmasked
+
+
+def test_temperature_to_zero_is_greedy():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    greedy = sample_next(logits, temperature=0.0, generator=None)
+    assert torch.equal(greedy, logits.argmax(-1))
+    cold = sample_next(logits, temperature=1e-6, generator=make_generator(0))
+    assert torch.equal(cold, greedy)
+
+
+def test_seeded_sampling_is_deterministic():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2))
+
+    def draw(seed: int) -> torch.Tensor:
+        gen = make_generator(seed)
+        return torch.stack(
+            [sample_next(logits, temperature=1.5, top_k=40, top_p=0.95, generator=gen) for _ in range(5)]
+        )
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+    assert draw(7).dtype == torch.long and draw(7).shape == (5, 8)
+
+
+def test_filters_are_respected_by_samples():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(3)).expand(2000, 30)
+    ids = sample_next(logits, top_k=4, generator=make_generator(0))
+    assert set(ids.tolist()) <= set(logits[0].topk(4).indices.tolist())
+
+
+def test_samples_follow_softmax():
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    n = 20000
+    ids = sample_next(probs.log().expand(n, -1), temperature=1.0, generator=make_generator(1234))
+    counts = torch.bincount(ids, minlength=5).double()
+    expected = probs.double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 25.0, chi2  # 4 degrees of freedom: P(chi2 > 25) ~ 5e-5; the seed is fixed anyway
+
+    ids = sample_next(probs.log().expand(n, -1), temperature=2.0, generator=make_generator(5))
+    tempered = (probs.log() / 2.0).softmax(-1).double() * n
+    counts = torch.bincount(ids, minlength=5).double()
+    assert ((counts - tempered) ** 2 / tempered).sum().item() < 25.0
+
+
+def test_sample_with_config():
+    logits = torch.tensor([[5.0, 4.9, -3.0]])
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=10.0)
+    assert sample_with_config(logits, cfg, generator=None).tolist() == [0]
+    out = sample_with_config(logits, cfg, generator=None, prev_ids=torch.tensor([[0]]))
+    assert out.tolist() == [1]  # 5.0 / 10 < 4.9
+
+
+def test_config_defaults_and_round_trip():
+    cfg = SamplingConfig()
+    assert (cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty) == (1.0, 0, 1.0, 1.0)
+    assert (cfg.max_new_tokens, cfg.seed, cfg.stop_strings) == (128, 0, ())
+    cfg = SamplingConfig(temperature=0.7, top_k=50, stop_strings=["\n\n", "###"])
+    assert cfg.stop_strings == ("\n\n", "###")
+    assert SamplingConfig.from_json(cfg.to_json()) == cfg
+    assert SamplingConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert SamplingConfig(temperature=1).temperature == 1.0 and isinstance(
+        SamplingConfig(top_p=1).top_p, float
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop_strings": "###"}, "stop_strings"),
+        ({"stop_strings": ["ok", ""]}, "stop_strings"),
+    ],
+)
+def test_config_rejects(changes, field):
+    with pytest.raises(ConfigError, match=f"SamplingConfig.{field}"):
+        SamplingConfig(**changes)
+
+
+def test_config_rejects_unknown_key():
+    with pytest.raises(ConfigError, match="unknown key 'top_n'"):
+        SamplingConfig.from_dict({"top_n": 3})
+
+
+def test_chi2_bound_is_loose_but_meaningful():
+    """The bound above would catch a sampler that ignores the logits (uniform draws)."""
+    n, probs = 20000, torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    counts = torch.full((5,), n / 5, dtype=torch.float64)
+    expected = probs.double() * n
+    assert ((counts - expected) ** 2 / expected).sum().item() > 25.0
