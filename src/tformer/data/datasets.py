@@ -1,0 +1,242 @@
+"""Map-style datasets of token ids and the collate functions that pad them into batches.
+
+Shapes: B batch, T sequence length (padded to the longest in the batch), S source length.
+Masks are key-padding masks: bool, True = real token. Padded target positions hold IGNORE_INDEX.
+
+    PackedLMDataset[i]        -> (ids (T,), targets (T,))            int64, targets = ids shifted by one
+    Seq2SeqDataset[i]         -> (src (S,), tgt (T,))                int64, tgt without BOS/EOS
+    ClassificationDataset[i]  -> (ids (T,), label ())                int64
+    Seq2SeqCollator           -> Seq2SeqBatch(src, src_mask, tgt_in, tgt_out, tgt_mask)
+    ClassificationCollator    -> ClassificationBatch(ids, mask, labels)
+    collate_lm                -> LMBatch(ids (B, T), targets (B, T))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import Dataset
+
+from tformer.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+def _check_nonempty(n: int, what: str) -> None:
+    if n == 0:
+        raise ValueError(f"{what} is empty")
+
+
+# ---------------------------------------------------------------- language modelling
+
+
+class PackedLMDataset(Dataset):
+    """Documents joined into one stream, each followed by EOS, cut into windows of seq_len + 1 tokens.
+
+    Window i holds stream[i*T : i*T + T + 1]; ids are its first T tokens, targets its last T, so
+    every stream token after the first is a target exactly once. The tail shorter than a window
+    is dropped.
+    """
+
+    def __init__(self, docs: Sequence[Sequence[int]], seq_len: int, eos_id: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        stream: list[int] = []
+        for doc in docs:
+            stream.extend(doc)
+            stream.append(eos_id)
+        self.stream = torch.tensor(stream, dtype=torch.int32)  # int32 halves memory; items are int64
+        self.seq_len = seq_len
+        self.n_windows = max(0, (len(stream) - 1) // seq_len)
+        if self.n_windows == 0:
+            raise ValueError(
+                f"{len(stream)} tokens are too few for one window of seq_len + 1 = {seq_len + 1}"
+            )
+
+    @classmethod
+    def from_texts(cls, tokenizer: Tokenizer, texts: Sequence[str], seq_len: int) -> PackedLMDataset:
+        return cls(tokenizer.encode_batch(texts), seq_len, tokenizer.eos_id)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the stream, EOS separators included."""
+        return len(self.stream)
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < 0:
+            index += self.n_windows
+        if not 0 <= index < self.n_windows:
+            raise IndexError(f"window {index} out of range for {self.n_windows} windows")
+        start = index * self.seq_len
+        window = self.stream[start : start + self.seq_len + 1].long()  # (T + 1,)
+        return window[:-1], window[1:]
+
+
+class LMBatch(NamedTuple):
+    ids: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> LMBatch:
+        return LMBatch(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+
+def collate_lm(batch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> LMBatch:
+    _check_nonempty(len(batch), "batch")
+    ids, targets = zip(*batch)
+    return LMBatch(torch.stack(ids), torch.stack(targets))
+
+
+# ---------------------------------------------------------------- padding
+
+
+def pad_sequences(seqs: Sequence[torch.Tensor], pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D int64 tensors to (B, T_max); also return the mask (B, T_max), True = real token."""
+    _check_nonempty(len(seqs), "batch")
+    lengths = torch.tensor([len(s) for s in seqs])
+    out = torch.full((len(seqs), int(lengths.max())), pad_value, dtype=torch.long)  # (B, T)
+    for row, seq in enumerate(seqs):
+        out[row, : len(seq)] = seq
+    mask = torch.arange(out.shape[1]) < lengths[:, None]  # (B, T)
+    return out, mask
+
+
+# ---------------------------------------------------------------- translation
+
+
+class Seq2SeqDataset(Dataset):
+    """(src ids, tgt ids) pairs; pairs too long (or empty) are filtered out and counted.
+
+    A pair is kept when 1 <= len(src) <= max_src_len and 1 <= len(tgt) + 1 <= max_tgt_len (the
+    collator adds BOS/EOS to the target, one token each side). `kept[i]` is the index in the
+    input of dataset item i, to line hypotheses up with reference texts.
+    """
+
+    def __init__(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_src_len: int, max_tgt_len: int
+    ):
+        self.kept = [
+            i
+            for i, (s, t) in enumerate(pairs)
+            if 1 <= len(s) <= max_src_len and 1 <= len(t) <= max_tgt_len - 1
+        ]
+        self.src = [torch.tensor(pairs[i][0], dtype=torch.long) for i in self.kept]
+        self.tgt = [torch.tensor(pairs[i][1], dtype=torch.long) for i in self.kept]
+        self.n_filtered = len(pairs) - len(self.kept)
+        self.max_src_len, self.max_tgt_len = max_src_len, max_tgt_len
+
+    @classmethod
+    def from_texts(
+        cls,
+        pairs: Sequence[tuple[str, str]],
+        tokenizer: Tokenizer,
+        max_src_len: int,
+        max_tgt_len: int,
+        tgt_tokenizer: Tokenizer | None = None,
+    ) -> Seq2SeqDataset:
+        """Tokenize (src text, tgt text) pairs (or corpora `Pair`s); the source gets a trailing EOS."""
+        pairs = [(p.src, p.tgt) if hasattr(p, "src") else tuple(p) for p in pairs]
+        src = tokenizer.encode_batch([s for s, _ in pairs], add_eos=True)
+        tgt = (tgt_tokenizer or tokenizer).encode_batch([t for _, t in pairs])
+        return cls(list(zip(src, tgt)), max_src_len, max_tgt_len)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.src[index], self.tgt[index]
+
+    def lengths(self) -> list[int]:
+        """Per-item cost for length bucketing: the longer of source and decoder input."""
+        return [max(len(s), len(t) + 1) for s, t in zip(self.src, self.tgt)]
+
+
+class Seq2SeqBatch(NamedTuple):
+    src: torch.Tensor  # (B, S) int64, pad_id at padding
+    src_mask: torch.Tensor  # (B, S) bool, True = real token
+    tgt_in: torch.Tensor  # (B, T) int64: BOS + y, pad_id at padding
+    tgt_out: torch.Tensor  # (B, T) int64: y + EOS, IGNORE_INDEX at padding
+    tgt_mask: torch.Tensor  # (B, T) bool, True = real token
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Seq2SeqBatch:
+        return Seq2SeqBatch(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+
+class Seq2SeqCollator:
+    """Pad (src, tgt) items into a Seq2SeqBatch; a class, not a closure, so DataLoader workers can pickle it."""
+
+    def __init__(self, pad_id: int, bos_id: int, eos_id: int, ignore_index: int = IGNORE_INDEX):
+        self.pad_id, self.bos_id, self.eos_id, self.ignore_index = pad_id, bos_id, eos_id, ignore_index
+
+    def __call__(self, batch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Seq2SeqBatch:
+        _check_nonempty(len(batch), "batch")
+        srcs, tgts = zip(*batch)
+        src, src_mask = pad_sequences(srcs, self.pad_id)
+        bos, eos = torch.tensor([self.bos_id]), torch.tensor([self.eos_id])
+        tgt_in, tgt_mask = pad_sequences([torch.cat([bos, t]) for t in tgts], self.pad_id)
+        tgt_out, _ = pad_sequences([torch.cat([t, eos]) for t in tgts], self.ignore_index)
+        return Seq2SeqBatch(src, src_mask, tgt_in, tgt_out, tgt_mask)
+
+
+# ---------------------------------------------------------------- classification
+
+
+class ClassificationDataset(Dataset):
+    """(ids, label) items; sequences longer than max_len keep their first max_len tokens (counted)."""
+
+    def __init__(self, ids: Sequence[Sequence[int]], labels: Sequence[int], max_len: int):
+        if len(ids) != len(labels):
+            raise ValueError(f"{len(ids)} sequences but {len(labels)} labels")
+        empty = [i for i, seq in enumerate(ids) if len(seq) == 0]
+        if empty:
+            raise ValueError(f"{len(empty)} empty sequences (first at index {empty[0]})")
+        self.ids = [torch.tensor(seq[:max_len], dtype=torch.long) for seq in ids]
+        self.labels = torch.tensor(labels, dtype=torch.long)
+        self.n_truncated = sum(len(seq) > max_len for seq in ids)
+        self.max_len = max_len
+
+    @classmethod
+    def from_texts(
+        cls,
+        tokenizer: Tokenizer,
+        texts: Sequence[str],
+        labels: Sequence[int],
+        max_len: int,
+        add_bos: bool = False,
+    ) -> ClassificationDataset:
+        return cls(tokenizer.encode_batch(texts, add_bos=add_bos), labels, max_len)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[index], self.labels[index]
+
+    def lengths(self) -> list[int]:
+        return [len(seq) for seq in self.ids]
+
+
+class ClassificationBatch(NamedTuple):
+    ids: torch.Tensor  # (B, T) int64, pad_id at padding
+    mask: torch.Tensor  # (B, T) bool, True = real token
+    labels: torch.Tensor  # (B,) int64
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ClassificationBatch:
+        return ClassificationBatch(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+
+class ClassificationCollator:
+    """Pad (ids, label) items into a ClassificationBatch."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ClassificationBatch:
+        _check_nonempty(len(batch), "batch")
+        seqs, labels = zip(*batch)
+        ids, mask = pad_sequences(seqs, self.pad_id)
+        return ClassificationBatch(ids, mask, torch.stack(labels))

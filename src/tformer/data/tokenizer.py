@@ -1,0 +1,150 @@
+"""Byte-level BPE tokenizer: a thin wrapper over the `tokenizers` library.
+
+Byte-level means every string round-trips exactly (`decode(encode(s)) == s`), with no unknown
+tokens. Special tokens take ids 0..3 in the order (pad, bos, eos, unk). Text that happens to
+contain "<eos>" is encoded as ordinary bytes, never as the special token. The tokenizer is stored
+as the library's own JSON (tokenizer.json), never pickled, and can be embedded in checkpoint
+metadata with `to_json_str()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+class Tokenizer:
+    """Encode text to token ids and back. Build with `train_bpe`, `load` or `from_json_str`."""
+
+    def __init__(self, backend: _Backend):
+        specials = sorted(
+            (t for t in backend.get_added_tokens_decoder().items() if t[1].special), key=lambda t: t[0]
+        )
+        if len(specials) < 4 or [i for i, _ in specials[:4]] != [0, 1, 2, 3]:
+            raise ValueError(
+                "tokenizer needs 4 special tokens with ids 0..3 in the order (pad, bos, eos, unk)"
+            )
+        backend.encode_special_tokens = True  # literal "<eos>" in text stays text (not serialised: set here)
+        self._backend = backend
+        self.special_tokens = tuple(token.content for _, token in specials[:4])
+
+    @classmethod
+    def train_bpe(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        special_tokens: Sequence[str] = SPECIAL_TOKENS,
+        min_frequency: int = 2,
+    ) -> Tokenizer:
+        """Train byte-level BPE on `texts`; deterministic (same texts and settings -> same vocabulary).
+
+        The vocabulary may come out smaller than `vocab_size` when the texts run out of merges.
+        """
+        if len(special_tokens) != 4:
+            raise ValueError(f"special_tokens must be (pad, bos, eos, unk), got {tuple(special_tokens)}")
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + len(special_tokens):
+            raise ValueError(f"vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
+        backend = _Backend(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(special_tokens),
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        backend.train_from_iterator(texts, trainer=trainer)
+        return cls(backend)
+
+    # ------------------------------------------------------------ ids
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        return 2
+
+    @property
+    def unk_id(self) -> int:
+        return 3
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # ------------------------------------------------------------ encode / decode
+
+    def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        return self._wrap(self._backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
+    ) -> list[list[int]]:
+        """Encode many texts at once (parallel in the library)."""
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+        return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
+        return self._backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special)
+
+    # ------------------------------------------------------------ storage
+
+    def to_json_str(self) -> str:
+        """The library's tokenizer.json content, for checkpoint metadata."""
+        return self._backend.to_str()
+
+    @classmethod
+    def from_json_str(cls, text: str) -> Tokenizer:
+        return cls(_Backend.from_str(text))
+
+    def save(self, path: str | Path) -> Path:
+        """Write tokenizer.json (to `path` if it names a .json file, else to `path/tokenizer.json`)."""
+        path = Path(path)
+        if path.suffix != ".json":
+            path = path / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json_str(), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        return cls.from_json_str(path.read_text(encoding="utf-8"))
+
+    def fingerprint(self) -> str:
+        """Short sha256 of the JSON: equal fingerprints mean identical tokenizers."""
+        return hashlib.sha256(self.to_json_str().encode("utf-8")).hexdigest()[:16]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tokenizer) and self.to_json_str() == other.to_json_str()
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"

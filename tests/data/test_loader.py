@@ -1,0 +1,151 @@
+"""Exact resume (RELIABILITY A4/A5): batches by sample id equal the uninterrupted stream."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from tformer.data import BucketBatchSampler, ResumableLoader, batches, make_bucket_loader, make_loader
+
+
+class Ids(Dataset):
+    """Item i is the sample id i; `lengths` are made up for bucketing."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def lengths(self) -> list[int]:
+        return [1 + (i * 7919) % 37 for i in range(self.n)]
+
+
+def ids(batch) -> list[int]:
+    return list(batch)
+
+
+def take(loader: ResumableLoader, k: int) -> list[list[int]]:
+    return [ids(b) for b in itertools.islice(loader.batches(), k)]
+
+
+def loader(n=10, batch_size=3, seed=7, **kwargs) -> ResumableLoader:
+    return make_loader(Ids(n), batch_size, shuffle=True, seed=seed, collate_fn=ids, **kwargs)
+
+
+def test_each_epoch_is_a_permutation_fixed_by_seed_and_epoch():
+    stream = take(loader(), 12)  # 4 batches per epoch, 3 epochs
+    epochs = [sum(stream[i : i + 4], []) for i in range(0, 12, 4)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    assert take(loader(), 12) == stream
+    assert take(loader(seed=8), 12) != stream
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 9])  # mid-epoch, at the boundary (4, 8), just past it
+def test_resume_equals_uninterrupted(k):
+    full = take(loader(), 14)
+    first = loader()
+    head = take(first, k)
+    state = first.state_dict()
+    resumed = loader(seed=123)  # the saved seed wins
+    resumed.load_state_dict(state)
+    assert head + take(resumed, 14 - k) == full
+    assert state["epoch"] == k // 4 and state["index_in_epoch"] == k % 4 and state["seed"] == 7
+
+
+def test_resume_with_plain_for_loops_over_epochs():
+    first = loader()
+    for i, _ in enumerate(first):
+        if i == 1:
+            break
+    assert first.state_dict() == {"epoch": 0, "index_in_epoch": 2, "seed": 7}
+    rest = [ids(b) for b in first]  # the rest of epoch 0
+    assert len(rest) == 2 and first.state_dict() == {"epoch": 1, "index_in_epoch": 0, "seed": 7}
+
+
+def test_resume_with_worker_prefetch():
+    full = take(loader(n=40, batch_size=2), 30)
+    first = loader(n=40, batch_size=2, num_workers=2)
+    head = take(first, 7)  # the workers have fetched further ahead; the state counts handed-out batches
+    resumed = loader(n=40, batch_size=2, num_workers=2)
+    resumed.load_state_dict(first.state_dict())
+    assert head + take(resumed, 23) == full
+
+
+def test_own_generators_and_global_rng_untouched():
+    lo = loader()
+    assert isinstance(lo.loader.generator, torch.Generator)
+    assert isinstance(lo.batch_sampler.generator, torch.Generator)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    a = take(lo, 6)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(999)
+    assert take(loader(), 6) == a
+
+
+def test_drop_last_and_no_shuffle():
+    lo = make_loader(Ids(10), 3, shuffle=False, collate_fn=ids, drop_last=True)
+    assert len(lo) == 3 and take(lo, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    empty = make_loader(Ids(2), 3, drop_last=True, collate_fn=ids)
+    with pytest.raises(ValueError, match="no batches"):
+        next(batches(empty))
+
+
+def test_ranks_get_disjoint_equal_shares():
+    per_rank = [take(loader(n=11, batch_size=2, rank=r, world_size=2), 2) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 2  # 6 global batches -> 3 each; epoch length equal
+    assert len(loader(n=11, batch_size=2, rank=0, world_size=2)) == 3
+    flat = [set(sum(b, [])) for b in per_rank]
+    assert not (flat[0] & flat[1])
+
+
+@pytest.mark.parametrize("mode", [{"batch_size": 8}, {"max_tokens": 64}])
+def test_bucketing_covers_every_sample_once_per_epoch(mode):
+    data = Ids(203)
+    lengths = data.lengths()
+    lo = make_bucket_loader(data, seed=3, collate_fn=ids, pool_batches=4, **mode)
+    per_epoch = []
+    for _ in range(2):
+        epoch = [ids(b) for b in lo]
+        assert sorted(sum(epoch, [])) == list(range(203))
+        if "max_tokens" in mode:
+            assert all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 64 for b in epoch)
+        per_epoch.append(epoch)
+    assert per_epoch[0] != per_epoch[1]
+
+    def spread(epoch):  # mean length range inside a batch
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in epoch) / len(epoch)
+
+    random_batches = [
+        ids(b) for b in make_loader(data, round(203 / len(per_epoch[0])), seed=3, collate_fn=ids)
+    ]
+    assert spread(per_epoch[0]) < 0.5 * spread(random_batches)  # similar lengths share a batch
+
+
+def test_bucket_loader_resumes():
+    data = Ids(101)
+
+    def make():
+        return make_bucket_loader(data, max_tokens=50, seed=5, collate_fn=ids, pool_batches=3)
+
+    n = len(make())
+    full = take(make(), 2 * n + 3)
+    for k in (5, n, n + 1):
+        first = make()
+        head = take(first, k)
+        resumed = make()
+        resumed.load_state_dict(first.state_dict())
+        assert head + take(resumed, 2 * n + 3 - k) == full
+
+
+def test_bucket_sampler_rejects_ambiguous_budget():
+    with pytest.raises(ValueError, match="exactly one"):
+        BucketBatchSampler([1, 2], batch_size=2, max_tokens=10)

@@ -1,0 +1,76 @@
+"""Byte-level BPE: exact round trips, stable ids for special tokens, JSON storage, determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tformer.data import SPECIAL_TOKENS, Tokenizer, load_corpus
+
+UNICODE = "Caf\u00e9 na\u00efve \u2014 \u201cquoted\u201d, \u65e5\u672c\u8a9e, \U0001f3ad!\n\ttab  two spaces <eos> <pad>\n"
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    corpus = load_corpus("shakespeare")
+    return [d.text[:60_000] for d in corpus["train"][:4]]
+
+
+@pytest.fixture(scope="module")
+def tok(texts) -> Tokenizer:
+    return Tokenizer.train_bpe(texts, vocab_size=600)
+
+
+def test_special_tokens_have_fixed_ids(tok):
+    assert tok.special_tokens == SPECIAL_TOKENS
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    assert tok.vocab_size == 600
+
+
+def test_round_trip_is_exact_on_shakespeare_and_unicode(tok):
+    heldout = load_corpus("shakespeare")["test"][0].text[:20_000]
+    for text in (heldout, UNICODE, heldout[:500] + UNICODE, "", " leading and trailing "):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_bos_eos_and_literal_special_text(tok):
+    ids = tok.encode("To be", add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids) == "To be"
+    assert tok.decode(ids, skip_special=False) == "<bos>To be<eos>"
+    literal = tok.encode("<eos>")
+    assert tok.eos_id not in literal and tok.decode(literal) == "<eos>"  # text never becomes a control token
+
+
+def test_encode_batch_matches_encode(tok, texts):
+    lines = texts[0].splitlines()[:50] + [UNICODE]
+    assert tok.encode_batch(lines, add_eos=True) == [tok.encode(t, add_eos=True) for t in lines]
+    assert tok.decode_batch(tok.encode_batch(lines)) == lines
+
+
+def test_training_is_deterministic(tok, texts):
+    again = Tokenizer.train_bpe(texts, vocab_size=600)
+    assert again == tok and again.fingerprint() == tok.fingerprint()
+
+
+def test_save_load_json(tok, tmp_path):
+    path = tok.save(tmp_path / "run")
+    assert path.name == "tokenizer.json"
+    assert json.loads(path.read_text())["model"]["type"] == "BPE"  # the library's own JSON, no pickle
+    for loaded in (
+        Tokenizer.load(path),
+        Tokenizer.load(tmp_path / "run"),
+        Tokenizer.from_json_str(tok.to_json_str()),
+    ):
+        assert loaded == tok
+        assert loaded.encode(UNICODE) == tok.encode(UNICODE)
+        assert tok.eos_id not in loaded.encode("<eos>")
+
+
+def test_bad_settings_fail_loudly(texts):
+    with pytest.raises(ValueError, match="vocab_size"):
+        Tokenizer.train_bpe(texts, vocab_size=100)
+    with pytest.raises(ValueError, match="special_tokens"):
+        Tokenizer.train_bpe(texts, vocab_size=600, special_tokens=("<pad>",))
