@@ -17,7 +17,7 @@ data:
 	@test -f /usr/share/trans/de-en || { apt-get update -qq && apt-get install -y -qq trans-de-en >/dev/null; }
 
 demo: install
-	tformer demo
+	tformer train --preset shakespeare --out runs/shakespeare-$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest

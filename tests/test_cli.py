@@ -1,0 +1,158 @@
+"""Every CLI command end to end on tiny data, and user errors as one clear line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tformer.cli.main import main
+
+WORDS = [
+    "to",
+    "be",
+    "or",
+    "not",
+    "to",
+    "be",
+    "that",
+    "is",
+    "the",
+    "question",
+    "whether",
+    "tis",
+    "nobler",
+    "in",
+    "the",
+    "mind",
+    "to",
+    "suffer",
+]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"d{i}.txt").write_text(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(300)))
+    out = root / "run"
+    code = main(
+        [
+            "train",
+            "--preset",
+            "tiny-lm",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--set",
+            f"data.corpus=text:{corpus}",
+            "--set",
+            "data.vocab_size=300",
+            "--set",
+            "steps=4",
+            "--set",
+            "eval_every=2",
+            "--set",
+            "save_every=2",
+            "--set",
+            "data.seq_len=32",
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def test_train_writes_the_run_directory(trained_run: Path) -> None:
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png", "report.json"):
+        assert (trained_run / name).exists(), name
+    assert json.loads((trained_run / "config.json").read_text())["steps"] == 4
+    assert sorted(p.name for p in (trained_run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert (trained_run / "tensorboard").is_dir()
+
+
+def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path) -> None:
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("to be")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("to be\n\nthe question\n")
+    assert (
+        main(
+            [
+                "generate",
+                "--run",
+                str(trained_run),
+                "--prompts-file",
+                str(prompts),
+                "--greedy",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("---") == 2 and "the question" in out
+    assert main(["eval", "--run", str(trained_run), "--split", "val", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["checkpoint_step"] == 4 and result["bits_per_char"] > 0
+
+
+def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
+    outs = []
+    for _ in range(2):
+        main(["generate", "--run", str(trained_run), "--prompt", "to", "--seed", "3", "--no-stream"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--preset", "nope"], "unknown training preset 'nope'; available: shakespeare"),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "model.dmodel=3"],
+            "unknown key 'dmodel' in TrainConfig.model",
+        ),
+        (["train", "--preset", "tiny-lm", "--set", "data.corpus=wiki"], "unknown corpus 'wiki'; available:"),
+        (["train", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+        (["generate", "--run", "/nonexistent", "--prompt", "x"], "/nonexistent does not exist"),
+    ],
+)
+def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unknown_option_lists_the_allowed_ones(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--preset", "tiny-lm", "--lr", "3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --lr 3; allowed options: --config, --help" in capsys.readouterr().err
+
+
+def test_generate_errors(trained_run: Path, capsys) -> None:
+    assert main(["generate", "--run", str(trained_run), "--prompt", "  "]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    long_prompt = " ".join(["to be"] * 100)
+    assert main(["generate", "--run", str(trained_run), "--prompt", long_prompt]) == 2
+    assert "does not fit the model's context of 64 tokens" in capsys.readouterr().err
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
+    assert "lower max_new_tokens" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_one_line_and_keeps_files(trained_run: Path, capsys, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    weights = copy / "checkpoints" / "step_000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main(["generate", "--run", str(copy), "--prompt", "to"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and err.count("\n") == 1
+    assert weights.exists() and (copy / "checkpoints" / "step_000002" / "model.safetensors").exists()
