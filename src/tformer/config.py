@@ -54,11 +54,31 @@ class RopeConfig(Config):
 
 @dataclass(frozen=True)
 class MoEConfig(Config):
-    """Mixture-of-Experts in the FFN slot (Switch, GShard/Mixtral, DeepSeekMoE are settings of it).
+    """Mixture-of-Experts in the FFN slot; Switch, GShard/Mixtral and DeepSeekMoE are settings of it.
 
-    n_experts routed experts of width d_expert (default: the dense d_ff), top_k of them per token,
-    plus n_shared shared experts that see every token (DeepSeekMoE). Layers: the first `first_dense`
-    layers stay dense, then every `every`-th layer is MoE.
+    Layers: the first `first_dense` layers stay dense, then every `every`-th layer is MoE.
+    Experts: n_experts routed FFNs of the model's kind (cfg.ffn) and width d_expert (default: the dense
+        d_ff), top_k of them per token, plus n_shared shared experts of width d_shared (default
+        d_expert) that see every token (DeepSeekMoE), run as one dense FFN of width n_shared * d_shared.
+    Router: logits = x . centroid_e (fp32); scores = score_func(logits); the top_k experts by score
+        (+ expert_bias, selection only); weights = the chosen scores, renormalised to sum 1 if
+        norm_topk and top_k > 1 (with top_k = 1 that would make every weight 1 and cut the router off
+        from the task gradient), times routed_scaling. Group-limited routing (DeepSeek-V2/V3): experts
+        form n_group groups scored by their best expert ("max", V2) or their best two ("top2", V3);
+        only the best topk_group groups are eligible. jitter: multiplicative U(1-j, 1+j) noise on the
+        router input in training (Switch).
+    Dispatch: "grouped" (sorted, one gather, per-expert matmuls, one scatter-add) or "loop" (the readable
+        reference). capacity_factor: null = dropless; else each expert takes at most
+        ceil(capacity_factor * tokens * top_k / n_experts) (<= tokens) assignments, first come first served.
+    Balance (each term's coefficient; 0 turns it off; all are averaged over MoE layers):
+        aux_loss_coef     Switch/GShard = DeepSeekMoE expert-level: E * sum_i f_i P_i per layer
+                          (f_i: share of the layer's assignments, P_i: mean router probability); 1 when
+                          uniform, E / top_k when collapsed.
+        device_loss_coef  DeepSeekMoE device-level: experts in n_devices equal groups.
+        seq_aux_loss_coef DeepSeek-V3 sequence-wise: the expert-level loss per sequence, averaged.
+        z_loss_coef       ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2.
+        bias_update_rate  DeepSeek-V3 auxiliary-loss-free balancing: after each optimizer step
+                          expert_bias_i += rate * sign(mean load - load_i).
     """
 
     n_experts: int = 8
@@ -71,6 +91,7 @@ class MoEConfig(Config):
     routed_scaling: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    group_score: Literal["max", "top2"] = "max"
     jitter: float = 0.0
     first_dense: int = 0
     every: int = 1
@@ -99,6 +120,9 @@ class MoEConfig(Config):
             per_group = self.n_experts // self.n_group
             self._require(self.topk_group * per_group >= self.top_k, "topk_group",
                           f"must leave at least top_k={self.top_k} experts selectable")
+            if self.group_score == "top2":
+                self._require(per_group >= 2, "group_score",
+                              f"'top2' needs >= 2 experts per group (n_experts / n_group = {per_group})")
         self._require(self.jitter >= 0, "jitter", "must be >= 0")
         self._require(self.first_dense >= 0, "first_dense", "must be >= 0")
         self._require(self.every >= 1, "every", "must be >= 1")
@@ -111,6 +135,14 @@ class MoEConfig(Config):
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_dense and (layer_idx - self.first_dense) % self.every == 0
+
+    def expert_width(self, d_ff: int) -> int:
+        """d_expert, or the dense d_ff when unset."""
+        return self.d_expert if self.d_expert is not None else d_ff
+
+    def shared_width(self, d_ff: int) -> int:
+        """Width of one shared expert: d_shared, or d_expert when unset."""
+        return self.d_shared if self.d_shared is not None else self.expert_width(d_ff)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`tformer eval`: loss, perplexity and bits per character of a trained LM on a split or a text file."""
+"""`tformer eval`: loss, perplexity and bits per character of a trained LM on a split or a text file;
+translation and classification runs are scored by their task module (`evaluate_run`, `format_result`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def run(args: argparse.Namespace) -> int:
 
     run_ = load_run(args.run)
     cfg = run_.train_config
+    if cfg.task != "lm":
+        return run_task_eval(run_, args)
     if args.text_file is not None:
         path = Path(args.text_file)
         if not path.exists():
@@ -41,4 +44,16 @@ def run(args: argparse.Namespace) -> int:
             f"{what} (step {run_.step}): loss {result['eval_loss']:.4f} nats/token | perplexity "
             f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char"
         )
+    return 0
+
+
+def run_task_eval(run_, args: argparse.Namespace) -> int:
+    """Translation and classification runs: their task module's evaluate_run / format_result."""
+    import importlib
+
+    if args.text_file is not None:
+        raise ValueError(f"--text-file is for language-model runs; this is a {run_.train_config.task} run")
+    module = importlib.import_module(f"tformer.tasks.{run_.train_config.task}")
+    result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
+    print(json.dumps(result) if args.json else module.format_result(result))
     return 0

@@ -54,7 +54,40 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
 
 
-@register("eval", "perplexity and bits/char of a trained LM on a split or a text file", "evaluate:run")
+@register(
+    "translate", "translate text with a trained encoder-decoder (beam search by default)", "translate:run"
+)
+def _translate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--text", default=None, help="one sentence")
+    p.add_argument("--file", default=None, help="one sentence per line (neither --text nor --file: stdin)")
+    p.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
+    p.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha, 0 = none (default 0.6)")
+    p.add_argument("--max-len", type=int, default=None, help="most target tokens (default 1.5 x source + 10)")
+    p.add_argument("--greedy", action="store_true", help="greedy search instead of beam search")
+    p.add_argument("--sample", action="store_true", help="sample instead of beam search")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
+    p.add_argument("--top-k", type=int, default=0, help="with --sample; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
+    p.add_argument("--seed", type=int, default=0, help="with --sample")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    p.add_argument("--scores", action="store_true", help="print each output's score after a tab")
+
+
+@register("classify", "label texts with a trained encoder classifier", "classify:run")
+def _classify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--text", default=None, help="one text")
+    p.add_argument("--file", default=None, help="one text per line (neither --text nor --file: stdin)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="one JSON object per text")
+
+
+@register(
+    "eval",
+    "evaluate a trained run on a split: LM perplexity, translation BLEU / chrF, classification accuracy",
+    "evaluate:run",
+)
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
@@ -66,6 +99,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 @register("demo", "smoke run: build each architecture and train a tiny decoder for a few steps", "demo:run")
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+
+
+@register(
+    "experiment", "test a claim (norm, rope, moe): train the variants, write a report", "experiment:run"
+)
+def _experiment_args(p: argparse.ArgumentParser) -> None:
+    from tformer.cli.experiment import add_arguments
+
+    add_arguments(p)
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,4 +1,8 @@
-"""`tformer train`: train a model from a preset or config file; prints evaluation and a sample at the end."""
+"""`tformer train`: train a model from a preset or config file; prints evaluation and a sample at the end.
+
+Under `torchrun --nproc_per_node N -m tformer train ...` every rank runs this; rank 0 prints and
+writes the report (see docs/distributed.md).
+"""
 
 from __future__ import annotations
 
@@ -21,10 +25,14 @@ def run(args: argparse.Namespace) -> int:
     )
     task = make_task(cfg.task)
     trainer = Trainer(cfg, out, task, resume=args.resume, progress=not args.no_progress)
-    report = trainer.fit()
-    print(f"\nrun directory: {out}")
-    print(task.describe_result(report))
-    if not args.no_sample:
-        print(task.show_sample(trainer.model))
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    try:
+        report = trainer.fit()
+        if trainer.env.is_main:
+            print(f"\nrun directory: {out}")
+            print(task.describe_result(report))
+            (out / "report.json").write_text(json.dumps(report, indent=2))
+        if not args.no_sample and trainer.env.world_size == 1:
+            print(task.show_sample(trainer.model))
+    finally:
+        trainer.close()
     return 0

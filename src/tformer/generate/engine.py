@@ -74,7 +74,7 @@ def generate(
     history = tokens.masked_fill(~real, -1) if sampling.repetition_penalty != 1.0 else None
     next_pos = real.sum(-1, keepdim=True)  # (B, 1)
     out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    done = [False] * b  # host-side bookkeeping: one .tolist() per step instead of small tensor ops
     for _ in range(sampling.max_new_tokens):
         if history is not None:
             logits = apply_repetition_penalty(
@@ -87,13 +87,16 @@ def generate(
             top_p=sampling.top_p,
             generator=generator,
         )
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        if any(done):  # finished rows keep feeding pad_id
+            nxt = nxt.masked_fill(torch.tensor(done, device=device), pad_id)
+        ids = nxt.tolist()
         if on_step is not None:
-            on_step(nxt.masked_fill(done, -1))
-        for i in (~done).nonzero().flatten().tolist():
-            out[i].append(int(nxt[i]))
-        done |= _finished(nxt, out, eos_id, sampling.stop_strings, decode)
-        if bool(done.all()):
+            on_step(torch.tensor([-1 if d else t for t, d in zip(ids, done)], device=device))
+        for row, tok, finished in zip(out, ids, done):
+            if not finished:
+                row.append(tok)
+        done = _finished(ids, done, out, eos_id, sampling.stop_strings, decode)
+        if all(done):
             break
         if history is not None:
             history = torch.cat([history, nxt[:, None]], dim=1)
@@ -106,13 +109,14 @@ def generate(
     return [_strip(row, eos_id) for row in out]
 
 
-def _finished(nxt: Tensor, out: list[list[int]], eos_id: int | None, stops: Sequence[str], decode) -> Tensor:
-    done = nxt == eos_id if eos_id is not None else torch.zeros_like(nxt, dtype=torch.bool)
+def _finished(
+    ids: list[int], done: list[bool], out: list[list[int]], eos_id: int | None, stops: Sequence[str], decode
+) -> list[bool]:
+    """Rows finished before or now: EOS drawn, or (with `decode`) a stop string in the row's text."""
+    now = [d or (eos_id is not None and t == eos_id) for t, d in zip(ids, done)]
     if stops and decode is not None:
-        for i, row in enumerate(out):
-            if not bool(done[i]) and row and any(s in decode(row) for s in stops):
-                done[i] = True
-    return done
+        now = [d or bool(row and any(s in decode(row) for s in stops)) for d, row in zip(now, out)]
+    return now
 
 
 def _strip(row: list[int], eos_id: int | None) -> list[int]:

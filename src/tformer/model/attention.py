@@ -1,9 +1,15 @@
 """Multi-head attention (Vaswani et al., 2017) with grouped K/V heads (GQA / MQA).
 
 Shapes: x (B, T, D); q (B, H, T, E); k, v (B, Hkv, S, E) with H = n_heads, Hkv = n_kv_heads,
-E = head_dim; memory (B, S, D). Kernels take (q, k, v, mask) with k/v already expanded to H heads:
-`EagerAttention` is the readable softmax(q k^T / sqrt(E)) v reference; `SdpaAttention` is PyTorch's
-fused `scaled_dot_product_attention`. Both honour the same `Mask` and attention dropout.
+E = head_dim; memory (B, S, D). Kernels take (q, k, v, mask) with Hkv K/V heads, each serving
+n_rep = H / Hkv query heads: `EagerAttention` is the readable softmax(q k^T / sqrt(E)) v reference
+(it expands K/V with `repeat_kv`); `SdpaAttention` is PyTorch's fused `scaled_dot_product_attention`
+after `repeat_kv`, and `GqaSdpaAttention` lets SDPA broadcast the K/V heads itself (`enable_gqa`,
+torch >= 2.5), which saves copying K/V (and the whole KV cache at every decoding step). The registry
+picks the GQA kernel where torch has it. All honour the same `Mask` and attention dropout.
+
+Self-attention computes q, k, v with `stacked_linear`: one GEMM over the stacked weights when the
+batch has enough rows to pay for stacking them (training), three GEMMs otherwise (decoding).
 """
 
 from __future__ import annotations
@@ -17,17 +23,22 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig
 from tformer.model.cache import NoCache
+from tformer.model.linear import stacked_linear
 from tformer.model.masks import Mask
+
+SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 class EagerAttention(nn.Module):
     """softmax(q k^T / sqrt(E) + mask) v, written out (the slow twin of SdpaAttention)."""
 
-    def __init__(self, dropout: float) -> None:
+    def __init__(self, dropout: float, n_rep: int = 1) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
+        self.n_rep = n_rep
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, H, S, E)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
         scores = scores.masked_fill(~mask.allowed, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -35,20 +46,38 @@ class EagerAttention(nn.Module):
 
 
 class SdpaAttention(nn.Module):
-    """torch's fused attention; uses its causal path when the mask says it is the square causal one."""
+    """torch's fused attention on K/V expanded by repeat_kv. Without a mask where every query sees every
+    key (`mask.is_full`, e.g. one new token over the cache), with its causal path where the mask is the
+    square causal one, with the boolean mask otherwise."""
 
-    def __init__(self, dropout: float) -> None:
+    def __init__(self, dropout: float, n_rep: int = 1) -> None:
         super().__init__()
         self.p = dropout
+        self.n_rep = n_rep
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        return self.sdpa(q, repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep), mask)
+
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, **gqa: bool) -> Tensor:
         p = self.p if self.training else 0.0
+        if mask.is_full:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **gqa)
         if mask.is_causal:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, dropout_p=p, **gqa)
 
 
-ATTENTION_KERNELS: dict[str, type[nn.Module]] = {"eager": EagerAttention, "sdpa": SdpaAttention}
+class GqaSdpaAttention(SdpaAttention):
+    """SdpaAttention with SDPA broadcasting each K/V head over its n_rep query heads (no repeat_kv copy)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        return self.sdpa(q, k, v, mask, enable_gqa=True)
+
+
+ATTENTION_KERNELS: dict[str, type[nn.Module]] = {
+    "eager": EagerAttention,
+    "sdpa": GqaSdpaAttention if SDPA_HAS_GQA else SdpaAttention,
+}
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -82,15 +111,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * e, bias=cfg.bias)
         self.o_proj = nn.Linear(self.n_heads * e, d, bias=cfg.bias)
         self.rotary = rotary
-        self.kernel = ATTENTION_KERNELS[cfg.attn_kernel](cfg.attn_dropout)
+        self.kernel = ATTENTION_KERNELS[cfg.attn_kernel](cfg.attn_dropout, self.n_heads // self.n_kv_heads)
 
     def split_heads(self, x: Tensor, n: int) -> Tensor:
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (B, n, T, E)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-        n_rep = self.n_heads // self.n_kv_heads
-        y = self.kernel(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, T, E)
+        y = self.kernel(q, k, v, mask)  # (B, H, T, E)
         b, _, t, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, D)
 
@@ -99,9 +127,11 @@ class SelfAttention(Attention):
     """Attention of x over itself (and over the cached past when decoding)."""
 
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache) -> Tensor:
-        q = self.rotary(self.split_heads(self.q_proj(x), self.n_heads), positions)
-        k = self.rotary(self.split_heads(self.k_proj(x), self.n_kv_heads), positions)
-        v = self.split_heads(self.v_proj(x), self.n_kv_heads)
+        q, k, v = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj))  # (B, T, H*E), 2 x (B, T, Hkv*E)
+        q, k = self.rotary.pair(
+            self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), positions
+        )
+        v = self.split_heads(v, self.n_kv_heads)
         k, v = cache.update(self.layer_idx, k, v)
         return self.attend(q, k, v, mask)
 

@@ -17,6 +17,11 @@ from tformer.model.masks import Mask
 from tformer.model.norms import make_norm
 
 
+def make_dropout(p: float) -> nn.Module:
+    """Dropout, or the identity when p == 0 (no F.dropout call per use: it shows in decoding)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class Block(nn.Module):
     """Slots: attn_norm, attn, ffn_norm, ffn (dense FFN or MoE), and residual dropout."""
 
@@ -26,7 +31,7 @@ class Block(nn.Module):
         self.attn = SelfAttention(cfg, layer_idx, rotary)
         self.ffn_norm = make_norm(cfg)
         self.ffn = make_ffn(cfg, layer_idx)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = make_dropout(cfg.dropout)
 
 
 class PreNormBlock(Block):

@@ -5,6 +5,7 @@ Shapes: x (B, T, D) -> (B, T, D). Hidden width F = d_ff (or an expert's d_expert
 - GeluFFN:  down(gelu(up(x)))                  (BERT / GPT-2)
 - SwiGLU:   down(silu(gate(x)) * up(x))        (Shazeer, 2020; Llama)
 `make_ffn(cfg, layer_idx)` decides per layer whether the slot holds a dense FFN or an MoE layer.
+SwiGLU computes gate and up with `stacked_linear` (one GEMM over [W_gate; W_up] at training sizes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import ModelConfig
+from tformer.model.linear import stacked_linear
 
 
 class ReluFFN(nn.Module):
@@ -45,7 +47,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linear(x, (self.gate_proj, self.up_proj))  # 2 x (..., F)
+        return self.down_proj(F.silu(gate) * up)
 
 
 FFNS: dict[str, type[nn.Module]] = {"relu": ReluFFN, "gelu": GeluFFN, "swiglu": SwiGLU}

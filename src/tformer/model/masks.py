@@ -4,6 +4,8 @@ Shapes: B batch, Tq queries, Tk keys. A `Mask` holds `allowed` (B or 1, 1, Tq, T
 query may attend to a key. `is_causal` is a hint that `allowed` is exactly the square lower-triangular
 pattern with no padding, so a fused kernel may use its own causal path (SDPA's `is_causal=True` is
 top-left aligned and is only correct when Tq == Tk, which is why the hint is set only then).
+`is_full` is a hint that `allowed` is all True (no padding, and either a bidirectional mask or one
+new token over the cache, which attends to every cached key), so a fused kernel may skip the mask.
 
 Every query row keeps at least one allowed key: a row with none (a fully padded sample) is opened to
 all its keys so the softmax stays finite; such rows are padding and their outputs are ignored.
@@ -21,6 +23,7 @@ from torch import Tensor
 class Mask:
     allowed: Tensor  # (B|1, 1, Tq, Tk) bool
     is_causal: bool = False
+    is_full: bool = False
 
 
 def _finite_rows(allowed: Tensor) -> Tensor:
@@ -38,7 +41,7 @@ def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torc
     k_slot = torch.arange(t_k, device=device)  # (Tk,)
     allowed = (k_slot[None, :] <= q_slot[:, None])[None, None]  # (1, 1, Tq, Tk)
     if key_padding is None:
-        return Mask(allowed, is_causal=q_start == 0)
+        return Mask(allowed, is_causal=q_start == 0, is_full=t_q == 1)
     allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
     return Mask(_finite_rows(allowed))
 
@@ -46,6 +49,6 @@ def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torc
 def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:
     """Bidirectional mask: every query sees every real key. key_padding: (B, Tk) bool or None."""
     if key_padding is None:
-        return Mask(torch.ones(1, 1, t_q, t_k, dtype=torch.bool, device=device))
+        return Mask(torch.ones(1, 1, t_q, t_k, dtype=torch.bool, device=device), is_full=True)
     allowed = key_padding[:, None, None, :].expand(-1, 1, t_q, -1)  # (B, 1, Tq, Tk)
     return Mask(_finite_rows(allowed))

@@ -3,6 +3,9 @@
 Shapes: x (B, T, D) token embeddings; q/k (B, H, T, E) per-head features; positions (B, T) or (T,)
 absolute integer positions. `make_positions(cfg)` returns the pair (input hook, rotary hook); the
 hook a scheme does not use is a null object (`NoPositions`, `NoRotary`), so the spine calls both.
+Rotary hooks rotate one tensor (`rotary(x, positions)`) or queries and keys together
+(`rotary.pair(q, k, positions)`, one table lookup for both). `HalfRotaryEmbedding` is the fast twin of
+`RotaryEmbedding` for the common case (half layout, whole heads rotated); `make_positions` picks it.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class NoRotary(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         return x
 
+    def pair(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate each pair of features of x (B, H, T, E) by angle p * theta_i (Su et al., 2021)."""
@@ -130,11 +136,52 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, r/2)
         return self.rotate(x, cos, sin)
 
+    def pair(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self(q, positions), self(k, positions)
+
+
+class HalfRotaryEmbedding(RotaryEmbedding):
+    """Fast twin of RotaryEmbedding for the half layout with every feature rotated (Llama):
+    x * [cos, cos] + [x2, x1] * [-sin, sin], with both full-width tables precomputed for every position,
+    one lookup per (q, k) pair and no torch.cat. Bit-identical to the reference (a - b == a + (-b))."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
+        super().__init__(head_dim, max_seq_len, rope)
+        cos, sin = self.cos, self.sin  # (P, E/2)
+        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))  # (2, P, E)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def table(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos_sin = self.cos_sin[:, positions].to(dtype)  # (2, T, E) or (2, B, T, E)
+        if positions.dim() == 2:
+            cos_sin = cos_sin[:, :, None]  # (2, B, 1, T, E)
+        return cos_sin[0], cos_sin[1]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return rotate_whole_half_layout(x, *self.table(positions, x.dtype))
+
+    def pair(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.table(positions, q.dtype)
+        return rotate_whole_half_layout(q, cos, sin), rotate_whole_half_layout(k, cos, sin)
+
+
+def rotate_whole_half_layout(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (..., E) rotated with full-width tables cos = [cos, cos], sin = [-sin, sin] (..., E)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]  (..., E)
+    return x * cos + swapped * sin
+
+
+def make_rotary(head_dim: int, max_seq_len: int, rope: RopeConfig) -> RotaryEmbedding:
+    """The fast twin where it applies (half layout, whole heads rotated), the reference otherwise."""
+    whole = int(head_dim * rope.fraction) == head_dim
+    fast = rope.layout == "half" and whole
+    return (HalfRotaryEmbedding if fast else RotaryEmbedding)(head_dim, max_seq_len, rope)
+
 
 POSITIONS: dict[str, Callable[[ModelConfig], tuple[nn.Module, nn.Module]]] = {
     "sinusoidal": lambda cfg: (SinusoidalPositions(cfg.max_seq_len, cfg.d_model), NoRotary()),
     "learned": lambda cfg: (LearnedPositions(cfg.max_seq_len, cfg.d_model), NoRotary()),
-    "rope": lambda cfg: (NoPositions(), RotaryEmbedding(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope)),
+    "rope": lambda cfg: (NoPositions(), make_rotary(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope)),
     "none": lambda cfg: (NoPositions(), NoRotary()),
 }
 

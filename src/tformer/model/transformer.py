@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig
 from tformer.model.attention import Memory
-from tformer.model.blocks import BLOCKS, CROSS_BLOCKS
+from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
 from tformer.model.cache import NO_CACHE, KVCache, NoCache
 from tformer.model.checks import check_key_padding, check_positions, check_tokens
 from tformer.model.init import init_weights
@@ -34,7 +34,7 @@ class Stack(nn.Module):
         self.tok_embed = tok_embed
         self.input_positions, self.rotary = make_positions(cfg)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
-        self.embed_drop = nn.Dropout(cfg.dropout)
+        self.embed_drop = make_dropout(cfg.dropout)
         self.final_norm = make_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:

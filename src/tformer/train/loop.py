@@ -3,6 +3,11 @@ evaluation; `train_step` does one optimizer step.
 
 Run directory: config.json (the resolved TrainConfig), tokenizer.json, metrics.jsonl, tensorboard/,
 loss.png, checkpoints/step_XXXXXXX/ (see tformer.train.checkpoint).
+
+Under torchrun the same loop runs on every rank: tformer.distributed supplies the process group, the
+parallel plan (DDP / FSDP2 / expert parallel), the step's collectives, the rank's share of the batches
+and the checkpoint format; rank 0 alone writes files, logs and shows progress. In one process those
+are null objects (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -17,27 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from tformer.distributed.checkpoint import make_checkpointer
+from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
+from tformer.distributed.parallelize import global_routing_stats, parallelize
+from tformer.distributed.plans import make_plan
 from tformer.model import build_model
-from tformer.model.moe import moe_routing_stats
-from tformer.train.checkpoint import (
-    capture_rng_state,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
+from tformer.train.checkpoint import latest_checkpoint
 from tformer.train.config import TrainConfig
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import make_optimizer, make_scheduler
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} asked for, but this machine has no CUDA device")
-    return torch.device(name)
+__all__ = ["TrainState", "Trainer", "resolve_device"]
 
 
 @dataclass
@@ -56,9 +52,10 @@ class Trainer:
     def __init__(
         self, cfg: TrainConfig, run_dir: str | Path, task, resume: bool = False, progress: bool = True
     ):
-        self.cfg, self.task, self.progress = cfg, task, progress
+        self.env = init_distributed(cfg.parallel, cfg.device)
+        self.cfg, self.task, self.progress = cfg, task, progress and self.env.is_main
         self.run_dir = Path(run_dir)
-        self.device = resolve_device(cfg.device)
+        self.device = self.env.device(cfg.device)
         torch.manual_seed(cfg.seed)
         resume_from = latest_checkpoint(self.run_dir) if resume else None
         if resume and resume_from is None:
@@ -68,20 +65,25 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        task.setup(cfg, self.run_dir, self.device)
+        with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
+            task.setup(cfg, self.run_dir, self.device)
         self.model_cfg = task.model_config(cfg)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
-        self.optimizer = make_optimizer(self.model, cfg.optim)
+        plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
+        self.parallel = parallelize(self.model, plan, self.env, self.device)
+        self.env.seed_rank(cfg.seed)
+        self.optimizer = self.parallel.adapt_optimizer(make_optimizer(self.model, cfg.optim))
         self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
-        self.loader = task.train_loader(cfg)
+        self.loader = train_loader(task, cfg, self.env)
         self.state = TrainState()
         self._saved: tuple[int, Path] | None = None
-        self.metrics = MetricsLog(self.run_dir)
-        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.metrics = MetricsLog(self.run_dir) if self.env.is_main else NullMetrics()
+        self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
+        self.forward_model = torch.compile(self.parallel.model) if cfg.compile else self.parallel.model
         self.autocast = autocast_context(self.device, cfg.dtype)
         if resume_from is not None:
             self._restore(resume_from)
-        else:
+        elif self.env.is_main:
             (self.run_dir / "config.json").write_text(
                 json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2)
             )
@@ -92,7 +94,7 @@ class Trainer:
         s = self.state
         if self._saved is not None and self._saved[0] == s.step:
             return self._saved[1]
-        path = save_checkpoint(
+        path = self.checkpointer.save(
             self.run_dir,
             s.step,
             self.model,
@@ -106,7 +108,6 @@ class Trainer:
                 "best_eval": s.best_eval,
                 "loader": self.loader.state_dict(),
             },
-            rng_state=capture_rng_state(),
             meta={
                 "train_config": self.cfg.replace(model=self.model_cfg).to_dict(),
                 "model_config": self.model_cfg.to_dict(),
@@ -119,14 +120,20 @@ class Trainer:
         return path
 
     def _restore(self, path: Path) -> None:
-        loaded = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        t = loaded.trainer_state
+        t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
         self.state = TrainState(
             t["step"], t["tokens_seen"], t["skipped_steps"], t["nonfinite_in_a_row"], t["best_eval"]
         )
         self.loader.load_state_dict(t["loader"])
-        restore_rng_state(loaded.rng_state)
         self.metrics.truncate_after(self.state.step)
+        self._saved = (self.state.step, path)  # resuming a finished run must not save its step again
+
+    def close(self) -> None:
+        """Finish background saves, release model, optimizer and mesh, then leave the process group."""
+        self.checkpointer.close()
+        self.parallel.release()
+        self.model = self.forward_model = self.optimizer = self.scheduler = None
+        self.env.shutdown()
 
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> dict[str, float]:
@@ -155,9 +162,10 @@ class Trainer:
                     self.scheduler,
                     cfg.optim.grad_clip,
                     self.autocast,
+                    self.parallel.comm,
                 )
                 s.step += 1
-                s.tokens_seen += sum(self.task.count_inputs(b) for b in micro)
+                s.tokens_seen += int(self.parallel.comm.sum(sum(self.task.count_inputs(b) for b in micro)))
                 self._guard(result)
                 rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
                 if s.step % cfg.log_every == 0 or s.step == cfg.steps:
@@ -183,7 +191,9 @@ class Trainer:
             if bar is not None:
                 bar.close()
         self.save()
-        plot_loss_curve(self.run_dir)
+        self.checkpointer.wait()
+        if self.env.is_main:
+            plot_loss_curve(self.run_dir)
         self.metrics.close()
         return self.final_report()
 
@@ -216,7 +226,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,
         }
-        stats = moe_routing_stats(self.model)
+        stats = global_routing_stats(self.model, self.env)
         if stats:
             record["moe"] = stats
         self.metrics.write(record)
@@ -239,7 +249,7 @@ class Trainer:
         )
 
     def final_report(self) -> dict[str, Any]:
-        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"]
+        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
         return {
             "step": self.state.step,
             "tokens_seen": self.state.tokens_seen,

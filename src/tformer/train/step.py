@@ -3,6 +3,11 @@
 The loss of a step is the sum of token losses over all its micro-batches divided by the step's total
 target count (known before any backward), so gradient accumulation gives exactly the gradient of the
 whole batch. MoE balance losses come in through `tformer.model.moe.moe_aux_loss`, the one channel.
+
+Everything a step agrees on with other processes goes through one `Collectives` object: target and
+loss sums, the gradient norm, the skip decision, the MoE load counts. `LOCAL` (one process) is the
+null object; `tformer.distributed` supplies the process-group one, so a step means the same thing
+at every world size: the gradient of the summed loss of all ranks' targets over their count.
 """
 
 from __future__ import annotations
@@ -32,6 +37,49 @@ class StepResult:
     skipped: bool
 
 
+class Collectives(Protocol):
+    loss_scale: float  # the task loss is multiplied by this (the world size where gradients are averaged)
+
+    def sum(self, value: float) -> float:
+        """The value summed over processes."""
+
+    def any(self, flag: bool) -> bool:
+        """True on every process if it is true on one."""
+
+    def all_reduce(self, t: Tensor) -> None:
+        """Sum `t` in place over processes."""
+
+    def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+        """Global gradient norm before clipping; clips to max_norm when it is > 0."""
+
+
+def local_grad_norm(params: list[Tensor], max_norm: float) -> float:
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+
+
+class LocalCollectives:
+    """One process: every collective is the identity."""
+
+    loss_scale = 1.0
+
+    def sum(self, value: float) -> float:
+        return value
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def all_reduce(self, t: Tensor) -> None:
+        pass
+
+    def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+        return local_grad_norm(params, max_norm)
+
+
+LOCAL = LocalCollectives()
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
@@ -51,28 +99,24 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     grad_clip: float,
     autocast,
+    comm: Collectives = LOCAL,
 ) -> StepResult:
-    total = max(1, sum(count_targets(b) for b in micro_batches))
+    total = max(1, int(comm.sum(sum(count_targets(b) for b in micro_batches))))
     loss_sum, aux_sum = 0.0, 0.0
     for batch in micro_batches:
         with autocast:
             task_loss, _ = loss_fn(model, batch)
             aux = moe_aux_loss(model) / len(micro_batches)
-            loss = task_loss / total + aux
+            loss = task_loss * comm.loss_scale / total + aux
         loss.backward()
         loss_sum += task_loss.item()
-        aux_sum += float(aux)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    else:
-        grad_norm = (
-            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
-        )
-    skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
+        aux_sum += float(aux.detach())
+    loss_sum, aux_sum = comm.sum(loss_sum), comm.sum(aux_sum) / comm.loss_scale  # aux: mean over ranks
+    grad_norm = comm.grad_norm([p for p in model.parameters() if p.grad is not None], grad_clip)
+    skipped = comm.any(not (math.isfinite(loss_sum) and math.isfinite(grad_norm)))
     if not skipped:
         optimizer.step()
-        update_expert_biases(model)
+        update_expert_biases(model, all_reduce=comm.all_reduce)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return StepResult(loss_sum / total, aux_sum, grad_norm, total, skipped)

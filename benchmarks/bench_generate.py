@@ -1,0 +1,208 @@
+"""Greedy decoding speed: tformer's `generate` vs Hugging Face `generate`, same weights, one process.
+
+The model is the dense LM of bench_lm.py (`llama_like(vocab 8192, d_model 512, 8 layers, 8 heads,
+d_ff 1376)`), built in tformer and copied into HF `LlamaForCausalLM` (sdpa attention). Each call
+decodes `--new` (256) tokens greedily after a `--prompt` (32) token prompt, at batch 1 and batch 8,
+with no EOS on either side (HF: eos_token_id None, min_new_tokens = max_new_tokens) so both produce
+exactly the same number of tokens; a call includes the prefill and its own KV cache. The generated
+ids of both sides are compared and the result printed. Rounds are interleaved (see harness.py).
+
+For scale the script also measures this machine's memory read bandwidth in the same run: at batch 1
+every decoded token reads all matmul weights once, which bounds ms/token from below.
+
+    python benchmarks/bench_generate.py            # ~5-8 minutes on a 2-core CPU, writes results/generate.json
+    python benchmarks/bench_generate.py --quick    # < 1 minute smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
+
+from tformer import build_model  # noqa: E402
+from tformer.generate.engine import generate  # noqa: E402
+from tformer.generate.sampling import SamplingConfig  # noqa: E402
+from tformer.presets import llama_like  # noqa: E402
+
+FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=3)
+QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new=16, rounds=2)
+COLUMNS = [
+    ("name", "variant", "s"),
+    ("best_s", "best s", ".2f"),
+    ("ms_tok", "ms/token", ".2f"),
+    ("tok_s", "tok/s", ".0f"),
+    ("vs_hf_best", "x HF (best)", ".2f"),
+    ("vs_hf_paired", "x HF (paired med)", ".2f"),
+]
+
+
+def build_pair(s: dict) -> tuple[nn.Module, nn.Module]:
+    """tformer DecoderLM and HF LlamaForCausalLM holding the same weights."""
+    torch.manual_seed(0)
+    cfg = llama_like(s["vocab"], s["d_model"], s["layers"], s["heads"], None, s["d_ff"], 512)
+    ours = build_model(cfg).eval()
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["d_model"],
+        intermediate_size=s["d_ff"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").eval()
+    renames = {
+        "tok_embed": "model.embed_tokens",
+        "final_norm": "model.norm",
+        "blocks": "model.layers",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        ".attn.": ".self_attn.",
+        ".ffn.": ".mlp.",
+    }
+    state = {}
+    for name, tensor in ours.state_dict().items():
+        for a, b in renames.items():
+            name = name.replace(a, b)
+        state[name] = tensor
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return ours, hf
+
+
+def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
+    out = hf.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, prompts.shape[1] :].tolist()
+
+
+def ours_generate(model: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
+    return generate(model, prompts.tolist(), SamplingConfig(temperature=0.0, max_new_tokens=new))
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(ra, rb)):
+            if x != y:
+                return f"row {i} token {j}: tformer {x} vs HF {y}"
+        if len(ra) != len(rb):
+            return f"row {i}: lengths {len(ra)} vs {len(rb)}"
+    return "none"
+
+
+def read_bandwidth_gbs(mb: int = 256, reps: int = 3) -> float:
+    """GB/s of one pass summing a buffer much larger than the caches (best of `reps`)."""
+    a = torch.ones(mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 16 tokens: a smoke check in < 1 minute")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument(
+        "--layers", type=int, default=None, help="fewer layers if time is tight (same both sides)"
+    )
+    ap.add_argument("--new", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
+    args = ap.parse_args()
+    setup(args.threads)
+    s = dict(QUICK if args.quick else FULL)
+    s["layers"] = args.layers or s["layers"]
+    s["new"] = args.new or s["new"]
+    rounds = args.rounds or s["rounds"]
+    ours, hf = build_pair(s)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters() if "embed" not in n)
+    sections = {}
+    for batch in args.batch:
+        torch.manual_seed(batch)
+        prompts = torch.randint(1, s["vocab"], (batch, s["prompt"]))
+        outputs = {
+            "HF generate": hf_generate(hf, prompts, s["new"]),  # warm-up, and the ids to compare
+            "tformer generate": ours_generate(ours, prompts, s["new"]),
+        }
+        same = outputs["HF generate"] == outputs["tformer generate"]
+        variants = {
+            "HF generate": lambda p=prompts: hf_generate(hf, p, s["new"]),
+            "tformer generate": lambda p=prompts: ours_generate(ours, p, s["new"]),
+        }
+        with LoadMeter() as load:
+            bandwidth = read_bandwidth_gbs()
+            times = round_robin(variants, rounds, warmup=0)
+        rows = summarize(times, "HF generate", batch * s["new"])
+        table = [
+            {
+                "name": n,
+                "best_s": r.best_s,
+                "ms_tok": r.best_s / s["new"] * 1e3,
+                "tok_s": r.rate_best,
+                "vs_hf_best": r.speedup_best,
+                "vs_hf_paired": r.speedup_paired,
+            }
+            for n, r in rows.items()
+        ]
+        title = (
+            f"\ngreedy decoding, batch {batch}, prompt {s['prompt']} + {s['new']} new tokens, fp32, "
+            f"{s['layers']} layers"
+        )
+        text = print_table(title, table, COLUMNS)
+        floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+        lines = [
+            f"generated token ids identical on both sides: {same} (first difference: "
+            f"{first_difference(outputs['tformer generate'], outputs['HF generate'])})",
+            f"memory read bandwidth {bandwidth:.1f} GB/s: reading the {weight_bytes / 1e6:.0f} MB of matmul weights "
+            f"takes {floor_ms:.1f} ms per decoding step",
+            load.line(),
+        ]
+        for line in lines:
+            print("  " + line)
+        sections[f"batch_{batch}"] = {
+            "batch": batch,
+            "rows": {n: r.as_dict() for n, r in rows.items()},
+            "ids_identical": same,
+            "first_difference": first_difference(outputs["tformer generate"], outputs["HF generate"]),
+            "read_bandwidth_gbs": round(bandwidth, 2),
+            "weights_mb": round(weight_bytes / 1e6, 1),
+            "weight_read_ms_per_step": round(floor_ms, 2),
+            "load": load.result,
+            "table": text,
+            "notes": lines,
+        }
+    out = args.out or ("generate_quick.json" if args.quick else "generate.json")
+    write_json(out, {"config": s, "rounds": rounds, "sections": sections})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""Training speed of tformer's decoder LMs vs Hugging Face, side by side in one process.
+
+Sections (each a round-robin of its variants, see harness.py for the method):
+  dense  tformer `llama_like(vocab 8192, d_model 512, 8 layers, 8 heads, d_ff 1376)` vs HF
+         `LlamaForCausalLM` at the same config, batch 8 x 256, fp32, plus the fp32 matmul peak on the
+         model's own GEMM shapes (for MFU).
+  bf16   the same under `torch.autocast("cpu", torch.bfloat16)`, plus the bf16 matmul peak. On a CPU
+         without bf16 instructions (no AVX512-BF16 / AMX) a full-size step takes minutes, so this
+         section then runs at batch 1 x 256 and says so.
+  moe    a DeepSeekMoE LM (first layer dense, then 64 routed experts of width 344, top-6, 2 shared,
+         sigmoid scores, top-k renormalised) vs HF `DeepseekV3ForCausalLM` with the same widths and
+         expert counts. HF's attention is MLA (low-rank K/V, rope on part of each head), ours is plain
+         MHA: we pick kv_lora_rank so the attention parameters match within a few percent, and count
+         each side's own FLOPs.
+  compile (only with --compile) tformer under torch.compile vs tformer eager, fp32.
+
+A step is what both sides do: forward, the same cross-entropy on fp32 logits (computed outside both
+models), backward, one fused AdamW step, zero_grad(set_to_none). HF runs with use_cache=False.
+
+    python benchmarks/bench_lm.py            # ~10 minutes on a 2-core CPU, writes results/lm.json
+    python benchmarks/bench_lm.py --quick    # < 1 minute smoke check (tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (  # noqa: E402
+    LoadMeter,
+    MatmulPeak,
+    MatmulShape,
+    cpu_info,
+    linear_train_shapes,
+    print_table,
+    round_robin,
+    setup,
+    summarize,
+    write_json,
+)
+
+from tformer import MoEConfig, build_model  # noqa: E402
+from tformer.presets import llama_like  # noqa: E402
+
+FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, batch=8, seq=256, rounds=3)
+QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, batch=2, seq=64, rounds=2)
+MOE = dict(n_experts=64, top_k=6, d_expert=344, n_shared=2, first_dense=1)
+MOE_QUICK = dict(n_experts=8, top_k=2, d_expert=96, n_shared=1, first_dense=1)
+COLUMNS = [
+    ("name", "variant", "s"),
+    ("best_s", "best s", ".3f"),
+    ("median_s", "median s", ".3f"),
+    ("tok_s", "tok/s", ".0f"),
+    ("vs_hf_best", "x HF (best)", ".2f"),
+    ("vs_hf_paired", "x HF (paired med)", ".2f"),
+    ("mfu", "MFU", ".0%"),
+]
+
+
+# ----------------------------------------------------------------------------- models
+def tformer_dense(s: dict) -> nn.Module:
+    cfg = llama_like(s["vocab"], s["d_model"], s["layers"], s["heads"], None, s["d_ff"], max(512, s["seq"]))
+    return build_model(cfg)
+
+
+def hf_llama(s: dict) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["d_model"],
+        intermediate_size=s["d_ff"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        max_position_embeddings=max(512, s["seq"]),
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, torch.Tensor]:
+    """HF Llama state dict under tformer's names (the mapping of tests/model/test_parity.py)."""
+    renames = {
+        "model.embed_tokens": "tok_embed",
+        "model.norm": "final_norm",
+        "model.layers": "blocks",
+        "self_attn": "attn",
+        "mlp": "ffn",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    out = {}
+    for name, tensor in hf.state_dict().items():
+        for a, b in renames.items():
+            name = name.replace(a, b)
+        out[name] = tensor
+    return out
+
+
+def tformer_moe(s: dict, m: dict) -> nn.Module:
+    moe = MoEConfig(
+        n_experts=m["n_experts"],
+        top_k=m["top_k"],
+        d_expert=m["d_expert"],
+        n_shared=m["n_shared"],
+        first_dense=m["first_dense"],
+        score_func="sigmoid",
+        norm_topk=True,
+        routed_scaling=1.0,
+        aux_loss_coef=0.0,  # DeepSeek-V3 is auxiliary-loss free; HF computes no balance loss either
+    )
+    cfg = llama_like(s["vocab"], s["d_model"], s["layers"], s["heads"], None, s["d_ff"], max(512, s["seq"]))
+    return build_model(cfg.replace(moe=moe))
+
+
+def hf_deepseek_v3(s: dict, m: dict) -> nn.Module:
+    head_dim = s["d_model"] // s["heads"]
+    kv_lora_rank = kv_rank_matching_mha(s["d_model"], s["heads"], head_dim)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=s["vocab"],
+        hidden_size=s["d_model"],
+        intermediate_size=s["d_ff"],
+        moe_intermediate_size=m["d_expert"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        n_shared_experts=m["n_shared"],
+        n_routed_experts=m["n_experts"],
+        num_experts_per_tok=m["top_k"],
+        first_k_dense_replace=m["first_dense"],
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        q_lora_rank=None,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=head_dim // 2,
+        qk_nope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+        rope_interleave=False,
+        max_position_embeddings=max(512, s["seq"]),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_cache=False,
+        num_mtp_layers=0,
+    )
+    return transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def kv_rank_matching_mha(d: int, heads: int, head_dim: int) -> int:
+    """MLA's kv_lora_rank r whose K/V parameters D (r + E/2) + r H (E/2 + E) match MHA's 2 D H E."""
+    r = (2 * d * heads * head_dim - d * head_dim // 2) / (d + heads * (head_dim // 2 + head_dim))
+    return max(8, int(round(r / 8)) * 8)
+
+
+def active_matmul_params(model: nn.Module, top_k: int = 0) -> float:
+    """Weights one token multiplies: every 2-D weight but the input embedding (the output head and the
+    routers included) and, of stacked (E, out, in) expert weights, top_k / E of them."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "embed" in name or p.dim() < 2:
+            continue
+        total += p.numel() * (top_k / p.shape[0] if p.dim() == 3 else 1.0)
+    return total
+
+
+def train_flops(model: nn.Module, s: dict, top_k: int = 0, d_attn: int | None = None) -> float:
+    """Model FLOPs of one training step: 6 x active matmul params per token + attention
+    3 x 2 x T x (d_qk + d_v) per layer per token, full T x T (BENCHMARKING.md)."""
+    d_attn = d_attn or s["d_model"]
+    per_token = 6 * active_matmul_params(model, top_k) + 3 * 2 * s["seq"] * 2 * d_attn * s["layers"]
+    return per_token * s["batch"] * s["seq"]
+
+
+def dense_gemm_shapes(s: dict, tokens: int) -> list[MatmulShape]:
+    d, f, n = s["d_model"], s["d_ff"], s["layers"]
+    return (
+        linear_train_shapes(tokens, d, d, 4 * n)
+        + linear_train_shapes(tokens, d, f, 2 * n)
+        + linear_train_shapes(tokens, f, d, n)
+        + linear_train_shapes(tokens, d, s["vocab"], 1)
+    )
+
+
+# ----------------------------------------------------------------------------- one training step
+def make_step(model: nn.Module, call: Callable, tokens: torch.Tensor, autocast) -> Callable[[], float]:
+    """Closure doing forward, loss, backward and one fused AdamW step; returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    model.train()
+
+    def step() -> float:
+        with autocast():
+            logits = call(model, inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def call_tformer(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(inputs)
+
+
+def call_hf(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=inputs, use_cache=False).logits
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- sections
+def run_section(
+    title: str,
+    steps: dict[str, Callable],
+    flops: dict[str, float],
+    peaks: dict[str, MatmulPeak],
+    s: dict,
+    rounds: int,
+    notes: list[str],
+) -> dict:
+    variants = {**steps, **{f"matmul peak ({k})": p for k, p in peaks.items()}}
+    first_losses = {name: fn() for name, fn in steps.items()}  # also the warm-up
+    with LoadMeter() as load:
+        times = round_robin(variants, rounds, warmup=0)
+    tokens = s["batch"] * s["seq"]
+    ref = next(n for n in steps if n.startswith("HF"))
+    rows = summarize({n: times[n] for n in steps}, ref, tokens)
+    peak_gflops = {k: p.gflops_best() for k, p in peaks.items()}
+    table = []
+    for name, row in rows.items():
+        mfu = {k: flops[name] / row.best_s / 1e9 / g for k, g in peak_gflops.items()}
+        row.extra = {
+            "tokens_per_s": round(tokens / row.best_s, 1),
+            "model_gflop_per_step": round(flops[name] / 1e9, 2),
+            "gflops_per_s": round(flops[name] / row.best_s / 1e9, 2),
+            **{f"mfu_vs_{k}_peak": round(v, 3) for k, v in mfu.items()},
+            "first_step_loss": round(first_losses[name], 5),
+        }
+        table.append(
+            {
+                "name": name,
+                "best_s": row.best_s,
+                "median_s": row.median_s,
+                "tok_s": tokens / row.best_s,
+                "vs_hf_best": row.speedup_best,
+                "vs_hf_paired": row.speedup_paired,
+                "mfu": next(iter(mfu.values())),
+            }
+        )
+    peak_line = ", ".join(f"{k} {g:.1f} GFLOP/s" for k, g in peak_gflops.items())
+    text = print_table(f"\n{title}", table, COLUMNS)
+    for line in [
+        f"matmul peak on the model's GEMM shapes: {peak_line} (MFU above is against the first)",
+        load.line(),
+        *notes,
+    ]:
+        print("  " + line)
+    return {
+        "title": title,
+        "shape": {k: s[k] for k in ("batch", "seq")},
+        "rounds": rounds,
+        "rows": {n: r.as_dict() for n, r in rows.items()},
+        "matmul_peak_gflops": {k: round(g, 2) for k, g in peak_gflops.items()},
+        "load": load.result,
+        "notes": notes,
+        "table": text,
+    }
+
+
+def dense_section(s: dict, rounds: int, dtype: str) -> dict:
+    torch.manual_seed(0)
+    hf = hf_llama(s)
+    ours = tformer_dense(s)
+    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)  # same weights, same first loss
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
+    autocast = bf16_autocast if dtype == "bf16" else contextlib.nullcontext
+    steps = {
+        "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
+        "tformer DecoderLM": make_step(ours, call_tformer, tokens, autocast),
+    }
+    flops = {
+        name: train_flops(m, s) for name, m in (("HF LlamaForCausalLM", hf), ("tformer DecoderLM", ours))
+    }
+    shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
+    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
+    if dtype == "bf16":
+        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+    notes = ["same weights both sides; the first-step losses are printed in the JSON (first_step_loss)"]
+    title = f"dense LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} x {s['seq']}"
+    return run_section(title, steps, flops, peaks, s, rounds, notes)
+
+
+def moe_section(s: dict, m: dict, rounds: int) -> dict:
+    torch.manual_seed(0)
+    hf = hf_deepseek_v3(s, m)
+    ours = tformer_moe(s, m)
+    for p in hf.parameters():  # HF leaves the router at zero until from_pretrained; give it a random init
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=0.02)
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
+    steps = {
+        "HF DeepseekV3ForCausalLM": make_step(hf, call_hf, tokens, contextlib.nullcontext),
+        "tformer DecoderLM (MoE)": make_step(ours, call_tformer, tokens, contextlib.nullcontext),
+    }
+    # HF q/k heads are nope + rope = head_dim features, v heads head_dim: the same d_qk = d_v as ours
+    d_attn_hf = s["heads"] * (s["d_model"] // s["heads"])
+    flops = {
+        "HF DeepseekV3ForCausalLM": train_flops(hf, s, m["top_k"], d_attn_hf),
+        "tformer DecoderLM (MoE)": train_flops(ours, s, m["top_k"]),
+    }
+    tokens_n = s["batch"] * s["seq"]
+    d, layers_moe = s["d_model"], s["layers"] - m["first_dense"]
+    width = m["d_expert"] * (m["top_k"] + m["n_shared"])
+    shapes = (
+        linear_train_shapes(tokens_n, d, d, 4 * s["layers"])
+        + linear_train_shapes(tokens_n, d, s["d_ff"], 2 * m["first_dense"])
+        + linear_train_shapes(tokens_n, s["d_ff"], d, m["first_dense"])
+        + linear_train_shapes(tokens_n, d, width, 2 * layers_moe)  # active experts as one dense FFN
+        + linear_train_shapes(tokens_n, width, d, layers_moe)
+        + linear_train_shapes(tokens_n, d, s["vocab"], 1)
+    )
+    params = {n: sum(p.numel() for p in mm.parameters()) for n, mm in (("HF", hf), ("tformer", ours))}
+    attn = {
+        "HF": sum(p.numel() for n, p in hf.named_parameters() if "self_attn" in n),
+        "tformer": sum(p.numel() for n, p in ours.named_parameters() if ".attn." in n),
+    }
+    impl = getattr(hf.config, "_experts_implementation", None)
+    notes = [
+        f"attention differs: HF MLA (q_lora_rank none, kv_lora_rank {hf.config.kv_lora_rank}, rope on "
+        f"{hf.config.qk_rope_head_dim} of {hf.config.qk_head_dim} q/k features per head) vs tformer MHA; "
+        f"attention params HF {attn['HF']:,} vs tformer {attn['tformer']:,}",
+        f"total params HF {params['HF']:,} vs tformer {params['tformer']:,}; HF experts implementation: {impl}",
+        "MFU counts each side's own FLOPs (active experts + shared + router); the peak runs the active "
+        "experts as one dense FFN of the same width",
+    ]
+    title = (
+        f"DeepSeekMoE LM training step, fp32, batch {s['batch']} x {s['seq']}, {m['n_experts']} experts "
+        f"x {m['d_expert']} top-{m['top_k']} + {m['n_shared']} shared"
+    )
+    return run_section(title, steps, flops, {"fp32": MatmulPeak(shapes)}, s, rounds, notes)
+
+
+def compile_section(s: dict, rounds: int) -> dict:
+    torch.manual_seed(0)
+    hf = hf_llama(s)
+    eager, compiled = tformer_dense(s), tformer_dense(s)
+    compiled.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
+    fwd = torch.compile(compiled)
+    steps = {
+        "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, contextlib.nullcontext),
+        "tformer eager": make_step(eager, call_tformer, tokens, contextlib.nullcontext),
+        "tformer torch.compile": make_step(compiled, lambda m, x: fwd(x), tokens, contextlib.nullcontext),
+    }
+    flops = {n: train_flops(eager, s) for n in steps}
+    peaks = {"fp32": MatmulPeak(dense_gemm_shapes(s, s["batch"] * s["seq"]))}
+    notes = [
+        "torch.compile (inductor) of the model forward; the first call (compile) is the warm-up, untimed"
+    ]
+    return run_section(
+        f"dense LM, torch.compile, fp32, batch {s['batch']} x {s['seq']}",
+        steps,
+        flops,
+        peaks,
+        s,
+        rounds,
+        notes,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds: a smoke check in < 1 minute")
+    ap.add_argument(
+        "--only", nargs="+", choices=["dense", "bf16", "moe", "compile"], default=["dense", "bf16", "moe"]
+    )
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile section")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
+    args = ap.parse_args()
+    setup(args.threads)
+    s = dict(QUICK if args.quick else FULL)
+    rounds = args.rounds or s["rounds"]
+    sections = list(args.only) + (["compile"] if args.compile and "compile" not in args.only else [])
+    results = {}
+    for name in sections:
+        if name == "dense":
+            results["dense_fp32"] = dense_section(s, rounds, "fp32")
+        elif name == "bf16":
+            sb = dict(s)
+            if not cpu_info()["native_bf16_matmul"] and not args.quick:
+                sb["batch"] = 1  # a bf16 GEMM without bf16 instructions runs ~15-20x below fp32 here
+            results["dense_bf16"] = dense_section(sb, rounds, "bf16")
+            if sb["batch"] != s["batch"]:
+                note = (
+                    "this CPU has no bf16 matmul instructions (no AVX512-BF16/AMX): torch's bf16 GEMM is "
+                    "emulated, so the section runs at batch 1"
+                )
+                results["dense_bf16"]["notes"].append(note)
+                print("  " + note)
+        elif name == "moe":
+            results["moe_fp32"] = moe_section(s, MOE_QUICK if args.quick else MOE, rounds)
+        elif name == "compile":
+            results["compile_fp32"] = compile_section(s, rounds)
+    out = args.out or ("lm_quick.json" if args.quick else "lm.json")
+    write_json(out, {"config": s, "moe": MOE_QUICK if args.quick else MOE, "sections": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Encoder-decoder training speed: tformer's EncoderDecoder vs `torch.nn.Transformer`, and beam search.
+
+Sections (each a round-robin of its variants, see harness.py for the method):
+  fp32   d_model 512, 6 + 6 layers, 8 heads, ReLU FFN 2048, vocab 8192, batch 16 x 128 source and
+         128 target tokens; Post-Norm and Pre-Norm on both sides; plus the fp32 matmul peak on the
+         model's own GEMM shapes (for MFU).
+  bf16   the same under `torch.autocast("cpu", torch.bfloat16)`, plus the bf16 matmul peak. On a CPU
+         without bf16 instructions (no AVX512-BF16 / AMX) bf16 matmuls run ~100x below fp32 and a
+         full-size step takes many minutes, so this section then runs at batch 1 x 32 and says so.
+  beam   translation sentences/s of beam search (beam 4, GNMT length penalty 0.6) with the KV cache
+         vs the uncached slow twin, on the fp32 Pre-Norm model: 32 sources of 24 tokens, EOS banned so
+         every hypothesis runs to its max length of 32 (random weights would stop at random points).
+         With --run DIR, also on that trained translation run's test sentences (real EOS behaviour).
+
+Both sides do the same work per step: shared source/target embedding scaled by sqrt(d_model) plus
+sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout have no exact twin in
+tformer, so both are off), an output projection tied to the embedding, the same cross-entropy on fp32
+logits (outside both models), backward, one fused AdamW step (same settings, plain parameter list on
+both sides), zero_grad(set_to_none). No padding: the peer gets a causal target mask (tgt_is_causal).
+torch.nn.Transformer always ends both stacks with a LayerNorm, Post-Norm included (tformer's Post-Norm
+has none), so it does two extra LayerNorms per step.
+FLOPs for MFU: 6 x matmul parameters (embedding lookup excluded, output projection included) per
+token of each side, plus attention 12 x d_model x keys per query per layer (encoder self over S,
+decoder self over the full T, not halved for causality, and cross over S).
+
+    python benchmarks/bench_seq2seq.py                 # ~5-10 minutes on 2 cores, writes results/seq2seq.json
+    python benchmarks/bench_seq2seq.py --quick         # < 1 minute smoke check (tiny shapes)
+    python benchmarks/bench_seq2seq.py --run runs/translation   # adds beam speed on a trained run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (  # noqa: E402
+    LoadMeter,
+    MatmulPeak,
+    cpu_info,
+    linear_train_shapes,
+    print_table,
+    round_robin,
+    setup,
+    summarize,
+    write_json,
+)
+
+from tformer import ModelConfig, build_model  # noqa: E402
+from tformer.generate.beam import beam_search  # noqa: E402
+
+FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=5)
+QUICK = dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128, batch=4, src=16, tgt=16, rounds=2)
+SLOW_BF16 = dict(batch=1, src=32, tgt=32, rounds=2)
+BEAM = dict(sentences=32, src=24, max_len=32, beam=4, alpha=0.6, rounds=3)
+COLUMNS = [
+    ("name", "variant", "s"),
+    ("best_s", "best s/step", ".3f"),
+    ("median_s", "median", ".3f"),
+    ("rate_best", "target tok/s", ",.0f"),
+    ("speedup_paired_median", "x torch (paired)", ".3f"),
+    ("speedup_best", "x torch (best)", ".3f"),
+    ("mfu", "MFU", ".1%"),
+]
+
+
+# ----------------------------------------------------------------------------- the two models
+def tformer_model(s: dict, placement: str) -> nn.Module:
+    cfg = ModelConfig(
+        arch="encoder_decoder",
+        vocab_size=s["vocab"],
+        d_model=s["d_model"],
+        n_layers=s["layers"],
+        n_heads=s["heads"],
+        d_ff=s["d_ff"],
+        max_seq_len=max(s["src"], s["tgt"], BEAM["max_len"]),
+        dropout=0.0,
+        norm="layernorm",
+        norm_placement=placement,
+        positions="sinusoidal",
+        ffn="relu",
+        embed_scale=True,
+        share_embeddings=True,
+        tie_embeddings=True,
+    )
+    return build_model(cfg)
+
+
+def sinusoids(length: int, d: int) -> torch.Tensor:
+    pos = torch.arange(length, dtype=torch.float32)[:, None]  # (T, 1)
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))  # (D/2,)
+    table = torch.zeros(length, d)
+    table[:, 0::2], table[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+    return table  # (T, D)
+
+
+class TorchSeq2Seq(nn.Module):
+    """torch.nn.Transformer with what a translation model needs around it: the peer."""
+
+    def __init__(self, s: dict, placement: str) -> None:
+        super().__init__()
+        d = s["d_model"]
+        self.embed = nn.Embedding(s["vocab"], d)
+        self.core = nn.Transformer(
+            d_model=d,
+            nhead=s["heads"],
+            num_encoder_layers=s["layers"],
+            num_decoder_layers=s["layers"],
+            dim_feedforward=s["d_ff"],
+            dropout=0.0,
+            batch_first=True,
+            norm_first=placement == "pre",
+        )
+        self.head = nn.Linear(d, s["vocab"], bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("pe", sinusoids(max(s["src"], s["tgt"]), d), persistent=False)
+        self.scale = math.sqrt(d)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.embed(src) * self.scale + self.pe[: src.shape[1]]
+        y = self.embed(tgt) * self.scale + self.pe[: tgt.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.head(self.core(x, y, tgt_mask=mask, tgt_is_causal=True))  # (B, T, V)
+
+
+def train_step(model: nn.Module, batch, optimizer, autocast) -> None:
+    src, tgt_in, tgt_out = batch
+    with autocast():
+        logits = model(src, tgt_in)  # (B, T, V); both models take (source, target input)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train_variants(s: dict, dtype: str) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(0)
+    batch = (
+        torch.randint(4, s["vocab"], (s["batch"], s["src"]), generator=g),
+        torch.randint(4, s["vocab"], (s["batch"], s["tgt"]), generator=g),
+        torch.randint(4, s["vocab"], (s["batch"], s["tgt"]), generator=g),
+    )
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    )
+    variants, models = {}, {}
+    for placement in ("post", "pre"):
+        for name, model in (
+            (f"torch nn.Transformer {placement}", TorchSeq2Seq(s, placement)),
+            (f"tformer {placement}", tformer_model(s, placement)),
+        ):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            models[name] = model
+            variants[name] = lambda m=model, o=opt: train_step(m, batch, o, autocast)
+    return variants, models
+
+
+# ----------------------------------------------------------------------------- FLOPs and peak
+def train_flops(s: dict) -> float:
+    d, f, L, v = s["d_model"], s["d_ff"], s["layers"], s["vocab"]
+    enc = L * (4 * d * d + 2 * d * f)  # per source token
+    dec = L * (8 * d * d + 2 * d * f) + d * v  # per target token, output projection included
+    tokens_s, tokens_t = s["batch"] * s["src"], s["batch"] * s["tgt"]
+    attn = 12 * d * L * (tokens_s * s["src"] + tokens_t * (s["tgt"] + s["src"]))
+    return 6 * (enc * tokens_s + dec * tokens_t) + attn
+
+
+def peak_shapes(s: dict) -> list:
+    d, f, L, v = s["d_model"], s["d_ff"], s["layers"], s["vocab"]
+    ns, nt = s["batch"] * s["src"], s["batch"] * s["tgt"]
+    return [
+        *linear_train_shapes(ns, d, d, 4 * L),  # encoder q, k, v, o
+        *linear_train_shapes(ns, d, f, L),
+        *linear_train_shapes(ns, f, d, L),
+        *linear_train_shapes(nt, d, d, 6 * L),  # decoder self q k v o, cross q o
+        *linear_train_shapes(ns, d, d, 2 * L),  # cross k, v over the memory
+        *linear_train_shapes(nt, d, f, L),
+        *linear_train_shapes(nt, f, d, L),
+        *linear_train_shapes(nt, d, v, 1),
+    ]
+
+
+def train_section(s: dict, dtype: str, note: str) -> dict:
+    variants, _ = train_variants(s, dtype)
+    peak = MatmulPeak(peak_shapes(s), torch.bfloat16 if dtype == "bf16" else torch.float32)
+    variants["matmul peak"] = peak
+    print(f"\n[{dtype}] {note}", file=sys.stderr)
+    with LoadMeter() as meter:
+        times = round_robin(variants, rounds=s["rounds"])
+    flops, peak_gflops = train_flops(s), peak.gflops_best()
+    del times["matmul peak"]
+    rows = []
+    for placement in ("post", "pre"):
+        ref = f"torch nn.Transformer {placement}"
+        sub = {k: v for k, v in times.items() if k.endswith(placement)}
+        for row in summarize(sub, ref, s["batch"] * s["tgt"]).values():
+            d = row.as_dict()
+            d["mfu"] = flops / row.best_s / 1e9 / peak_gflops
+            rows.append(d)
+    print_table(f"training step, {dtype} ({note}); {meter.line()}", rows, COLUMNS)
+    return {
+        "shape": s,
+        "note": note,
+        "train_gflop_per_step": flops / 1e9,
+        "matmul_peak_gflops": peak_gflops,
+        "rows": rows,
+        "times_s": times,
+        "load": meter.result,
+    }
+
+
+# ----------------------------------------------------------------------------- beam search
+def beam_section(s: dict, run: str | None) -> dict:
+    model = tformer_model(s, "pre").eval()
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, s["vocab"], (BEAM["sentences"], BEAM["src"]), generator=g)
+    common = dict(bos_id=1, eos_id=2, max_len=BEAM["max_len"], beam_size=BEAM["beam"], alpha=BEAM["alpha"])
+    banned = (0, 1, 2)  # EOS banned: every hypothesis runs to max_len, the same work every round
+    variants = {
+        "beam 4, KV cache": lambda: beam_search(model, src, None, banned=banned, **common),
+        "beam 4, uncached (slow twin)": lambda: beam_search(
+            model, src, None, banned=banned, cached=False, **common
+        ),
+    }
+    print("\n[beam] random-weight Pre-Norm model, EOS banned", file=sys.stderr)
+    with LoadMeter() as meter:
+        times = round_robin(variants, rounds=BEAM["rounds"])
+    rows = [
+        {"name": k, "best_s": min(v), "sentences_per_s": BEAM["sentences"] / min(v)} for k, v in times.items()
+    ]
+    cols = [("name", "search", "s"), ("best_s", "best s", ".2f"), ("sentences_per_s", "sentences/s", ".1f")]
+    print_table(
+        f"beam search, {BEAM['sentences']} x {BEAM['src']} source tokens -> {BEAM['max_len']}; {meter.line()}",
+        rows,
+        cols,
+    )
+    out = {"setup": BEAM, "rows": rows, "times_s": times, "load": meter.result}
+    if run:
+        out["trained_run"] = trained_beam(run)
+    return out
+
+
+def trained_beam(run: str) -> dict:
+    from tformer.data.corpora import load_corpus
+    from tformer.generate.beam import SearchConfig
+    from tformer.runs import load_run
+    from tformer.tasks.translation import load_translator
+
+    loaded = load_run(run)
+    translator, cfg = load_translator(loaded), loaded.train_config
+    texts = [p.src for p in load_corpus(cfg.data.corpus, direction=cfg.data.direction)["test"][:200]]
+    sources, _ = translator.encode(texts)
+    result = {}
+    for name, search_cfg in (
+        ("beam 4", SearchConfig(beam_size=4)),
+        ("greedy", SearchConfig(method="greedy")),
+    ):
+        t = time.perf_counter()
+        translator.hypotheses(sources, search_cfg)
+        result[name] = len(texts) / (time.perf_counter() - t)
+    print(
+        f"trained run {run}: " + ", ".join(f"{k} {v:.1f} sentences/s" for k, v in result.items()), flush=True
+    )
+    return {"run": run, "sentences": len(texts), "sentences_per_s": result}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
+    p.add_argument("--run", default=None, help="a trained translation run: also time beam search on it")
+    p.add_argument("--skip-bf16", action="store_true")
+    args = p.parse_args()
+    setup(threads=2)
+    s = QUICK if args.quick else FULL
+    info = cpu_info()
+    results = {"cpu": info, "fp32": train_section(s, "fp32", "full shape" if not args.quick else "quick")}
+    if not args.skip_bf16:
+        slow = not info["native_bf16_matmul"] and not args.quick
+        shape = {**s, **SLOW_BF16} if slow else s
+        note = "batch 1 x 32: this CPU has no native bf16 matmul" if slow else "same shape as fp32"
+        results["bf16"] = train_section(shape, "bf16", note)
+    results["beam"] = beam_section(s, args.run)
+    write_json("seq2seq_quick.json" if args.quick else "seq2seq.json", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Shared timing harness for tformer's side-by-side benchmarks (see /work/shared/BENCHMARKING.md).
+
+Method: every variant runs in the same process, interleaved round-robin with a rotating order
+(A B C, B C A, C A B, ...) after warm-up. We report each variant's best (minimum) time and its
+paired-median ratio to a reference: the median over rounds of the same-round time ratio, which
+cancels most of the drift of a shared machine. `LoadMeter` records how much CPU other processes
+used meanwhile (from /proc/stat minus our own rusage) and the load average.
+
+Other benchmark scripts may import this module: it knows nothing of models.
+
+    from harness import Bench, LoadMeter, round_robin, summarize, print_table, write_json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+UNRELIABLE_FOREIGN_SHARE = 0.15  # above this share of the machine used by others, say so
+
+
+# ----------------------------------------------------------------------------- setup and machine
+def setup(threads: int = 2, seed: int = 0) -> None:
+    """Fix the thread count and seed everything the benchmarks use."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+
+
+def cpu_info() -> dict:
+    """CPU model and the instruction-set flags that decide fp32/bf16 matmul speed."""
+    name, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", "x86_64"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {
+        "cpu": name,
+        "cores": os.cpu_count(),
+        "isa": [f for f in wanted if f in flags],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16_matmul": "avx512_bf16" in flags or "amx_bf16" in flags,
+    }
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def machine_info() -> dict:
+    return {**cpu_info(), "threads": torch.get_num_threads(), **versions()}
+
+
+# ----------------------------------------------------------------------------- machine load
+def _busy_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot (all cores), from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class LoadMeter:
+    """Context manager: CPU share other processes used while it was open, and the load average.
+
+    foreign_cpu_share = (machine busy CPU seconds - ours) / (wall seconds x cores).
+    """
+
+    def __enter__(self) -> LoadMeter:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_cpu_seconds(), _own_cpu_seconds()
+        self.load0 = os.getloadavg()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self.t0
+        own = _own_cpu_seconds() - self.own0
+        foreign = max(0.0, (_busy_cpu_seconds() - self.busy0) - own)
+        share = foreign / (wall * (os.cpu_count() or 1))
+        self.result = {
+            "wall_s": round(wall, 1),
+            "own_cpu_s": round(own, 1),
+            "foreign_cpu_share": round(share, 3),
+            "loadavg_start": [round(v, 2) for v in self.load0],
+            "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+            "reliable": share <= UNRELIABLE_FOREIGN_SHARE,
+        }
+
+    def line(self) -> str:
+        r = self.result
+        warn = (
+            ""
+            if r["reliable"]
+            else f"  ABOVE {UNRELIABLE_FOREIGN_SHARE:.0%}: treat the numbers as unreliable"
+        )
+        return (
+            f"foreign CPU {r['foreign_cpu_share']:.1%} of the machine over {r['wall_s']} s, "
+            f"loadavg {r['loadavg_start'][0]} -> {r['loadavg_end'][0]}{warn}"
+        )
+
+
+# ----------------------------------------------------------------------------- timing
+def round_robin(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    progress: bool = True,
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant: `warmup` untimed calls each, then `rounds` timed rounds in a
+    rotating order (round r starts at variant r mod n)."""
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t)
+        if progress:
+            done = ", ".join(f"{n} {times[n][-1]:.3g}s" for n in names)
+            print(f"  round {r + 1}/{rounds}: {done}", file=sys.stderr, flush=True)
+    return times
+
+
+def paired_median(times: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of times[num][r] / times[den][r] (> 1: `den` is faster than `num`)."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+@dataclass
+class Row:
+    """One variant's summary: best and median time, work per second, and speed vs the reference."""
+
+    name: str
+    best_s: float
+    median_s: float
+    rate_best: float  # work units per second at the best time (e.g. tokens/s)
+    speedup_best: float  # reference best / this best (> 1: faster than the reference)
+    speedup_paired: float  # paired median of reference time / this time
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "best_s": round(self.best_s, 5),
+            "median_s": round(self.median_s, 5),
+            "rate_best": round(self.rate_best, 2),
+            "speedup_best": round(self.speedup_best, 3),
+            "speedup_paired_median": round(self.speedup_paired, 3),
+            **self.extra,
+        }
+
+
+def summarize(times: dict[str, list[float]], reference: str, work: float) -> dict[str, Row]:
+    """Rows for every variant; `work` units are done per call (tokens, for tokens/s)."""
+    ref_best = min(times[reference])
+    return {
+        name: Row(
+            name=name,
+            best_s=min(ts),
+            median_s=statistics.median(ts),
+            rate_best=work / min(ts),
+            speedup_best=ref_best / min(ts),
+            speedup_paired=paired_median(times, reference, name),
+        )
+        for name, ts in times.items()
+    }
+
+
+# ----------------------------------------------------------------------------- matmul peak
+@dataclass(frozen=True)
+class MatmulShape:
+    """An (m x k) @ (k x n) product that occurs `count` times per measured call."""
+
+    m: int
+    k: int
+    n: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.count
+
+
+def linear_train_shapes(tokens: int, d_in: int, d_out: int, count: int) -> list[MatmulShape]:
+    """The three matmuls of a linear layer's training step: y = x W^T, dx = dy W, dW = dy^T x."""
+    return [
+        MatmulShape(tokens, d_in, d_out, count),
+        MatmulShape(tokens, d_out, d_in, count),
+        MatmulShape(d_out, tokens, d_in, count),
+    ]
+
+
+class MatmulPeak:
+    """The matmul rate a model's own GEMM shapes reach on this machine, measured as a round-robin
+    variant so that it sees the same load as the models.
+
+    Each call runs every distinct shape once (in `dtype`, the layouts of a training step: x @ W^T
+    with W stored (out, in), and the transposed operands of backward); `gflops(t)` weights each
+    shape by how often the model runs it, so the rate is what the model's matmuls alone would reach.
+    """
+
+    def __init__(self, shapes: Sequence[MatmulShape], dtype: torch.dtype = torch.float32) -> None:
+        self.shapes = list(shapes)
+        self.operands = [
+            (torch.randn(s.m, s.k, dtype=dtype), torch.randn(s.n, s.k, dtype=dtype)) for s in self.shapes
+        ]
+        self.last: list[float] = []
+        self.best: list[float] = [float("inf")] * len(self.shapes)
+
+    def __call__(self) -> None:
+        self.last = []
+        for i, (a, b) in enumerate(self.operands):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            dt = time.perf_counter() - t
+            self.last.append(dt)
+            self.best[i] = min(self.best[i], dt)
+
+    @property
+    def flops(self) -> float:
+        return sum(s.flops for s in self.shapes)
+
+    def gflops_best(self) -> float:
+        """Model-weighted GFLOP/s from each shape's best time."""
+        return self.flops / sum(t * s.count for t, s in zip(self.best, self.shapes)) / 1e9
+
+
+# ----------------------------------------------------------------------------- output
+def print_table(title: str, rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """Print (and return) a table; columns are (key, header, format spec)."""
+    widths = [max(len(h), *(len(format(r.get(k, ""), f)) for r in rows)) for k, h, f in columns]
+    lines = [
+        title,
+        "  ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, h, _), w) in enumerate(zip(columns, widths))),
+    ]
+    for r in rows:
+        cells = [format(r.get(k, ""), f) for k, _, f in columns]
+        lines.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        )
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_json(name: str, payload: dict, out_dir: Path = RESULTS_DIR) -> Path:
+    """Write payload (plus date, command, machine) to out_dir/name and return the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    full = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "machine": machine_info(),
+        **payload,
+    }
+    path.write_text(json.dumps(full, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

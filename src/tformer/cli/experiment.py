@@ -1,0 +1,104 @@
+"""`tformer experiment {norm,rope,moe}`: train a study's arms, write its report, print its summary.
+
+tformer experiment norm --quick                      # seconds: tiny models, a few steps
+tformer experiment moe --out runs/moe --seeds 3      # the full setting, about 30 minutes on 2 cores
+tformer experiment rope --device cuda --steps 4000 --d-model 512
+tformer experiment moe --report-only --out runs/moe  # rebuild the report from the run's logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tformer.experiments import STUDIES
+from tformer.experiments.runner import prepare_run_dir, read_setting, write_setting
+
+# CLI flag -> Setting field; a flag left out keeps the setting's value
+OVERRIDES = {
+    "seeds": "seeds",
+    "steps": "steps",
+    "d_model": "d_model",
+    "n_layers": "n_layers",
+    "lr": "lr",
+    "batch_size": "batch_size",
+    "seq_len": "seq_len",
+    "warmup_steps": "warmup_steps",
+    "vocab_size": "vocab_size",
+    "device": "device",
+    "max_train_docs": "max_train_docs",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study", choices=sorted(STUDIES), help="which claim to test")
+    p.add_argument("--quick", action="store_true", help="tiny models, a few steps, two works: seconds")
+    p.add_argument("--out", default=None, help="run directory (default runs/experiments/<study>[-quick])")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report of the run in --out")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (full default 2, quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of every arm")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--n-layers", type=int, default=None, help="layers (rope, moe; norm uses --depths)")
+    p.add_argument("--depths", default=None, help="norm: comma-separated depths, e.g. 6,12,24")
+    p.add_argument("--arch", default=None, choices=["decoder", "encoder_decoder"], help="norm: architecture")
+    p.add_argument("--lr", type=float, default=None, help="one learning rate for every arm")
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None, help="training context L")
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--max-train-docs", type=int, default=None, help="train on the first N works only")
+    p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run")
+
+
+def resolve_setting(args: argparse.Namespace, module):
+    setting = module.QUICK if args.quick else module.FULL
+    changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items()}
+    if getattr(args, "depths", None):
+        changes["depths"] = tuple(int(d) for d in args.depths.split(","))
+    if getattr(args, "arch", None):
+        changes["arch"] = args.arch
+    known = {f for f in setting.to_dict()}
+    unused = sorted(k for k, v in changes.items() if v is not None and k not in known)
+    if unused:
+        raise ValueError(f"experiment {args.study} has no option {', '.join(unused)}")
+    return setting.replace(**changes)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(STUDIES[args.study])
+    out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
+    if args.report_only:
+        if read_setting(out)["study"] != args.study:
+            raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
+    else:
+        setting = resolve_setting(args, module)
+        out = prepare_run_dir(out, args.overwrite)
+        write_setting(out, args.study, "quick" if args.quick else "full", setting)
+        t0 = time.perf_counter()
+        with torch_threads(args.threads):
+            module.run(setting, out)
+        print(f"trained in {time.perf_counter() - t0:.1f} s")
+    report, summary = module.report(out)
+    md, page = report.write(out)
+    print(summary)
+    print(f"report: {md} and {page}")
+    return 0

@@ -1,0 +1,77 @@
+"""`tformer translate`: translate one sentence (--text), a file (--file, one sentence per line) or stdin.
+
+Empty lines: an error for --text; skipped with a warning in file / stdin mode (the output keeps one line
+per non-empty input line). Sources longer than the run's max length are truncated with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tformer.generate.beam import SearchConfig
+
+
+def warn(command: str, message: str) -> None:
+    print(f"tformer {command}: warning: {message}", file=sys.stderr)
+
+
+def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int]]:
+    """The texts to process and their 1-based line numbers (--text counts as line 1)."""
+    if args.text is not None and args.file is not None:
+        raise ValueError("give --text or --file, not both (or neither, to read stdin)")
+    if args.text is not None:
+        if not args.text.strip():
+            raise ValueError("the text is empty: give --text with some words (or --file FILE)")
+        return [args.text.strip()], [1]
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {path} does not exist")
+        lines, where = path.read_text(encoding="utf-8", errors="replace").splitlines(), str(path)
+    else:
+        lines, where = sys.stdin.read().splitlines(), "stdin"
+    texts, numbers = [], []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            texts.append(line.strip())
+            numbers.append(n)
+        else:
+            warn(command, f"{where} line {n} is empty: skipped")
+    if not texts:
+        raise ValueError(f"{where} holds no non-empty line")
+    return texts, numbers
+
+
+def search_from_args(args: argparse.Namespace) -> SearchConfig:
+    if args.greedy and args.sample:
+        raise ValueError("give --greedy or --sample, not both")
+    method = "greedy" if args.greedy else "sample" if args.sample else "beam"
+    return SearchConfig(
+        method=method,
+        beam_size=args.beam,
+        length_penalty=args.length_penalty,
+        max_len=args.max_len,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer.runs import load_run
+    from tformer.tasks.translation import load_translator
+
+    search_cfg = search_from_args(args)
+    texts, numbers = read_texts(args, "translate")
+    translator = load_translator(load_run(args.run))
+    sources, cut = translator.encode(texts)
+    for i in cut:
+        warn("translate", f"line {numbers[i]} is longer than {translator.max_src_len} tokens: truncated")
+    for hyp in translator.hypotheses(sources, search_cfg):
+        text = translator.tgt_tok.decode(hyp.tokens)
+        print(f"{text}\t{hyp.score:.4f}" if args.scores else text, flush=True)
+    return 0

@@ -1,0 +1,387 @@
+"""Checkpoints at any world size: the single-process safetensors format, or sharded DCP.
+
+Which format a run writes is `parallel.checkpoint`: "auto" keeps the single-process safetensors
+format (tformer.train.checkpoint) at world size 1 and writes DCP under torchrun. Loading looks at the
+directory: a DCP checkpoint loads at any world size (2 -> 1, 1 -> 2, ...), a safetensors one at
+world size 1.
+
+A DCP checkpoint is `run_dir/checkpoints/step_000123/` (the same names, retention and commit rule):
+  .metadata, __*_*.distcp  torch.distributed.checkpoint of the tensors of {"model": ..., "optim": ...}
+                           from get_state_dict (optimizer state flattened, keyed by parameter name):
+                           each rank writes only its shards (FSDP2 DTensors; expert-parallel slices
+                           are described to DCP as DTensors sharded on dim 0), any world size reads them
+  trainer.json             (rank 0) step, world size, scheduler state, loader position, trainer state,
+                           the optimizer's non-tensor entries (param-group settings; DCP would pickle them)
+  meta.json                (rank 0) the resolved configs and tokenizer, as in the safetensors format
+  rank{r}.json/.safetensors  (rank r) that rank's RNG states and rank-local buffers (MoE token
+                           counters): per-rank keys, because DCP keeps one copy of same-key entries
+  COMMITTED                (rank 0, last) format "dcp", step, world size, size + sha256 of the JSON
+                           and safetensors files.
+Ranks write into `.tmp-step_000123-dcp/`; rank 0 renames it once every rank's data is written.
+Nothing is pickled: DCP holds tensors only, the rest is JSON + safetensors.
+
+Tools that read the single-process format (`tformer generate / eval --run`) take a DCP checkpoint
+after `export_single_process(checkpoint_dir, new_run_dir)`, which runs in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from tformer.config import ModelConfig
+from tformer.distributed.env import Local, rank_seed
+from tformer.distributed.expert_parallel import ExpertParallelDispatch
+from tformer.distributed.plans import is_rank_local
+from tformer.model import build_model
+from tformer.model.moe import moe_layers
+from tformer.train.checkpoint import (
+    CHECKPOINTS_DIR,
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointError,
+    _fsync_dir,
+    _json_bytes,
+    _Reader,
+    _write_file,
+    _write_pair,
+    capture_rng_state,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    rng_key,
+    save_checkpoint,
+    step_dir_name,
+)
+from tformer.train.config import ParallelConfig, TrainConfig
+from tformer.train.optim import make_optimizer, make_scheduler
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+DCP_FORMAT = "dcp"
+
+
+def is_dcp_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def _dcp_call(what: str, path: Path, fn, *args, **kwargs):
+    """DCP's CheckpointException derives from BaseException: re-raise it (and DCP's other errors) as
+    the toolkit's CheckpointError, naming the directory."""
+    try:
+        return fn(*args, **kwargs)
+    except dcp.CheckpointException as e:
+        raise CheckpointError(f"{path}: DCP {what} failed: {_first_failure(e)}") from None
+    except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as e:
+        raise CheckpointError(f"{path}: DCP {what} failed: {e}") from None
+
+
+def _first_failure(e: dcp.CheckpointException) -> str:
+    for rank, err in sorted((getattr(e, "failures", None) or {}).items()):
+        err = err[0] if isinstance(err, tuple) else err  # (exception, traceback frames) on some paths
+        first = str(err).splitlines()[0] if str(err) else ""
+        return f"rank {rank}: {type(err).__name__}: {first}"
+    return str(e)
+
+
+class SafetensorsCheckpointer:
+    """World size 1: the single-process format, written exactly as tformer.train.checkpoint does.
+    Loads a DCP checkpoint too (a distributed run resumed by one process)."""
+
+    def __init__(self, env: Local, seed: int) -> None:
+        self.env, self.seed = env, seed
+
+    def save(self, run_dir: Path, step: int, model, optimizer, scheduler, trainer_state, meta, keep_last):
+        return save_checkpoint(
+            run_dir,
+            step,
+            model,
+            optimizer,
+            scheduler,
+            trainer_state=trainer_state,
+            rng_state=capture_rng_state(),
+            meta=meta,
+            keep_last=keep_last,
+        )
+
+    def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
+        if is_dcp_checkpoint(path):
+            return DCPCheckpointer(self.env, self.seed).load(path, model, optimizer, scheduler)
+        loaded = load_checkpoint(path, model, optimizer, scheduler)
+        restore_rng_state(loaded.rng_state)
+        return loaded.trainer_state
+
+    def wait(self) -> None:
+        """Nothing runs in the background."""
+
+    def close(self) -> None:
+        pass
+
+
+class DCPCheckpointer:
+    """Sharded save (sync or async) and resume with torch.distributed.checkpoint."""
+
+    def __init__(self, env: Local, seed: int, async_save: bool = False) -> None:
+        self.env, self.seed, self.async_save = env, seed, async_save
+        # async saves run collectives from a background thread: give them a group of their own
+        self.group = dist.new_group(backend="gloo") if env.world_size > 1 else None
+        self._pending: tuple[Any, Path, Path, int, int | None] | None = None
+        self._mesh = None
+
+    def _state(self, model: nn.Module, optimizer) -> tuple[dict, dict, dict]:
+        """(tensors for DCP {"model", "optim"}, rank-local buffers, the optimizer's non-tensor entries)."""
+        model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
+        local = {k: model_state.pop(k) for k in [k for k in model_state if is_rank_local(k)]}
+        extra_keys = [k for k, v in optim_state.items() if not isinstance(v, torch.Tensor)]
+        extra = {k: optim_state.pop(k) for k in extra_keys}
+        return {"model": model_state, "optim": optim_state}, local, extra
+
+    def _as_shards(self, model: nn.Module, state: dict) -> dict:
+        """The same state with every expert-parallel slice (E / W, ...) wrapped as a DTensor sharded on
+        dim 0 over all ranks, sharing storage, so that DCP saves and reshards it like an FSDP2 shard."""
+        sliced = expert_slices(model)
+        if not sliced:
+            return state
+        out = {"model": dict(state["model"]), "optim": dict(state["optim"])}
+        for part, table in out.items():
+            for key, t in table.items():
+                name = key if part == "model" else key.removeprefix("state.").rsplit(".", 1)[0]
+                if (
+                    name in sliced
+                    and isinstance(t, torch.Tensor)
+                    and t.dim() >= 1
+                    and not isinstance(t, DTensor)
+                ):
+                    table[key] = self._shard(t)
+        return out
+
+    def _shard(self, t: torch.Tensor) -> DTensor:
+        if self._mesh is None:
+            self._mesh = init_device_mesh(t.device.type, (self.env.world_size,))
+        shape = (t.shape[0] * self.env.world_size, *t.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(t, self._mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    # ------------------------------------------------------------------ save
+    def save(self, run_dir: Path, step: int, model, optimizer, scheduler, trainer_state, meta, keep_last):
+        self.wait()
+        root = Path(run_dir) / CHECKPOINTS_DIR
+        final = root / step_dir_name(step)
+        if final.exists():
+            raise CheckpointError(f"{final}: checkpoint exists already; refusing to overwrite it")
+        tmp = root / f".tmp-{final.name}-{DCP_FORMAT}"
+        if self.env.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this step
+            tmp.mkdir()
+        state, local, extra = self._state(model, optimizer)
+        if self.env.is_main:
+            trainer = {
+                "step": step,
+                "world_size": self.env.world_size,
+                "scheduler": scheduler.state_dict(),
+                "optim_extra": extra,
+                "trainer_state": trainer_state,
+            }
+            _write_pair(tmp, "trainer", trainer, {}, indent=2)
+            meta_json = _json_bytes({"format_version": FORMAT_VERSION, "meta": meta}, "meta")
+            _write_file(tmp, "meta.json", meta_json, {})
+        self.env.barrier()
+        own = {"rng": capture_rng_state(self.env.rank), "buffers": local}
+        _write_pair(tmp, rng_key(self.env.rank), own, {}, indent=None)
+        state = self._as_shards(model, state)
+        if self.async_save:
+            response = _dcp_call(
+                "async save", tmp, dcp.async_save, state, checkpoint_id=tmp, process_group=self.group
+            )
+            self._pending = (response, tmp, final, step, keep_last)
+        else:
+            _dcp_call("save", tmp, dcp.save, state, checkpoint_id=tmp, process_group=self.group)
+            self._commit(tmp, final, step, keep_last)
+        return final
+
+    def wait(self) -> None:
+        """Finish the async save in flight, if any, and commit it (call before the next save / exit)."""
+        if self._pending is None:
+            return
+        response, tmp, final, step, keep_last = self._pending
+        self._pending = None
+        future = getattr(response, "upload_completion", response)
+        _dcp_call("async save", tmp, future.result)
+        self._commit(tmp, final, step, keep_last)
+
+    def _commit(self, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
+        if self.env.is_main:
+            files: dict[str, Any] = {}
+            for f in sorted(tmp.iterdir()):
+                if f.suffix in (".json", ".safetensors"):
+                    data = f.read_bytes()
+                    files[f.name] = {"bytes": len(data), "sha256": _sha256(data)}
+            commit = {
+                "format_version": FORMAT_VERSION,
+                "format": DCP_FORMAT,
+                "step": step,
+                "world_size": self.env.world_size,
+                "files": files,
+            }
+            _write_file(tmp, MARKER, _json_bytes(commit, MARKER), {})
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+            if keep_last is not None:
+                for old in list_checkpoints(final.parent.parent)[:-keep_last]:
+                    if old != final:
+                        trash = old.with_name(f".trash-{old.name}-{uuid.uuid4().hex[:8]}")
+                        os.rename(old, trash)
+                        shutil.rmtree(trash, ignore_errors=True)
+        self.env.barrier()  # every rank sees the committed directory before it goes on
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler, this rank's RNG and rank-local buffers; return the trainer
+        state (loader position rescaled when the world size changed)."""
+        path = Path(path)
+        reader = _Reader(path, verify=True)
+        if not is_dcp_checkpoint(path):
+            raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
+        trainer = reader.pair("trainer")
+        saved_world = int(trainer["world_size"])
+        state, local, extra = self._state(model, optimizer)
+        saved_extra = trainer["optim_extra"]  # checked, like everything read below, before DCP loads
+        if set(saved_extra) != set(extra):
+            diff = sorted(set(saved_extra) ^ set(extra))
+            raise CheckpointError(
+                f"{path}: optimizer parameter groups differ from the checkpoint's: {diff[:3]}"
+            )
+        own = self._rank_state(reader, saved_world, local)
+        scheduler_state = match_groups(trainer["scheduler"], len(optimizer.param_groups), path)
+        shards = self._as_shards(model, state)
+        _dcp_call("load", path, dcp.load, shards, checkpoint_id=path, process_group=self.group)
+        for part, table in shards.items():  # DCP may have replaced rather than filled a wrapped slice
+            for key, t in table.items():
+                if isinstance(t, DTensor) and not isinstance(state[part][key], DTensor):
+                    state[part][key].copy_(t.to_local())
+        model_state, optim_state = state["model"], {**state["optim"], **saved_extra}
+        model_state.update(own["buffers"])
+        _dcp_call("load", path, set_state_dict, model, optimizer, model_state_dict=model_state,
+                  optim_state_dict=optim_state, options=OPTIONS)  # fmt: skip
+        scheduler.load_state_dict(scheduler_state)
+        if own["rng"] is not None:
+            restore_rng_state(own["rng"])
+        else:  # a rank the saving run did not have: a fresh stream of its own
+            torch.manual_seed(rank_seed(self.seed * 1_000_003 + int(trainer["step"]), self.env.rank))
+        state = trainer["trainer_state"]
+        if saved_world != self.env.world_size and "loader" in state:
+            state["loader"] = rescale_loader_state(state["loader"], saved_world, self.env.world_size)
+        return state
+
+    def _rank_state(self, reader: _Reader, saved_world: int, local: dict[str, torch.Tensor]) -> dict:
+        """This rank's saved RNG and rank-local buffers. When the world size changed, rank 0 takes the sum
+        of all saved ranks' counters (global totals are kept) and the others start from zero."""
+        rank = self.env.rank
+        if saved_world == self.env.world_size:
+            saved = reader.pair(rng_key(rank))
+            return {"rng": saved["rng"], "buffers": _check_buffers(saved["buffers"], local, reader.path)}
+        buffers = {k: torch.zeros_like(v) for k, v in local.items()}
+        if rank == 0:
+            for r in range(saved_world):
+                for k, v in _check_buffers(reader.pair(rng_key(r))["buffers"], local, reader.path).items():
+                    buffers[k] += v.to(buffers[k].device)
+        rng = reader.pair(rng_key(rank))["rng"] if rank < saved_world else None
+        return {"rng": rng, "buffers": buffers}
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        self.group = self._mesh = None
+
+
+def _check_buffers(saved: dict, want: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    if set(saved) != set(want):
+        diff = sorted(set(saved) ^ set(want))
+        raise CheckpointError(f"{path}: rank-local buffers differ from the model's: {diff[:3]}")
+    for k, v in saved.items():
+        if v.shape != want[k].shape:
+            raise CheckpointError(
+                f"{path}: {k!r} has shape {tuple(v.shape)}, the model {tuple(want[k].shape)}"
+            )
+    return {k: v.to(want[k].device) for k, v in saved.items()}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def expert_slices(model: nn.Module) -> set[str]:
+    """Names of the expert weights that expert parallelism split over the ranks."""
+    return {
+        f"{name}.experts.{pname}"
+        for name, layer in moe_layers(model)
+        if isinstance(layer.dispatch, ExpertParallelDispatch)
+        for pname, _ in layer.experts.named_parameters()
+    }
+
+
+def match_groups(scheduler_state: dict[str, Any], n_groups: int, path: Path) -> dict[str, Any]:
+    """An LR scheduler's per-group lists for this optimizer's group count (plans can split groups into
+    DTensor and plain parts): equal per-group values are repeated, different ones are an error."""
+    out = dict(scheduler_state)
+    for key, value in scheduler_state.items():
+        if (
+            key in ("base_lrs", "_last_lr", "lr_lambdas")
+            and isinstance(value, list)
+            and len(value) != n_groups
+        ):
+            if any(v != value[0] for v in value):
+                raise CheckpointError(
+                    f"{path}: scheduler {key} differs per group; cannot regroup {len(value)} -> {n_groups}"
+                )
+            out[key] = [value[0]] * n_groups
+    return out
+
+
+def rescale_loader_state(state: dict[str, int], saved_world: int, world: int) -> dict[str, int]:
+    """Each rank counts its own batches; W ranks at index i have used W * i of the epoch's batches."""
+    return {**state, "index_in_epoch": state["index_in_epoch"] * saved_world // world}
+
+
+def make_checkpointer(parallel: ParallelConfig, env: Local, seed: int):
+    fmt = parallel.checkpoint
+    if fmt == "auto":
+        fmt = "safetensors" if env.world_size == 1 else DCP_FORMAT
+    if fmt == "safetensors":
+        if env.world_size > 1:
+            raise CheckpointError("parallel.checkpoint='safetensors' is the single-process format; use 'dcp'")
+        return SafetensorsCheckpointer(env, seed)
+    return DCPCheckpointer(env, seed, parallel.async_save)
+
+
+def export_single_process(checkpoint: str | Path, out_run_dir: str | Path) -> Path:
+    """Rewrite a DCP checkpoint (any world size) as a single-process safetensors checkpoint of the same
+    step under `out_run_dir`, with model, optimizer, scheduler and trainer state. Run it in a process
+    without a process group; it leaves the saved rank 0 RNG state in this process."""
+    path = Path(checkpoint)
+    reader = _Reader(path, verify=True)
+    meta = reader.json("meta.json")["meta"]
+    train_cfg = TrainConfig.from_dict(meta["train_config"])
+    model = build_model(ModelConfig.from_dict(meta["model_config"]))
+    optimizer = make_optimizer(model, train_cfg.optim)
+    scheduler = make_scheduler(optimizer, train_cfg.steps, train_cfg.optim)
+    state = DCPCheckpointer(Local(), train_cfg.seed).load(path, model, optimizer, scheduler)
+    step = int(reader.pair("trainer")["step"])
+    rng = capture_rng_state()
+    return save_checkpoint(
+        out_run_dir, step, model, optimizer, scheduler, trainer_state=state, rng_state=rng, meta=meta
+    )

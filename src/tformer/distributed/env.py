@@ -1,0 +1,146 @@
+"""Who this process is in a run, and the few collectives the trainer needs.
+
+`init_distributed(parallel)` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK). Alone
+(world size 1) it returns `Local`, a null object: no process group, every collective the identity,
+rank 0 does everything. Under torchrun it joins (or creates) the default process group and returns
+`ProcessGroup`. The trainer only ever calls the methods both share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import inspect
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from tformer.train.config import ParallelConfig
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A 63-bit seed for one rank's RNG stream (dropout, router jitter) of a run seeded with `seed`."""
+    digest = hashlib.sha256(f"tformer:rank-rng:{seed}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """ "auto" picks CUDA when present; under torchrun a CUDA process uses the GPU of its local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but this machine has no CUDA device")
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    return torch.device(name)
+
+
+class Local:
+    """World size 1: no process group. Every collective is the identity."""
+
+    rank, local_rank, world_size, is_main = 0, 0, 1, True
+
+    def device(self, name: str) -> torch.device:
+        return resolve_device(name)
+
+    def seed_rank(self, seed: int) -> None:
+        """One process keeps the stream `torch.manual_seed(seed)` started."""
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block (e.g. training and saving a tokenizer) before the others do."""
+        yield
+
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ProcessGroup(Local):
+    """Several processes on the default process group (gloo on CPU, nccl on CUDA)."""
+
+    def __init__(self, owns_group: bool) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.is_main = self.rank == 0
+        self.owns_group = owns_group
+
+    def device(self, name: str) -> torch.device:
+        device = resolve_device(name, self.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
+
+    def seed_rank(self, seed: int) -> None:
+        """Different dropout / jitter streams per rank (the model was initialised identically before)."""
+        torch.manual_seed(rank_seed(seed, self.rank))
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+
+    def shutdown(self) -> None:
+        """Destroy the process group if this object created it. Release models, optimizers and meshes
+        first: gloo can abort at exit when they outlive the group."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
+    """`Local()` for one process; else join the default process group (creating it if needed)."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroup(owns_group=False) if dist.get_world_size() > 1 else Local()
+    if world_size_from_env() <= 1:
+        return Local()
+    backend = parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # bind this process to its GPU before NCCL sees it
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    return ProcessGroup(owns_group=True)
+
+
+# ---------------------------------------------------------------------------- per-rank roles
+class NullMetrics:
+    """Ranks other than 0 write no metrics (rank 0 logs the globally reduced values)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def train_loader(task, cfg, env: Local):
+    """The task's training batches; under torchrun each rank takes every W-th batch of one list."""
+    if env.world_size == 1:
+        return task.train_loader(cfg)
+    if "world_size" not in inspect.signature(task.train_loader).parameters:
+        raise ValueError(f"task {cfg.task!r} cannot split its batches over ranks yet (run it in one process)")
+    return task.train_loader(cfg, rank=env.rank, world_size=env.world_size)

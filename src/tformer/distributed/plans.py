@@ -1,0 +1,55 @@
+"""Parallel plans: data that says how a model is spread over ranks, applied from outside the model.
+
+The model code stays single-device. A plan names module paths and buffers; `parallelize` reads it:
+  data          "none" (one process), "ddp" or "fsdp"
+  fsdp_units    regexes over module names (`model.named_modules()`): each match becomes one FSDP2
+                unit (`fully_shard`), the root takes what is left (embeddings, final norm, head)
+  expert_parallel  split every MoE layer's experts over all ranks (tformer.distributed.expert_parallel)
+  param_dtype   FSDP2 mixed precision: the dtype units compute in (None: the parameters' own)
+Rank-local state (never averaged, never broadcast, saved per rank): buffers named by RANK_LOCAL.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tformer.train.config import ParallelConfig
+
+# every transformer block (decoder, encoder, encoder-decoder stacks) is one FSDP2 unit
+FSDP_UNITS: tuple[str, ...] = (r"(^|\.)blocks\.\d+$",)
+
+# MoE token counters: each rank counts its own tokens; update_expert_biases / moe_routing_stats sum them
+RANK_LOCAL: tuple[str, ...] = ("router.tokens_per_expert", "router.window_tokens")
+
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    data: str = "none"
+    expert_parallel: bool = False
+    fsdp_units: tuple[str, ...] = FSDP_UNITS
+    param_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+
+    def is_fsdp_unit(self, module_name: str) -> bool:
+        return any(re.search(pattern, module_name) for pattern in self.fsdp_units)
+
+
+def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
+    """The plan for a ParallelConfig at a world size (nothing to do for one process)."""
+    if world_size == 1:
+        return ParallelPlan()
+    return ParallelPlan(
+        data=cfg.data,
+        expert_parallel=cfg.experts == "shard",
+        param_dtype=DTYPES[cfg.param_dtype],
+        reshard_after_forward=cfg.reshard_after_forward,
+    )
+
+
+def is_rank_local(state_key: str) -> bool:
+    return state_key.endswith(RANK_LOCAL)

@@ -1,0 +1,97 @@
+"""Classification metrics: accuracy, per-class precision / recall / F1, macro-F1, confusion matrix.
+
+Shapes: y_true, y_pred (N,) class indices into `labels`; the confusion matrix is (C, C) with rows the
+true class and columns the predicted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ClassificationScores:
+    accuracy: float  # 0..1
+    macro_f1: float  # unweighted mean of the per-class F1 (a class never seen nor predicted counts 0)
+    labels: tuple[str, ...]
+    confusion: tuple[tuple[int, ...], ...]  # [true][predicted] counts
+    per_class: dict[str, dict[str, float]] = field(default_factory=dict)  # precision, recall, f1, support
+
+    @property
+    def n(self) -> int:
+        return sum(map(sum, self.confusion))
+
+    def to_dict(self) -> dict:
+        return {
+            "accuracy": self.accuracy,
+            "macro_f1": self.macro_f1,
+            "n": self.n,
+            "labels": list(self.labels),
+            "confusion": [list(row) for row in self.confusion],
+            "per_class": self.per_class,
+        }
+
+
+def _safe_div(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def score_classification(
+    y_true: Sequence[int], y_pred: Sequence[int], labels: Sequence[str]
+) -> ClassificationScores:
+    if len(y_true) != len(y_pred):
+        raise ValueError(f"{len(y_true)} true labels but {len(y_pred)} predictions")
+    if not y_true:
+        raise ValueError("nothing to score: no examples")
+    c = len(labels)
+    matrix = [[0] * c for _ in range(c)]
+    for t, p in zip(y_true, y_pred):
+        if not (0 <= t < c and 0 <= p < c):
+            raise ValueError(f"class index out of range for {c} labels: true {t}, predicted {p}")
+        matrix[t][p] += 1
+    per_class, f1s = {}, []
+    for i, name in enumerate(labels):
+        tp = matrix[i][i]
+        predicted = sum(matrix[r][i] for r in range(c))
+        support = sum(matrix[i])
+        precision, recall = _safe_div(tp, predicted), _safe_div(tp, support)
+        f1 = _safe_div(2 * precision * recall, precision + recall)
+        per_class[name] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
+        f1s.append(f1)
+    accuracy = sum(matrix[i][i] for i in range(c)) / len(y_true)
+    return ClassificationScores(
+        accuracy, sum(f1s) / c, tuple(labels), tuple(tuple(r) for r in matrix), per_class
+    )
+
+
+def plot_confusion(scores: ClassificationScores, path: str | Path, title: str = "") -> Path:
+    """Write the confusion matrix as a PNG: counts in each cell, colour by share of the true class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, matrix = scores.labels, scores.confusion
+    rows = [[_safe_div(v, sum(row)) for v in row] for row in matrix]
+    size = 1.2 + 0.9 * len(labels)
+    fig, ax = plt.subplots(figsize=(size + 1.5, size))
+    image = ax.imshow(rows, cmap="Blues", vmin=0.0, vmax=1.0)
+    for i, row in enumerate(matrix):
+        for j, count in enumerate(row):
+            ax.text(
+                j, i, str(count), ha="center", va="center", color="white" if rows[i][j] > 0.5 else "black"
+            )
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title or f"accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,544 @@
+"""Post-Norm vs Pre-Norm (Xiong et al., 2020, "On Layer Normalization in the Transformer Architecture").
+
+Arms: norm_placement {post, pre} x depth x {with, without} learning-rate warm-up x seed, everything
+else equal: the original Transformer's choices (LayerNorm, sinusoidal positions, ReLU FFN, Xavier init,
+scaled and tied embeddings, no dropout), one learning rate, one cosine schedule, no gradient clipping
+(clipping would hide the instability the study looks for). Measured: per-layer gradient norms at
+initialisation and during training, loss curves, divergence events.
+
+Divergence event: a training step after the warm-up window (step > warmup_steps, the same window for
+every arm) whose loss is non-finite or above the arm's initial loss (its step-1 loss).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tformer.config import ModelConfig
+from tformer.experiments.report import (
+    QUICK_NOTE,
+    Report,
+    Verdict,
+    all_hold,
+    fmt,
+    mean,
+    panels,
+    pyplot,
+    save_figure,
+    text_table,
+)
+from tformer.experiments.runner import (
+    Arm,
+    ArmLog,
+    Setting,
+    StudyData,
+    block_names,
+    read_arms,
+    read_setting,
+    run_arms,
+)
+from tformer.train.config import DataConfig
+
+PLACEMENTS = ("post", "pre")
+TRANSLATION_CORPUS = "trans-de-en"
+COLORS = {"post": "tab:red", "pre": "tab:blue"}
+
+
+@dataclass(frozen=True)
+class NormSetting(Setting):
+    depths: tuple[int, ...] = (6, 12, 24)
+    d_ff: int = 256
+    arch: str = "decoder"  # or "encoder_decoder": translation (trans-de-en), n_layers = depth on each side
+    max_train_pairs: int | None = None  # encoder_decoder: the first N training pairs (None: all)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.depths or min(self.depths) < 1:
+            raise ValueError(f"depths must be a non-empty list of positive ints, got {self.depths}")
+        if self.arch not in ("decoder", "encoder_decoder"):
+            raise ValueError(f"arch must be 'decoder' or 'encoder_decoder', got {self.arch!r}")
+
+
+FULL = NormSetting(
+    vocab_size=2048,
+    seq_len=64,
+    d_model=64,
+    n_heads=4,
+    d_ff=256,
+    depths=(6, 12, 24),
+    batch_size=16,
+    steps=250,
+    lr=1e-3,
+    warmup_steps=50,
+    grad_clip=0.0,
+    eval_every=50,
+    eval_batches=8,
+    seeds=2,
+)
+QUICK = FULL.replace(
+    max_train_docs=2,
+    max_train_pairs=2000,
+    vocab_size=512,
+    d_model=32,
+    d_ff=64,
+    depths=(2, 4),
+    batch_size=8,
+    steps=16,
+    warmup_steps=4,
+    eval_every=8,
+    eval_batches=2,
+    seeds=1,
+)
+
+
+def model_config(s: NormSetting, depth: int, placement: str) -> ModelConfig:
+    """The original Transformer's choices at the study's width; vocabulary sizes come from the data."""
+    return ModelConfig(
+        arch=s.arch,
+        vocab_size=s.vocab_size,
+        d_model=s.d_model,
+        n_layers=depth,
+        n_heads=s.n_heads,
+        d_ff=s.d_ff,
+        max_seq_len=s.seq_len,
+        dropout=0.0,
+        norm="layernorm",
+        norm_placement=placement,
+        positions="sinusoidal",
+        ffn="relu",
+        bias=True,
+        embed_scale=True,
+        tie_embeddings=True,
+        init="xavier",
+    )
+
+
+def arm_name(placement: str, depth: int, warmup: bool, seed: int) -> str:
+    return f"{placement}-L{depth}-{'warmup' if warmup else 'nowarmup'}-s{seed}"
+
+
+def make_arms(s: NormSetting, resolve=lambda cfg: cfg) -> list[Arm]:
+    arms = []
+    for seed in range(s.seeds):
+        for depth in s.depths:
+            for placement in PLACEMENTS:
+                for warmup in (True, False):
+                    optim = s.optim(warmup_steps=s.warmup_steps if warmup else 0)
+                    tags = {"placement": placement, "depth": depth, "warmup": warmup}
+                    arms.append(
+                        Arm(
+                            arm_name(placement, depth, warmup, seed),
+                            resolve(model_config(s, depth, placement)),
+                            optim,
+                            seed,
+                            tags,
+                        )
+                    )
+    return arms
+
+
+def study_data(s: NormSetting, run_dir: Path) -> StudyData:
+    """Shakespeare LM for the decoder; German -> English sentence pairs for the encoder-decoder."""
+    if s.arch == "decoder":
+        return StudyData.prepare(s, run_dir)
+    data = DataConfig(
+        corpus=TRANSLATION_CORPUS,
+        direction="de-en",
+        vocab_size=s.vocab_size,
+        seq_len=s.seq_len,
+        max_train_docs=s.max_train_pairs,
+    )
+    return StudyData(s, run_dir, task="translation", data=data)
+
+
+def run(setting: NormSetting, run_dir: Path) -> None:
+    data = study_data(setting, run_dir)
+    run_arms(make_arms(setting, data.resolve), data, setting, run_dir)
+
+
+# ----------------------------------------------------------------------------- measures
+def init_block_norms(arm: ArmLog, output_stack: bool = False) -> list[float]:
+    """Per-block gradient norms at initialisation, input to output (encoder then decoder blocks);
+    with output_stack, only the stack next to the output (the decoder of an encoder-decoder)."""
+    norms = arm.kind("init_grads")[0]["layer_grad_norms"]
+    names = block_names(norms)
+    if output_stack:
+        stack = names[-1].rsplit(".", 1)[0]
+        names = [n for n in names if n.rsplit(".", 1)[0] == stack]
+    return [norms[b] for b in names]
+
+
+def init_ratio(arm: ArmLog) -> float:
+    """Gradient norm of the block next to the output over the first block of its stack, at initialisation."""
+    norms = init_block_norms(arm, output_stack=True)
+    return norms[-1] / norms[0] if norms[0] > 0 else math.inf
+
+
+def divergence_events(arm: ArmLog, warmup_steps: int) -> list[int]:
+    train = arm.kind("train")
+    if not train:
+        return []
+    initial = train[0]["loss"]
+    return [
+        r["step"]
+        for r in train
+        if r["step"] > warmup_steps and (not math.isfinite(r["loss"]) or r["loss"] > initial)
+    ]
+
+
+def grad_norm_cv(arm: ArmLog, warmup_steps: int) -> float:
+    """Coefficient of variation (std / mean) of the global gradient norm after the warm-up window."""
+    g = [
+        r["grad_norm"]
+        for r in arm.kind("train")
+        if r["step"] > warmup_steps and math.isfinite(r["grad_norm"])
+    ]
+    return statistics.pstdev(g) / statistics.mean(g) if len(g) > 1 else math.nan
+
+
+def final_bleu(arm: ArmLog) -> float:
+    evals = arm.kind("eval")
+    return evals[-1].get("bleu", math.nan) if evals else math.nan
+
+
+def final_train_loss(arm: ArmLog, last: int = 10) -> float:
+    losses = [r["loss"] for r in arm.kind("train")][-last:]
+    return mean(losses)
+
+
+def find(arms: list[ArmLog], **tags) -> ArmLog | None:
+    for a in arms:
+        if all((a.seed if k == "seed" else a.tags.get(k)) == v for k, v in tags.items()):
+            return a
+    return None
+
+
+# ----------------------------------------------------------------------------- verdicts
+def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
+    seeds, depths, w = range(s.seeds), s.depths, s.warmup_steps
+
+    def pair(depth, warmup, seed):
+        return find(arms, placement="post", depth=depth, warmup=warmup, seed=seed), find(
+            arms, placement="pre", depth=depth, warmup=warmup, seed=seed
+        )
+
+    grow, lower, penalty, diverge, steady = [], [], [], [], []
+    for seed in seeds:
+        for depth in depths:
+            post, pre = pair(depth, True, seed)
+            grow.append(None if not (post and pre) else init_ratio(post) > max(1.0, init_ratio(pre)))
+            for warmup in (True, False):
+                post, pre = pair(depth, warmup, seed)
+                lower.append(None if not (post and pre) else pre.final_eval < post.final_eval)
+                steady.append(None if not (post and pre) else grad_norm_cv(pre, w) < grad_norm_cv(post, w))
+            (pw, prw), (pn, prn) = pair(depth, True, seed), pair(depth, False, seed)
+            ok = all((pw, prw, pn, prn))
+            post_cost = None if not ok else pn.final_eval - pw.final_eval
+            penalty.append(None if not ok else post_cost > 0 and post_cost > prn.final_eval - prw.final_eval)
+        deepest = max(depths)
+        post_nw, _ = pair(deepest, False, seed)
+        pre_all = [a for a in arms if a.tags["placement"] == "pre" and a.seed == seed]
+        diverge.append(
+            None
+            if post_nw is None
+            else bool(divergence_events(post_nw, w)) and not any(divergence_events(a, w) for a in pre_all)
+        )
+
+    def by_depth(fn, placement, warmup=True):
+        parts = []
+        for d in depths:
+            vals = [fn(a) for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": warmup}]
+            parts.append(f"L{d} {fmt(mean(vals), 3)}")
+        return ", ".join(parts)
+
+    def penalty_text(placement):
+        parts = []
+        for d in depths:
+            with_w = [
+                a.final_eval for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": True}
+            ]
+            no_w = [
+                a.final_eval for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": False}
+            ]
+            parts.append(f"L{d} {fmt(mean(no_w) - mean(with_w), 3)}")
+        return ", ".join(parts)
+
+    n_events = {
+        p: sum(len(divergence_events(a, w)) for a in arms if a.tags["placement"] == p) for p in PLACEMENTS
+    }
+    bleu = []
+    if s.arch == "encoder_decoder":
+        for seed in seeds:
+            for depth in depths:
+                (pw, prw), (pn, prn) = pair(depth, True, seed), pair(depth, False, seed)
+                ok = all((pw, prw, pn, prn))
+                drop = None if not ok else final_bleu(pw) - final_bleu(pn)
+                bleu.append(None if not ok else drop > 0 and drop > final_bleu(prw) - final_bleu(prn))
+    out = [
+        Verdict(
+            "At initialisation Post-Norm's gradients grow toward the output layer; Pre-Norm's do not",
+            "gradient norm of the last block / the first block (of the decoder, for an encoder-decoder) at "
+            "initialisation is > 1 and larger for Post-Norm than for Pre-Norm, at every depth and seed",
+            all_hold(grow),
+            f"ratio last/first (mean over seeds): Post {by_depth(init_ratio, 'post')}; "
+            f"Pre {by_depth(init_ratio, 'pre')}",
+            "Xiong et al. 2020, Fig. 3: Post-LN gradients grow with the layer index, Pre-LN's stay flat",
+        ),
+        Verdict(
+            "Pre-Norm converges faster",
+            "Pre-Norm's final validation loss is lower than Post-Norm's at every depth, with and without "
+            "warm-up, for every seed",
+            all_hold(lower),
+            f"final val loss with warm-up: Post {by_depth(lambda a: a.final_eval, 'post')}; "
+            f"Pre {by_depth(lambda a: a.final_eval, 'pre')}",
+            "Xiong et al. 2020: Pre-LN without warm-up reaches Post-LN's BLEU sooner",
+        ),
+        Verdict(
+            "Post-Norm needs learning-rate warm-up much more than Pre-Norm",
+            "dropping warm-up raises Post-Norm's final validation loss, and by more than it raises (or "
+            "lowers) Pre-Norm's, at every depth and seed",
+            all_hold(penalty),
+            f"val loss without - with warm-up: Post {penalty_text('post')}; Pre {penalty_text('pre')}",
+            "Xiong et al. 2020: Post-LN without warm-up 8.45 BLEU vs about 34 with warm-up (IWSLT14 De-En)",
+        ),
+        Verdict(
+            "Post-Norm without warm-up diverges",
+            f"at the largest depth ({max(depths)}) every seed's Post-Norm arm without warm-up has a divergence "
+            "event and no Pre-Norm arm has one",
+            all_hold(diverge),
+            f"divergence events in all arms: Post {n_events['post']}, Pre {n_events['pre']}",
+            "Xiong et al. 2020: Post-LN training without warm-up fails to converge",
+        ),
+        Verdict(
+            "Pre-Norm's gradients are steadier during training",
+            "coefficient of variation of the gradient norm after the warm-up window is lower for Pre-Norm "
+            "than for Post-Norm at every depth, schedule and seed",
+            all_hold(steady),
+            f"CV with warm-up: Post {by_depth(lambda a: grad_norm_cv(a, w), 'post')}; "
+            f"Pre {by_depth(lambda a: grad_norm_cv(a, w), 'pre')}",
+        ),
+    ]
+    if bleu:
+        out.append(
+            Verdict(
+                "Without warm-up Post-Norm loses BLEU, Pre-Norm much less",
+                "dropping warm-up lowers Post-Norm's final greedy BLEU, and by more than Pre-Norm's, at every "
+                "depth and seed",
+                all_hold(bleu),
+                f"BLEU with warm-up: Post {by_depth(final_bleu, 'post')}; Pre {by_depth(final_bleu, 'pre')}; "
+                f"without: Post {by_depth(final_bleu, 'post', False)}; Pre {by_depth(final_bleu, 'pre', False)}",
+                "Xiong et al. 2020 (IWSLT14 De-En): Post-LN 8.45 BLEU without warm-up vs about 34 with",
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_init_grads(arms: list[ArmLog], s: NormSetting, path: Path) -> Path:
+    fig, axes = panels(len(s.depths))
+    for ax, depth in zip(axes, s.depths):
+        for a in arms:
+            if a.tags["depth"] == depth and a.tags["warmup"]:
+                norms = init_block_norms(a)
+                p = a.tags["placement"]
+                ax.plot(
+                    range(1, len(norms) + 1),
+                    norms,
+                    "o-",
+                    color=COLORS[p],
+                    ms=3,
+                    alpha=1.0 if a.seed == 0 else 0.4,
+                    label=f"{p}-norm" if a.seed == 0 else None,
+                )
+        ax.set(
+            title=f"{depth} layers",
+            xlabel="block (1 = next to the input)"
+            + (", encoder then decoder" if s.arch != "decoder" else ""),
+            ylabel="gradient norm",
+            yscale="log",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Per-block gradient norm at initialisation")
+    return save_figure(fig, path)
+
+
+def _curves(arms, s, path, key, ylabel, title, logy=False) -> Path:
+    fig, axes = panels(len(s.depths))
+    for ax, depth in zip(axes, s.depths):
+        for a in arms:
+            if a.tags["depth"] != depth or a.seed != 0:
+                continue
+            p, warm = a.tags["placement"], a.tags["warmup"]
+            steps = [r["step"] for r in a.kind("train")]
+            ax.plot(
+                steps,
+                [r[key] for r in a.kind("train")],
+                color=COLORS[p],
+                ls="-" if warm else "--",
+                lw=1,
+                label=f"{p}, {'warm-up' if warm else 'no warm-up'}",
+            )
+        if s.warmup_steps:
+            ax.axvline(s.warmup_steps, color="gray", lw=0.8, ls=":")
+        ax.set(title=f"{depth} layers (seed 0)", xlabel="step", ylabel=ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def plot_layer_grads(arms: list[ArmLog], s: NormSetting, path: Path) -> Path:
+    """Per-block gradient norm over training at the largest depth (seed 0), one heat map per arm."""
+    depth = max(s.depths)
+    chosen = [a for a in arms if a.tags["depth"] == depth and a.seed == 0]
+    fig, axes = panels(len(chosen), width=3.6)
+    plt = pyplot()
+    grids = {}
+    for a in chosen:
+        train = a.kind("train")
+        names = block_names(train[0]["layer_grad_norms"])
+        grids[a.name] = [[math.log10(max(r["layer_grad_norms"][n], 1e-12)) for r in train] for n in names]
+    cells = [v for g in grids.values() for row in g for v in row if math.isfinite(v)]
+    lo, hi = (min(cells), max(cells)) if cells else (0.0, 1.0)
+    for ax, a in zip(axes, chosen):
+        train, grid = a.kind("train"), grids[a.name]
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            vmin=lo,
+            vmax=hi,
+            extent=(train[0]["step"] - 0.5, train[-1]["step"] + 0.5, 0.5, len(grid) + 0.5),
+        )
+        ax.set(
+            title=f"{a.tags['placement']}, {'warm-up' if a.tags['warmup'] else 'no warm-up'}",
+            xlabel="step",
+            ylabel="block",
+        )
+        plt.colorbar(im, ax=ax, label="log10 gradient norm")
+    fig.suptitle(f"Per-block gradient norm during training, {depth} layers")
+    return save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- report
+def arm_rows(arms: list[ArmLog], s: NormSetting) -> list[list[str]]:
+    rows = []
+    for a in arms:
+        events = divergence_events(a, s.warmup_steps)
+        rows.append(
+            [
+                a.name,
+                a.tags["placement"],
+                a.tags["depth"],
+                "yes" if a.tags["warmup"] else "no",
+                a.seed,
+                fmt(a.kind("train")[0]["loss"]),
+                fmt(final_train_loss(a)),
+                fmt(a.final_eval),
+                f"{len(events)}" + (f" (first at {events[0]})" if events else ""),
+                fmt(init_ratio(a), 3),
+                fmt(grad_norm_cv(a, s.warmup_steps), 3),
+            ]
+            + ([fmt(final_bleu(a), 2)] if s.arch == "encoder_decoder" else [])
+        )
+    return rows
+
+
+def data_line(s: NormSetting) -> str:
+    if s.arch == "encoder_decoder":
+        pairs = "all" if s.max_train_pairs is None else s.max_train_pairs
+        return (
+            f"Data: {TRANSLATION_CORPUS} German -> English, {pairs} training pairs, joint BPE vocabulary "
+            f"{s.vocab_size}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on the "
+            "validation pairs; depth = layers in the encoder and in the decoder."
+        )
+    return (
+        f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {s.vocab_size}, "
+        f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len} "
+        "tokens; validation on the held-out works."
+    )
+
+
+ARM_HEADERS = [
+    "arm",
+    "placement",
+    "layers",
+    "warm-up",
+    "seed",
+    "initial loss",
+    "final train loss",
+    "final val loss",
+    "divergence events",
+    "init grad last/first",
+    "grad-norm CV",
+]
+
+
+def report(run_dir: Path) -> tuple[Report, str]:
+    meta = read_setting(run_dir)
+    s = NormSetting.from_dict(meta["setting"])
+    arms = read_arms(run_dir)
+    figs = [
+        plot_init_grads(arms, s, run_dir / "norm_init_grads.png"),
+        _curves(arms, s, run_dir / "norm_loss.png", "loss", "training loss (nats/token)", "Training loss"),
+        _curves(
+            arms,
+            s,
+            run_dir / "norm_grad_norm.png",
+            "grad_norm",
+            "gradient norm",
+            "Global gradient norm",
+            logy=True,
+        ),
+        plot_layer_grads(arms, s, run_dir / "norm_layer_grads.png"),
+    ]
+    checks = verdicts(arms, s)
+    r = Report(f"Post-Norm vs Pre-Norm ({meta['mode']} setting)")
+    if meta["mode"] == "quick":
+        r.text(QUICK_NOTE)
+    r.heading("Setup")
+    r.bullets(
+        [
+            data_line(s),
+            f"Model: {s.arch.replace('_', '-')}, d_model {s.d_model}, {s.n_heads} heads, ReLU FFN {s.d_ff}, LayerNorm, sinusoidal "
+            f"positions, Xavier init, no dropout; depths {', '.join(map(str, s.depths))}.",
+            f"Budget (every arm): {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, AdamW lr {s.lr}, "
+            f"weight decay {s.weight_decay}, cosine to 10%; warm-up arms: linear warm-up over {s.warmup_steps} "
+            f"steps; gradient clipping {'off' if s.grad_clip == 0 else s.grad_clip}; fp32 on {s.device}.",
+            f"Seeds: {', '.join(str(i) for i in range(s.seeds))} (a seed fixes the initial weights and the batch "
+            "order; Post- and Pre-Norm arms of one seed see the same batches).",
+            "Divergence event: a step after the warm-up window (the same window for every arm) whose training "
+            "loss is non-finite or above the arm's step-1 loss.",
+        ]
+    )
+    r.heading("Verdicts")
+    r.text(
+        "Each claim is decided by the stated rule on this run's logged numbers (arms/*/metrics.jsonl). "
+        "Small models trained for minutes test the direction of an effect, not its published size."
+    )
+    r.verdicts(checks)
+    r.heading("Arms")
+    r.table(ARM_HEADERS + (["final BLEU (greedy)"] if s.arch == "encoder_decoder" else []), arm_rows(arms, s))
+    r.heading("Plots")
+    captions = [
+        "Gradient norm of each block's parameters at initialisation (mean over the init batches); "
+        "faint lines: other seeds.",
+        "Training loss per step, seed 0; dotted line: end of the warm-up window.",
+        "Gradient norm (before clipping) per step, seed 0.",
+        "Gradient norm of each block during training at the largest depth, seed 0.",
+    ]
+    for path, caption in zip(figs, captions):
+        r.figure(path, caption)
+    summary = text_table(
+        ["arm", "val loss", "events", "init last/first"],
+        [[row[0], row[7], row[8], row[9]] for row in arm_rows(arms, s)],
+    )
+    summary += "\n\n" + "\n".join(f"[{v.status}] {v.claim}" for v in checks)
+    return r, summary

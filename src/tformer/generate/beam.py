@@ -1,0 +1,313 @@
+"""Decoding for encoder-decoder models: batched beam search, greedy and sampled search.
+
+Shapes: B sentences, S source length, K beams, N sentences still searching, R decoder rows
+(N x beams), V vocabulary, t tokens generated so far. `src (B, S)` int64 with `src_mask (B, S)` bool,
+True for real tokens. The source is encoded once; the first step runs one row per sentence (every beam
+starts from the same BOS), so the cross-attention K/V are projected once per source, and the rows are
+then fanned out to K beams with `cache.reorder(index)`, which also follows the beams every step.
+
+Beam search, per sentence:
+- score(y) = log p(y | x) / lp(|y|), lp(L) = ((5 + L) / 6) ** alpha (GNMT, Wu et al., 2016); |y| counts
+  the generated tokens, EOS included. alpha = 0 ranks by raw log-probability.
+- each step takes the 2K best extensions of the live beams; an EOS extension ranked among the best K
+  is a finished hypothesis (as in fairseq, so beam size 1 is greedy search when alpha = 0); the K best
+  non-EOS extensions are the next live beams.
+- the sentence stops when the best finished score can no longer be beaten: log-probabilities only
+  fall, so a live beam with log-probability s <= 0 ends at best at s / max lp(L) over the lengths L
+  still allowed. It also stops at its max length, where the live beams count as (unfinished)
+  hypotheses. Stopped sentences leave the batch (their cache rows are dropped).
+`beam_search(..., cached=False)` re-runs the decoder over the whole prefix every step: the slow twin
+that the cached search is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.generate.sampling import sample_next
+from tformer.model.attention import Memory
+from tformer.model.masks import Mask
+from tformer.schema import Config
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]  # generated ids, EOS excluded
+    score: float  # log_prob / lp(length) for beam search; log_prob for greedy / sampling
+    log_prob: float  # log p(tokens + EOS | source) (without EOS when unfinished)
+    finished: bool  # ended with EOS (False: cut at the max length)
+
+
+@dataclass(frozen=True)
+class SearchConfig(Config):
+    """How to decode. method: "beam", "greedy" or "sample" (temperature / top_k / top_p / seed).
+
+    max_len: most target tokens (EOS included) for every sentence; null: max_len_a * source length +
+    max_len_b per sentence. Both are capped by the model's context (max_seq_len).
+    """
+
+    method: Literal["beam", "greedy", "sample"] = "beam"
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    max_len: int | None = None
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 32
+
+    def check(self) -> None:
+        self._require(self.beam_size >= 1, "beam_size", "must be >= 1")
+        if self.max_len is not None:
+            self._require(self.max_len >= 1, "max_len", "must be >= 1 (or null: from the source length)")
+        self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
+        self._require(self.max_len_b >= 1, "max_len_b", "must be >= 1")
+        self._require(self.temperature > 0, "temperature", "must be > 0 (use method='greedy' for argmax)")
+        self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
+        self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
+
+    def max_lens(self, src_lens: Tensor, max_seq_len: int) -> Tensor:
+        """(B,) most target tokens per sentence, from the (B,) source lengths."""
+        if self.max_len is not None:
+            lens = torch.full_like(src_lens, self.max_len)
+        else:
+            lens = (src_lens.double() * self.max_len_a).floor().long() + self.max_len_b
+        return lens.clamp(1, max_seq_len)
+
+
+def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+    """GNMT length penalty ((5 + length) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
+
+
+# ----------------------------------------------------------------------------- decoder steppers
+
+
+def select_memory(memory: Memory, rows: Tensor) -> Memory:
+    """The memory of sentences `rows` (R,), one row per decoder row."""
+    allowed = memory.mask.allowed
+    allowed = allowed if allowed.shape[0] == 1 else allowed.index_select(0, rows)  # (R|1, 1, 1, S)
+    return Memory(memory.states.index_select(0, rows), memory.positions, Mask(allowed))
+
+
+class CachedSteps:
+    """Feeds each row's newest token; self-attention K/V in a KVCache that follows the rows."""
+
+    def __init__(self, model: nn.Module, memory: Memory, capacity: int) -> None:
+        self.model, self.memory = model, memory
+        self.rows = memory
+        self.row_sentence = torch.arange(memory.states.shape[0], device=memory.states.device)  # (R,)
+        self.cache = model.new_cache(capacity)
+
+    def logits(self, prefix: Tensor) -> Tensor:
+        """prefix (R, t + 1) starting with BOS -> next-token logits (R, V)."""
+        return self.model.decode(prefix[:, -1:], self.rows, cache=self.cache)[:, -1]
+
+    def select(self, index: Tensor, row_sentence: Tensor) -> None:
+        """Keep rows `index` (R',) of the last step; row_sentence (R',): the source sentence of each."""
+        self.cache.reorder(index)
+        self._follow(row_sentence)
+
+    def _follow(self, row_sentence: Tensor) -> None:
+        # Beams of one sentence share its memory: rebuild only when the set of sentences changes.
+        if not torch.equal(row_sentence, self.row_sentence):
+            self.rows, self.row_sentence = select_memory(self.memory, row_sentence), row_sentence
+
+
+class FullPrefixSteps(CachedSteps):
+    """The slow twin: no cache; the decoder re-reads the whole prefix every step."""
+
+    def logits(self, prefix: Tensor) -> Tensor:
+        return self.model.decode(prefix, self.rows)[:, -1]
+
+    def select(self, index: Tensor, row_sentence: Tensor) -> None:
+        self._follow(row_sentence)
+
+
+def _next_log_probs(steps: CachedSteps, prefix: Tensor, banned: Sequence[int]) -> Tensor:
+    logp = F.log_softmax(steps.logits(prefix).float(), dim=-1)  # (R, V)
+    if banned:
+        logp[:, list(banned)] = NEG_INF
+    return logp
+
+
+def _check(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_lens: Tensor) -> None:
+    if src.dim() != 2 or src.shape[0] == 0 or src.shape[1] == 0:
+        raise ValueError(f"src must be a non-empty (B, S) batch of token ids, got shape {tuple(src.shape)}")
+    if src_mask is not None and not bool(src_mask.any(dim=1).all()):
+        raise ValueError("every source sentence needs at least one real token")
+    if max_lens.shape != (src.shape[0],) or int(max_lens.min()) < 1:
+        raise ValueError("max_len must be >= 1 for every sentence")
+    if int(max_lens.max()) > model.cfg.max_seq_len:
+        raise ValueError(
+            f"max_len {int(max_lens.max())} exceeds the model's context of {model.cfg.max_seq_len}"
+        )
+
+
+def _as_lens(max_len: int | Tensor, b: int, device: torch.device) -> Tensor:
+    if isinstance(max_len, Tensor):
+        return max_len.to(device=device, dtype=torch.long)
+    return torch.full((b,), int(max_len), dtype=torch.long, device=device)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+@torch.no_grad()
+def beam_search(
+    model: nn.Module,
+    src: Tensor,
+    src_mask: Tensor | None,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_len: int | Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    banned: Sequence[int] = (),
+    cached: bool = True,
+) -> list[Hypothesis]:
+    """The best hypothesis per source sentence (see the module docstring for the rules).
+
+    max_len: most generated tokens (EOS included), one int or (B,) per sentence. banned: token ids
+    never generated (pass the pad and BOS ids).
+    """
+    b, device = src.shape[0], src.device
+    max_lens = _as_lens(max_len, b, device)
+    _check(model, src, src_mask, max_lens)
+    k = beam_size
+    memory = model.encode(src, src_mask)
+    steps = (CachedSteps if cached else FullPrefixSteps)(model, memory, int(max_lens.max()) + 1)
+    alive = torch.arange(b, device=device)  # (N,) source sentence of each searching sentence
+    scores = torch.zeros(b, 1, device=device)  # (N, beams) log-probabilities of the live beams
+    prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (R, t + 1)
+    best: list[Hypothesis | None] = [None] * b
+    best_score = torch.full((b,), NEG_INF, device=device)  # (B,)
+    for t in range(1, int(max_lens.max()) + 1):
+        logp = _next_log_probs(steps, prefix, banned)  # (R, V)
+        n, nb, v = scores.shape[0], scores.shape[1], logp.shape[-1]
+        cand = (scores[:, :, None] + logp.view(n, nb, v)).view(n, nb * v)  # (N, nb * V)
+        top, flat = cand.topk(min(2 * k, nb * v), dim=-1)  # (N, C), best first
+        token, row = flat % v, torch.arange(n, device=device)[:, None] * nb + flat // v  # (N, C)
+        valid, is_eos = torch.isfinite(top), token == eos_id
+        last = (max_lens[alive] == t)[:, None]  # (N, 1): the live beams end here too
+        in_top_k = torch.arange(top.shape[1], device=device)[None, :] < k
+        ends = valid & in_top_k & (is_eos | last)
+        _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, length_penalty(t, alpha))
+        live = top.masked_fill(~valid | is_eos | last, NEG_INF)
+        if live.shape[1] < k:  # tiny vocabularies at the first step
+            live = F.pad(live, (0, k - live.shape[1]), value=NEG_INF)
+            token, row = F.pad(token, (0, k - token.shape[1])), F.pad(row, (0, k - row.shape[1]))
+        scores, pick = live.topk(k, dim=-1)  # (N, K)
+        token, row = token.gather(1, pick), row.gather(1, pick)
+        lp_max = length_penalty(max_lens[alive] if alpha >= 0 else torch.full_like(alive, t + 1), alpha)
+        bound = scores[:, 0] / lp_max  # (N,) the best score a live beam can still reach
+        searching = torch.isfinite(bound) & (best_score[alive] < bound)
+        if not bool(searching.any()):
+            break
+        keep_rows = row[searching].flatten()  # (R',)
+        alive, scores = alive[searching], scores[searching]
+        prefix = torch.cat([prefix.index_select(0, keep_rows), token[searching].flatten()[:, None]], dim=1)
+        steps.select(keep_rows, alive.repeat_interleave(k))
+    return [h if h is not None else Hypothesis([], NEG_INF, NEG_INF, False) for h in best]
+
+
+def _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, lp) -> None:
+    """Keep, per sentence, the best hypothesis that ends at this step, if it beats the best so far."""
+    final = torch.where(ends, top / lp, torch.full_like(top, NEG_INF))  # (N, C)
+    value, col = final.max(dim=-1)  # (N,)
+    better = value > best_score[alive]
+    for i in better.nonzero().flatten().tolist():
+        c, s = int(col[i]), int(alive[i])
+        eos = bool(is_eos[i, c])
+        tokens = prefix[int(row[i, c]), 1:].tolist() + ([] if eos else [int(token[i, c])])
+        best[s] = Hypothesis(tokens, float(value[i]), float(top[i, c]), eos)
+        best_score[s] = value[i]
+
+
+# ----------------------------------------------------------------------------- greedy and sampling
+
+
+@torch.no_grad()
+def sample_search(
+    model: nn.Module,
+    src: Tensor,
+    src_mask: Tensor | None,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_len: int | Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    banned: Sequence[int] = (),
+) -> list[Hypothesis]:
+    """One token per step per sentence: argmax when temperature is 0 (greedy), else a seeded draw after
+    temperature / top-k / top-p. Sentences leave the batch when they emit EOS or reach their max length."""
+    b, device = src.shape[0], src.device
+    max_lens = _as_lens(max_len, b, device)
+    _check(model, src, src_mask, max_lens)
+    steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    alive = torch.arange(b, device=device)  # (N,)
+    prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (N, t + 1)
+    log_prob = torch.zeros(b, device=device)  # (N,)
+    out: list[Hypothesis | None] = [None] * b
+    for t in range(1, int(max_lens.max()) + 1):
+        logp = _next_log_probs(steps, prefix, banned)  # (N, V)
+        nxt = sample_next(logp, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        log_prob = log_prob + logp.gather(1, nxt[:, None]).squeeze(1)
+        ended = (nxt == eos_id) | (max_lens[alive] == t)
+        for i in ended.nonzero().flatten().tolist():
+            eos = int(nxt[i]) == eos_id
+            tokens = prefix[i, 1:].tolist() + ([] if eos else [int(nxt[i])])
+            out[int(alive[i])] = Hypothesis(tokens, float(log_prob[i]), float(log_prob[i]), eos)
+        if bool(ended.all()):
+            break
+        keep = (~ended).nonzero().flatten()  # (N',)
+        alive, log_prob = alive[keep], log_prob[keep]
+        prefix = torch.cat([prefix[keep], nxt[keep, None]], dim=1)
+        steps.select(keep, alive)
+    return out  # type: ignore[return-value]
+
+
+def search(
+    model: nn.Module,
+    src: Tensor,
+    src_mask: Tensor | None,
+    cfg: SearchConfig,
+    *,
+    bos_id: int,
+    eos_id: int,
+    banned: Sequence[int] = (),
+) -> list[Hypothesis]:
+    """Decode a batch with the method `cfg` names; max lengths from cfg and the source lengths."""
+    src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
+    max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
+    common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned)
+    if cfg.method == "beam":
+        return beam_search(model, src, src_mask, beam_size=cfg.beam_size, alpha=cfg.length_penalty, **common)
+    if cfg.method == "greedy":
+        return sample_search(model, src, src_mask, **common)
+    return sample_search(
+        model,
+        src,
+        src_mask,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        **common,
+    )

@@ -1,0 +1,363 @@
+"""Mixture-of-Experts FFN slot: y = sum_{e in topK(x)} g_e(x) FFN_e(x) + Shared(x).
+
+Shapes: x (B, T, D) -> (B, T, D); inside, N = B * T tokens, E = n_experts, K = top_k, F = d_expert,
+S <= N * K token-expert assignments kept after the capacity limit. Expert weights are stacked like E
+linear layers, W (E, out, in): `experts.gate_proj` (E, F, D), `experts.up_proj` (E, F, D),
+`experts.down_proj` (E, D, F), biases `*_bias` (E, out) when cfg.bias.
+
+Dispatch is chosen at build time: `LoopDispatch` is the readable reference (one expert at a time);
+`GroupedDispatch` sorts the assignments by expert, gathers once, runs contiguous per-expert matmuls
+(`grouped_linear`) and scatter-adds once. The trainer's one channel is `moe_aux_loss`,
+`moe_routing_stats` and `update_expert_biases` at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import ModelConfig, MoEConfig
+from tformer.model.ffn import make_dense_ffn
+from tformer.model.router import BalanceLoss, Routing, TopKRouter, probabilities
+
+
+# ----------------------------------------------------------------------------- grouped matmul kernels
+class LoopGroupedLinear(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ W[e]^T + b[e], one matmul per expert that has rows, written into
+    one preallocated output; backward writes each expert's weight gradient once into one (E, out, in)
+    buffer. (Indexing W[e] under autograd instead would make backward allocate a full zero (E, out, in)
+    gradient per expert.)"""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.counts, ctx.has_bias = counts, b is not None
+        y = x.new_empty(x.shape[0], w.shape[1])  # (S, out)
+        biases = b.unbind(0) if b is not None else (None,) * len(counts)
+        for xe, ye, we, be, n in zip(x.split(counts), y.split(counts), w.unbind(0), biases, counts):
+            if n and be is not None:
+                torch.addmm(be, xe, we.t(), out=ye)
+            elif n:
+                torch.mm(xe, we.t(), out=ye)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w = ctx.saved_tensors
+        counts = ctx.counts
+        dy = dy.contiguous()
+        with torch.autocast(dy.device.type, enabled=False):
+            dx, dw = torch.empty_like(x), torch.empty_like(w)
+            db = w.new_zeros(w.shape[:2]) if ctx.has_bias else None  # (E, out)
+            per_expert = zip(dy.split(counts), x.split(counts), dx.split(counts), w.unbind(0), dw.unbind(0))
+            for e, (dye, xe, dxe, we, dwe) in enumerate(per_expert):
+                if not counts[e]:
+                    dwe.zero_()
+                    continue
+                torch.mm(dye, we, out=dxe)
+                torch.mm(dye.t(), xe, out=dwe)
+                if db is not None:
+                    torch.sum(dye, dim=0, out=db[e])
+        return dx, dw, db, None
+
+
+def loop_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    return LoopGroupedLinear.apply(x, w, b, counts)
+
+
+def torch_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    """PyTorch's grouped GEMM (`torch.nn.functional.grouped_mm`); needs 16-byte aligned rows."""
+    sizes = torch.tensor(counts, device=x.device)  # (E,)
+    y = F.grouped_mm(x, w.transpose(1, 2), offs=sizes.cumsum(0).to(torch.int32))  # (S, out)
+    if b is None:
+        return y
+    return y + b.repeat_interleave(sizes, dim=0, output_size=x.shape[0])
+
+
+def split_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    """Plain autograd: F.linear on `torch.split` chunks against `unbind` views (whose backward stacks the
+    expert gradients once), then one cat."""
+    biases = b.unbind(0) if b is not None else (None,) * len(counts)
+    return torch.cat([F.linear(xe, we, be) for xe, we, be in zip(x.split(counts), w.unbind(0), biases)])
+
+
+GROUPED_LINEAR_KERNELS = {
+    "loop": loop_grouped_linear,
+    "split": split_grouped_linear,
+    "grouped_mm": torch_grouped_linear,
+}
+CPU_KERNEL = "loop"  # measured fastest on CPU (docs/moe.md); benchmarks/bench_moe.py compares the others
+
+
+def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
+    """grouped_mm on CUDA (SM80+, bf16, aligned); `CPU_KERNEL` elsewhere. On this project's CPUs torch
+    2.13 runs grouped_mm in fp32 too, but slower than the loop (docs/moe.md has the numbers)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")):
+        return CPU_KERNEL
+    aligned = x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
+    return "grouped_mm" if aligned and torch.cuda.get_device_capability(x.device) >= (8, 0) else CPU_KERNEL
+
+
+def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    """x (S, in) rows sorted by expert, counts[e] of them for expert e; W (E, out, in) -> (S, out).
+    Honours autocast like F.linear: inputs are cast to the autocast dtype, the kernel runs without it."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
+    with torch.autocast(kind, enabled=False):
+        return GROUPED_LINEAR_KERNELS[pick_grouped_kernel(x, w)](x, w, b, counts)
+
+
+# ----------------------------------------------------------------------------- experts
+class Experts(nn.Module):
+    """E FFNs of one kind; `forward(x, p)` is the FFN written once over projections `p`, which
+    `grouped(counts)` binds to all experts' rows at once and `per_expert()` to each expert alone."""
+
+    projections: tuple[str, ...] = ("up_proj", "down_proj")
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, bias: bool) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        for name in self.projections:
+            d_out, d_in = (d_model, d_expert) if name == "down_proj" else (d_expert, d_model)
+            bound = d_in**-0.5  # nn.Linear's default init, expert by expert
+            w = nn.Parameter(torch.empty(n_experts, d_out, d_in).uniform_(-bound, bound))
+            self.register_parameter(name, w)
+            b = nn.Parameter(torch.empty(n_experts, d_out).uniform_(-bound, bound)) if bias else None
+            self.register_parameter(f"{name}_bias", b)
+
+    def grouped(self, counts: list[int]) -> SimpleNamespace:
+        """Projections over rows sorted by expert, counts[e] rows for expert e."""
+        return SimpleNamespace(
+            **{
+                n: partial(grouped_linear, w=getattr(self, n), b=getattr(self, f"{n}_bias"), counts=counts)
+                for n in self.projections
+            }
+        )
+
+    def per_expert(self) -> list[SimpleNamespace]:
+        """Each expert's projections, as views from one `unbind` per stacked tensor."""
+        views = {n: self._unbind(getattr(self, n)) for n in self.projections}
+        biases = {n: self._unbind(getattr(self, f"{n}_bias")) for n in self.projections}
+        return [
+            SimpleNamespace(**{n: partial(F.linear, weight=views[n][e], bias=biases[n][e]) for n in views})
+            for e in range(self.n_experts)
+        ]
+
+    def _unbind(self, t: Tensor | None) -> tuple:
+        return (None,) * self.n_experts if t is None else t.unbind(0)
+
+
+class ReluExperts(Experts):
+    """down(relu(up(x))) per expert."""
+
+    activation = staticmethod(F.relu)
+
+    def forward(self, x: Tensor, p: SimpleNamespace) -> Tensor:
+        return p.down_proj(self.activation(p.up_proj(x)))
+
+
+class GeluExperts(ReluExperts):
+    """down(gelu(up(x))) per expert."""
+
+    activation = staticmethod(F.gelu)
+
+
+class SwiGLUExperts(Experts):
+    """down(silu(gate(x)) * up(x)) per expert."""
+
+    projections = ("gate_proj", "up_proj", "down_proj")
+
+    def forward(self, x: Tensor, p: SimpleNamespace) -> Tensor:
+        return p.down_proj(F.silu(p.gate_proj(x)) * p.up_proj(x))
+
+
+EXPERTS: dict[str, type[Experts]] = {"relu": ReluExperts, "gelu": GeluExperts, "swiglu": SwiGLUExperts}
+
+
+class NoShared(nn.Module):
+    """No shared experts: contributes nothing."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.new_zeros(())
+
+
+# ----------------------------------------------------------------------------- capacity
+class Dropless(nn.Module):
+    """Every assignment is kept."""
+
+    def limit(self, n_tokens: int) -> int:
+        return n_tokens
+
+    def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
+        return order, counts, counts.new_zeros(())
+
+
+class Capacity(nn.Module):
+    """Each expert keeps its first ceil(cf * N * K / E) assignments in token order (<= N); the rest
+    are dropped: those tokens get nothing from that expert (the residual and shared experts remain)."""
+
+    def __init__(self, moe: MoEConfig) -> None:
+        super().__init__()
+        self.factor, self.top_k, self.n_experts = moe.capacity_factor, moe.top_k, moe.n_experts
+
+    def limit(self, n_tokens: int) -> int:
+        return min(math.ceil(self.factor * n_tokens * self.top_k / self.n_experts), n_tokens)
+
+    def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
+        """order (S,) assignments sorted by expert; expert (S,) their experts; counts (E,)."""
+        cap = self.limit(n_tokens)
+        starts = counts.cumsum(0) - counts  # (E,) first sorted slot of each expert
+        keep = torch.arange(order.numel(), device=order.device) - starts[expert] < cap  # (S,)
+        return order[keep], counts.clamp(max=cap), (~keep).sum()
+
+
+# ----------------------------------------------------------------------------- dispatch
+class Dispatch(nn.Module):
+    """(experts, x (N, D), routing) -> (sum of weighted expert outputs (N, D) in >= fp32, dropped count)."""
+
+    def __init__(self, capacity: nn.Module) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+
+class LoopDispatch(Dispatch):
+    """Reference: for each expert, gather its tokens, run it, add its weighted output back."""
+
+    def forward(self, experts: Experts, x: Tensor, route: Routing) -> tuple[Tensor, Tensor]:
+        n, d = x.shape
+        cap, dropped = self.capacity.limit(n), 0
+        out = torch.zeros(n, d, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        for e, proj in enumerate(experts.per_expert()):
+            token, slot = torch.where(route.idx == e)  # in token order
+            dropped += max(token.numel() - cap, 0)
+            token, slot = token[:cap], slot[:cap]
+            y = experts(x[token], proj)  # (n_e, D)
+            out = out.index_add(0, token, y * route.weights[token, slot].unsqueeze(1))
+        return out, torch.tensor(dropped, device=x.device)
+
+
+class GroupedDispatch(Dispatch):
+    """Fast path: sort the N*K assignments by expert, one gather, grouped matmuls, one scatter-add."""
+
+    def forward(self, experts: Experts, x: Tensor, route: Routing) -> tuple[Tensor, Tensor]:
+        n, d = x.shape
+        k = route.idx.shape[1]
+        flat = route.idx.flatten()  # (N*K,) expert of each assignment
+        order = flat.argsort(stable=True)  # (N*K,) assignments by expert, token order within
+        counts = torch.bincount(flat, minlength=experts.n_experts)  # (E,)
+        order, counts, dropped = self.capacity.trim(order, flat[order], counts, n)  # (S,)
+        token = order // k  # (S,)
+        y = experts(x.index_select(0, token), experts.grouped(counts.tolist()))  # (S, D)
+        weighted = y * route.weights.flatten().index_select(0, order).unsqueeze(1)  # (S, D), >= fp32
+        return torch.zeros(n, d, device=x.device, dtype=weighted.dtype).index_add(0, token, weighted), dropped
+
+
+DISPATCH: dict[str, type[Dispatch]] = {"loop": LoopDispatch, "grouped": GroupedDispatch}
+
+
+# ----------------------------------------------------------------------------- the layer
+class MoE(nn.Module):
+    """y = sum_{e in topK} g_e(x) Expert_e(x) + Shared(x), token by token (Shazeer et al., 2017;
+    GShard; Switch; DeepSeekMoE). Slots: router, experts, shared. In a training forward with grad
+    enabled it also keeps `last_aux` (this layer's weighted balance losses) and `last_stats`."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.layer_idx = layer_idx
+        d_expert, d_shared = moe.expert_width(cfg.d_ff), moe.shared_width(cfg.d_ff)
+        self.router = TopKRouter(cfg.d_model, moe)
+        self.experts = EXPERTS[cfg.ffn](moe.n_experts, cfg.d_model, d_expert, cfg.bias)
+        shared_width = moe.n_shared * d_shared  # n_shared experts fused into one FFN: the sum of them
+        self.shared = (
+            make_dense_ffn(cfg.ffn, cfg.d_model, shared_width, cfg.bias) if moe.n_shared else NoShared()
+        )
+        self.dispatch = DISPATCH[moe.dispatch](Capacity(moe) if moe.capacity_factor else Dropless())
+        self.balance = BalanceLoss(moe)
+        self.last_aux: Tensor = torch.zeros(())
+        self.last_stats: dict[str, Tensor] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)  # (N, D)
+        route = self.router(flat)
+        routed, dropped = self.dispatch(self.experts, flat, route)  # (N, D) fp32
+        if self.training and torch.is_grad_enabled():
+            self.observe(route, dropped, b)
+        return (routed.to(x.dtype) + self.shared(flat)).view(b, t, d)
+
+    def observe(self, route: Routing, dropped: Tensor, batch: int) -> None:
+        """Training-forward bookkeeping: counters, this layer's balance losses, statistics."""
+        counts = self.router.count(route.idx)
+        self.last_aux = self.balance(route, batch)
+        with torch.no_grad():
+            p = probabilities(route.scores)
+            entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+        self.last_stats = {"counts": counts, "dropped": dropped, "entropy": entropy}
+
+
+# ----------------------------------------------------------------------------- the trainer's channel
+def _no_reduce(t: Tensor) -> None:
+    """Single process: nothing to all-reduce."""
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> Tensor:
+    """The weighted balance + z losses of each MoE layer's last training forward, averaged over the MoE
+    layers (each layer's loss is computed from its own f and P). Add it to the task loss. A constant 0
+    without graph when every coefficient is 0 or the model has no MoE layer."""
+    layers = moe_layers(model)
+    device = next(model.parameters()).device
+    if not layers:
+        return torch.zeros((), device=device)
+    return torch.stack([m.last_aux.to(device) for _, m in layers]).mean()
+
+
+@torch.no_grad()
+def moe_routing_stats(
+    model: nn.Module, reset_window: bool = True, all_reduce: Callable[[Tensor], object] = _no_reduce
+) -> dict[str, dict]:
+    """Per MoE layer (by module name), from its last training forward: `load` (share of assignments per
+    expert), `max_vio` (max load / mean load - 1), `dropped` and `assignments` counts, router
+    `entropy` (nats, mean over tokens), `aux_loss`; over the window since the last call with
+    reset_window: `dead_experts` (ids that got no token) and `window_tokens`. Plain JSON-ready values.
+    `all_reduce` (e.g. torch.distributed.all_reduce) sums the window counts over processes."""
+    out = {}
+    for name, layer in moe_layers(model):
+        if not layer.last_stats:
+            continue  # no training forward yet
+        s, window = layer.last_stats, layer.router.window_tokens.clone()
+        all_reduce(window)
+        counts = s["counts"].double()
+        total = counts.sum().clamp_min(1.0)
+        out[name] = {
+            "load": (counts / total).tolist(),
+            "max_vio": float(counts.max() / (total / counts.numel()) - 1.0),
+            "dropped": int(s["dropped"]),
+            "assignments": int(counts.sum()),
+            "entropy": float(s["entropy"]),
+            "aux_loss": float(layer.last_aux),
+            "dead_experts": (window == 0).nonzero().flatten().tolist(),
+            "window_tokens": int(window.sum()),
+        }
+        if reset_window:
+            layer.router.window_tokens.zero_()
+    return out
+
+
+def update_expert_biases(model: nn.Module, all_reduce: Callable[[Tensor], object] = _no_reduce) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): call after each optimizer step. Each MoE layer's
+    expert_bias_i += bias_update_rate * sign(mean load - load_i), from the assignments its training
+    forwards made since the last call (summed over processes by `all_reduce`); then the count restarts."""
+    for _, layer in moe_layers(model):
+        layer.router.update_bias(all_reduce)

@@ -1,0 +1,202 @@
+"""The MoE router and the balance losses computed from its decisions.
+
+Shapes: x (N, D) tokens (N = B * T); logits, scores, probs (N, E) over the E = n_experts experts;
+idx, weights (N, K) with K = top_k. The router works in fp32 whatever the autocast dtype, because
+top-K selection is a discontinuous function of its logits (Switch Transformer, ST-MoE).
+
+Router (Shazeer et al., 2017; Switch; GShard; DeepSeekMoE):
+    logits_e = x . c_e                      c_e: expert e's centroid, a row of `weight` (no bias)
+    scores   = softmax(logits) | sigmoid(logits)
+    idx      = topK(limit_groups(scores + expert_bias))     the bias steers selection only
+    weights  = scale * renorm(scores[idx])                   never sees the bias
+Balance losses all equal 1 at uniform routing (see `MoEConfig` for their coefficients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import MoEConfig
+
+
+class Routing(NamedTuple):
+    """One forward's routing decisions (all fp32 except idx)."""
+
+    logits: Tensor  # (N, E)
+    scores: Tensor  # (N, E) softmax or sigmoid of the logits
+    idx: Tensor  # (N, K) chosen experts, best first
+    weights: Tensor  # (N, K) combination weights
+
+
+SCORE_FUNCS: dict[str, Callable[[Tensor], Tensor]] = {
+    "softmax": partial(torch.softmax, dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+class Jitter(nn.Module):
+    """x * U(1 - eps, 1 + eps) in training (Switch Transformer's router input noise); x in eval."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        return x * torch.empty_like(x).uniform_(1.0 - self.eps, 1.0 + self.eps)
+
+
+class GroupLimit(nn.Module):
+    """Group-limited routing (DeepSeek-V2/V3): only experts in the best `topk_group` of `n_group` groups
+    stay eligible. A group's score is its best expert's ("max", V2) or its best two summed ("top2", V3)."""
+
+    def __init__(self, moe: MoEConfig) -> None:
+        super().__init__()
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
+        self.per_group_k = 2 if moe.group_score == "top2" else 1
+
+    def forward(self, s: Tensor) -> Tensor:
+        n, e = s.shape
+        groups = s.view(n, self.n_group, e // self.n_group)  # (N, G, E/G)
+        group_score = groups.topk(self.per_group_k, dim=-1).values.sum(-1)  # (N, G)
+        best = group_score.topk(self.topk_group, dim=-1).indices  # (N, topk_group)
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+        return groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)  # (N, E)
+
+
+def renormalize(w: Tensor) -> Tensor:
+    return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+
+def keep_weights(w: Tensor) -> Tensor:
+    return w
+
+
+class TopKRouter(nn.Module):
+    """Token-to-expert affinities and the top-K choice.
+
+    Parameters and buffers (checkpoint keys): `weight` (E, D) the expert centroids; `expert_bias` (E,)
+    the auxiliary-loss-free balancing bias; `tokens_per_expert` (E,) assignments seen by training
+    forwards since the last bias update; `window_tokens` (E,) the same since the last statistics read.
+    """
+
+    def __init__(self, d_model: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.routed_scaling = moe.routed_scaling
+        self.bias_update_rate = moe.bias_update_rate
+        self.weight = nn.Parameter(torch.empty(moe.n_experts, d_model))
+        nn.init.uniform_(self.weight, -(d_model**-0.5), d_model**-0.5)
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts, dtype=torch.long))
+        self.register_buffer("window_tokens", torch.zeros(moe.n_experts, dtype=torch.long))
+        self.jitter = Jitter(moe.jitter) if moe.jitter > 0 else nn.Identity()
+        self.score = SCORE_FUNCS[moe.score_func]
+        self.limit_groups = GroupLimit(moe) if moe.n_group > 1 else nn.Identity()
+        self.normalize = renormalize if moe.norm_topk and moe.top_k > 1 else keep_weights
+
+    @property
+    def centroids(self) -> Tensor:
+        """(E, D): expert e's affinity with token x is x . centroids[e]."""
+        return self.weight
+
+    def forward(self, x: Tensor) -> Routing:
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(self.jitter(x).float(), self.weight.float())  # (N, E)
+            scores = self.score(logits)
+            choice = self.limit_groups(scores + self.expert_bias.float())
+            idx = choice.topk(self.top_k, dim=-1).indices  # (N, K)
+            weights = self.normalize(scores.gather(-1, idx)) * self.routed_scaling  # (N, K)
+        return Routing(logits, scores, idx, weights)
+
+    def count(self, idx: Tensor) -> Tensor:
+        """Add one training forward's assignments to the counters; return them, (E,)."""
+        counts = torch.bincount(idx.flatten(), minlength=self.weight.shape[0])  # (E,)
+        self.tokens_per_expert += counts
+        self.window_tokens += counts
+        return counts
+
+    @torch.no_grad()
+    def update_bias(self, all_reduce: Callable[[Tensor], object]) -> None:
+        """expert_bias_i += u * sign(mean load - load_i) (DeepSeek-V3), then restart the count."""
+        load = self.tokens_per_expert.float()
+        all_reduce(load)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+# ----------------------------------------------------------------------------- balance losses
+def probabilities(scores: Tensor) -> Tensor:
+    """Scores normalised to sum 1 over experts (softmax scores already do; sigmoid ones do not)."""
+    return scores / scores.sum(-1, keepdim=True)
+
+
+def _balance(probs: Tensor, idx: Tensor) -> Tensor:
+    """E * sum_i f_i P_i in each of G groups of tokens, averaged. probs (G, T, E), idx (G, T, K)."""
+    g, t, k = idx.shape
+    e = probs.shape[-1]
+    ones = torch.ones(g, t * k, dtype=probs.dtype, device=probs.device)
+    counts = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).scatter_add_(
+        1, idx.view(g, t * k), ones
+    )
+    f = counts / (t * k)  # (G, E) share of the group's assignments
+    p = probs.mean(1)  # (G, E) mean router probability
+    return e * (f * p).sum(-1).mean()
+
+
+def load_balance_loss(probs: Tensor, idx: Tensor) -> Tensor:
+    """Switch/GShard auxiliary loss = DeepSeekMoE expert-level balance loss, over one layer's N tokens.
+
+    E * sum_i f_i P_i with f_i = (assignments to i) / (N K) and P_i = mean_t probs[t, i]. This is
+    Switch's N * sum f_i P_i with f counted per assignment, so it is 1 at uniform routing and E / K
+    when every token goes to the same K experts; DeepSeekMoE's f'_i = E f_i gives the same value.
+    """
+    return _balance(probs[None], idx[None])
+
+
+def seq_balance_loss(probs: Tensor, idx: Tensor, batch: int) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` within each sequence, averaged."""
+    n, e = probs.shape
+    return _balance(probs.view(batch, n // batch, e), idx.view(batch, n // batch, -1))
+
+
+def device_balance_loss(probs: Tensor, idx: Tensor, n_devices: int) -> Tensor:
+    """DeepSeekMoE's device-level balance loss: sum_d f'_d P'_d over n_devices equal groups of experts,
+    f'_d = mean of f_i = E * share_i over the group, P'_d = sum of P_i over the group."""
+    e = probs.shape[-1]
+    counts = torch.bincount(idx.flatten(), minlength=e).to(probs.dtype)  # (E,)
+    f = counts * e / idx.numel()  # (E,) 1 for every expert at uniform load
+    p = probs.mean(0)  # (E,)
+    return (f.view(n_devices, -1).mean(-1) * p.view(n_devices, -1).sum(-1)).sum()
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE: mean over tokens of logsumexp(logits)^2; keeps router logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class BalanceLoss(nn.Module):
+    """The weighted sum of the balance terms whose coefficient is > 0 (chosen at build time); a
+    constant 0 without autograd graph when there are none."""
+
+    def __init__(self, moe: MoEConfig) -> None:
+        super().__init__()
+        terms = {
+            "aux_loss_coef": lambda r, p, b: load_balance_loss(p, r.idx),
+            "device_loss_coef": lambda r, p, b: device_balance_loss(p, r.idx, moe.n_devices),
+            "seq_aux_loss_coef": lambda r, p, b: seq_balance_loss(p, r.idx, b),
+            "z_loss_coef": lambda r, p, b: router_z_loss(r.logits),
+        }
+        self.terms = [(getattr(moe, name), fn) for name, fn in terms.items() if getattr(moe, name) > 0]
+
+    def forward(self, route: Routing, batch: int) -> Tensor:
+        probs = probabilities(route.scores)
+        zero = torch.zeros((), device=route.logits.device)
+        return sum((coef * fn(route, probs, batch) for coef, fn in self.terms), zero)

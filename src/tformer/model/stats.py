@@ -1,0 +1,86 @@
+"""Sizes and costs of a model: total vs active parameters, forward FLOPs per token, and DeepSeekMoE's
+fine-grained expert segmentation as a compute-matched config transform.
+
+Counting rule (benchmarks/BENCHMARKING.md): matmul FLOPs only. Forward per token = 2 x active matmul
+weights (every linear layer, the output head included, the input embedding excluded; for MoE the
+router, the top_k selected experts and the shared experts) + attention 2 x T x (d_qk + d_v) per
+attention layer (full T x T; half of it with causal=True). Training = 3 x forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tformer.config import ConfigError, ModelConfig, MoEConfig
+
+
+def _as_model(model_or_cfg: nn.Module | ModelConfig) -> nn.Module:
+    if isinstance(model_or_cfg, nn.Module):
+        return model_or_cfg
+    from tformer.model import build_model
+
+    with torch.device("meta"):  # shapes only: no memory, no time
+        return build_model(model_or_cfg)
+
+
+def _routed_experts(model: nn.Module) -> list[tuple[int, float]]:
+    """(routed expert parameters, share active per token) for every MoE layer."""
+    from tformer.model.moe import moe_layers
+
+    out = []
+    for _, layer in moe_layers(model):
+        numel = sum(p.numel() for p in layer.experts.parameters())
+        out.append((numel, layer.router.top_k / layer.experts.n_experts))
+    return out
+
+
+def count_params(model_or_cfg: nn.Module | ModelConfig) -> dict[str, int]:
+    """{"total", "active"}: all parameters (tied ones once) and those one token uses (routed experts
+    counted top_k / n_experts of the way). A config is measured on a meta-device model."""
+    model = _as_model(model_or_cfg)
+    total = sum(p.numel() for p in model.parameters())
+    inactive = sum(round(numel * (1.0 - share)) for numel, share in _routed_experts(model))
+    return {"total": total, "active": total - inactive}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Forward matmul FLOPs per token at sequence length `seq_len` (see the module docstring)."""
+    from tformer.model.attention import CrossAttention, SelfAttention
+    from tformer.model.moe import moe_layers
+
+    model = _as_model(cfg)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    moe = sum(layer.router.weight.numel() for _, layer in moe_layers(model))
+    experts = sum(numel * share for numel, share in _routed_experts(model))
+    n_attn = sum(isinstance(m, (SelfAttention, CrossAttention)) for m in model.modules())
+    d_attn = cfg.n_heads * cfg.resolved_head_dim  # d_qk = d_v
+    attention = 2 * seq_len * 2 * d_attn * n_attn * (0.5 if causal else 1.0)
+    return 2.0 * (linear + moe + experts) + attention
+
+
+def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
+    """DeepSeekMoE's fine-grained expert segmentation + shared expert isolation, compute-matched.
+
+    From a dense FFN (one expert, top-1) or an MoE baseline (N experts of width w, top-K): split each
+    expert into m of width w / m, activate m*K of them, and make n_shared of them shared, taken from
+    both the routed and the activated ones: mN - n_shared routed experts, top_k = mK - n_shared,
+    d_shared = d_expert = w / m. Active and total expert parameters and FLOPs stay equal (the router
+    grows to mN - n_shared centroids). Other MoE settings of the baseline are kept.
+    """
+    base = cfg.moe if cfg.moe is not None else MoEConfig(n_experts=1, top_k=1)
+    width = base.expert_width(cfg.d_ff)
+    if m < 1 or width % m:
+        raise ConfigError(f"fine_grained: m={m} must be >= 1 and divide the expert width {width}")
+    if base.n_shared:
+        raise ConfigError("fine_grained: the baseline already has shared experts; start from dense or GShard")
+    if not 0 <= n_shared < m * base.top_k:
+        raise ConfigError(f"fine_grained: n_shared={n_shared} must be in [0, m * top_k = {m * base.top_k})")
+    moe = base.replace(
+        n_experts=m * base.n_experts - n_shared,
+        top_k=m * base.top_k - n_shared,
+        d_expert=width // m,
+        n_shared=n_shared,
+        d_shared=width // m,
+    )
+    return cfg.replace(moe=moe)

@@ -1,0 +1,280 @@
+"""Text classification: an encoder with a pooling head (cls or mean) over byte-level BPE tokens.
+
+Each text keeps its first data.seq_len tokens (a BOS first when pooling is "cls": it is the token the
+head reads). Batches are length-bucketed. Evaluation reports loss, accuracy and macro-F1, and writes
+the confusion matrix as confusion_<split>.png (and .json) into the run directory.
+
+Run directory, besides what the trainer writes: tokenizer.json and data.json (the corpus manifest,
+whose "labels" are the class names in index order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.data.corpora import Document
+from tformer.data.datasets import (
+    ClassificationBatch,
+    ClassificationCollator,
+    ClassificationDataset,
+    pad_sequences,
+)
+from tformer.data.loader import make_bucket_loader
+from tformer.data.tokenizer import Tokenizer
+from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
+from tformer.runs import LoadedRun
+from tformer.schema import ConfigError
+from tformer.tasks.stream import BatchStream
+from tformer.tasks.translation import DATA_MANIFEST, load_task_corpus, run_dir_of, write_manifest
+from tformer.train.config import TrainConfig
+
+
+def spread(items: Sequence, n: int | None) -> list:
+    """n items spread evenly over the sequence (all when n is None or >= len): corpora are label-sorted."""
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+class Classifier:
+    """A trained encoder classifier with its tokenizer and class names: texts in, probabilities out."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, labels: Sequence[str], max_len: int) -> None:
+        if len(labels) != model.cfg.n_classes:
+            raise ValueError(f"{len(labels)} class names for a model with {model.cfg.n_classes} classes")
+        self.model, self.tokenizer, self.labels = model, tokenizer, tuple(labels)
+        self.add_bos = model.cfg.pooling == "cls"
+        self.max_len = min(max_len, model.cfg.max_seq_len)
+
+    def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+        """Token ids per text (its first max_len tokens) and the indices of the texts that were cut."""
+        ids = self.tokenizer.encode_batch(list(texts), add_bos=self.add_bos)
+        return [x[: self.max_len] for x in ids], [i for i, x in enumerate(ids) if len(x) > self.max_len]
+
+    @torch.no_grad()
+    def probabilities(self, ids: Sequence[list[int]], batch_size: int = 32) -> Tensor:
+        """(N, C) class probabilities, in the order of `ids`."""
+        if any(len(x) == 0 for x in ids):
+            raise ValueError("cannot classify an empty text")
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out = torch.empty(len(ids), len(self.labels))
+        was_training = self.model.training
+        self.model.eval()
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            tokens, mask = pad_sequences([torch.tensor(ids[i]) for i in chunk], self.tokenizer.pad_id)
+            logits = self.model(tokens.to(device), mask.to(device))  # (B, C)
+            out[chunk] = logits.float().softmax(dim=-1).cpu()
+        self.model.train(was_training)
+        return out
+
+    def classify(self, texts: Sequence[str]) -> list[tuple[str, dict[str, float]]]:
+        probs = self.probabilities(self.encode(texts)[0])
+        return [(self.labels[int(p.argmax())], dict(zip(self.labels, p.tolist()))) for p in probs]
+
+
+def classification_loss_sum(
+    model: nn.Module, batch: ClassificationBatch, label_smoothing: float = 0.0
+) -> tuple[Tensor, int]:
+    logits = model(batch.ids, batch.mask)  # (B, C)
+    loss = F.cross_entropy(logits.float(), batch.labels, reduction="sum", label_smoothing=label_smoothing)
+    return loss, batch.labels.numel()
+
+
+class ClassificationTask:
+    """The task protocol of `tformer.tasks` for text classification."""
+
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+        self.cfg, self.device, self.run_dir = cfg, device, run_dir
+        self.corpus = load_task_corpus(cfg.data, "classification")
+        self.labels = self.corpus.labels
+        train = spread(self.corpus["train"], cfg.data.max_train_docs)
+        path = run_dir / "tokenizer.json"
+        if path.exists():  # resuming: the run's own vocabulary
+            self.tokenizer = Tokenizer.load(path)
+        else:
+            self.tokenizer = Tokenizer.train_bpe([d.text for d in train], cfg.data.vocab_size)
+            self.tokenizer.save(path)
+        self.add_bos = cfg.model.pooling == "cls"
+        self.collate = ClassificationCollator(self.tokenizer.pad_id)
+        self.train_ds = self.dataset(train)
+        self.val_ds = self.dataset(self.corpus["val"])
+        write_manifest(
+            run_dir, self.corpus, train_docs_used=len(train), train_docs_truncated=self.train_ds.n_truncated
+        )
+
+    def dataset(self, docs: Sequence[Document]) -> ClassificationDataset:
+        index = {label: i for i, label in enumerate(self.labels)}
+        texts, labels = [d.text for d in docs], [index[d.label] for d in docs]
+        return ClassificationDataset.from_texts(
+            self.tokenizer, texts, labels, self.cfg.data.seq_len, self.add_bos
+        )
+
+    def model_config(self, cfg: TrainConfig):
+        if cfg.model.arch != "encoder":
+            raise ConfigError(f"classification needs model.arch 'encoder', got {cfg.model.arch!r}")
+        return cfg.model.replace(
+            vocab_size=self.tokenizer.vocab_size,
+            n_classes=len(self.labels),
+            max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len),
+        )
+
+    def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
+        """Length-bucketed batches; rank `rank` of `world_size` takes every world_size-th batch."""
+        size = (
+            dict(max_tokens=cfg.data.max_tokens) if cfg.data.max_tokens else dict(batch_size=cfg.batch_size)
+        )
+        loader = make_bucket_loader(
+            self.train_ds,
+            shuffle=True,
+            seed=cfg.seed,
+            collate_fn=self.collate,
+            rank=rank,
+            world_size=world_size,
+            **size,
+        )
+        return BatchStream(loader)
+
+    def loss(self, model: nn.Module, batch: ClassificationBatch) -> tuple[Tensor, int]:
+        return classification_loss_sum(model, batch, self.cfg.label_smoothing)
+
+    def count_targets(self, batch: ClassificationBatch) -> int:
+        return batch.labels.numel()
+
+    def count_inputs(self, batch: ClassificationBatch) -> int:
+        return int(batch.mask.sum())
+
+    def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
+        result, scores = evaluate_dataset(
+            model, ds, self.collate, self.labels, self.cfg.batch_size, max_batches
+        )
+        write_confusion(scores, self.run_dir, split)
+        return result
+
+    def tokenizer_json(self) -> str:
+        return self.tokenizer.to_json_str()
+
+    def describe_result(self, report: dict) -> str:
+        if "eval_loss" not in report:
+            return "no evaluation recorded"
+        return (
+            f"validation loss {report['eval_loss']:.4f} | accuracy {report['accuracy']:.2%} | "
+            f"macro-F1 {report['macro_f1']:.4f} (confusion matrix: {self.run_dir / 'confusion_val.png'})\n"
+            f"test split: tformer eval --run {self.run_dir}"
+        )
+
+    def show_sample(self, model: nn.Module, n: int = 5) -> str:
+        docs = spread(self.corpus["test"], n)
+        classifier = Classifier(model, self.tokenizer, self.labels, self.cfg.data.seq_len)
+        lines = ["--- test texts ---"]
+        for doc, (label, probs) in zip(docs, classifier.classify([d.text for d in docs])):
+            headline = doc.text.split("\n", 1)[0][:70]
+            lines.append(f"{headline!r}: predicted {label} ({probs[label]:.2f}), true {doc.label}")
+        return "\n".join(lines) + "\n---"
+
+
+@torch.no_grad()
+def evaluate_dataset(
+    model: nn.Module,
+    ds: ClassificationDataset,
+    collate: ClassificationCollator,
+    labels: Sequence[str],
+    batch_size: int,
+    max_batches: int | None = None,
+) -> tuple[dict[str, float], ClassificationScores]:
+    """Loss, accuracy and macro-F1 over up to max_batches length-sorted batches."""
+    device = next(model.parameters()).device
+    lengths = ds.lengths()
+    order = sorted(range(len(ds)), key=lambda i: lengths[i])
+    if max_batches is not None:
+        order = spread(order, max_batches * batch_size)
+    total, y_true, y_pred = 0.0, [], []
+    for start in range(0, len(order), batch_size):
+        batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
+        logits = model(batch.ids, batch.mask)  # (B, C)
+        total += float(F.cross_entropy(logits.float(), batch.labels, reduction="sum"))
+        y_true += batch.labels.tolist()
+        y_pred += logits.argmax(dim=-1).tolist()
+    scores = score_classification(y_true, y_pred, labels)
+    loss = total / max(1, len(y_true))
+    result = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": scores.accuracy}
+    return {**result, "macro_f1": scores.macro_f1}, scores
+
+
+def write_confusion(scores: ClassificationScores, run_dir: Path, split: str) -> Path | None:
+    """run_dir/confusion_<split>.png and .json; None when the directory is not writable."""
+    try:
+        (run_dir / f"confusion_{split}.json").write_text(json.dumps(scores.to_dict(), indent=2))
+        title = f"{split}: accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})"
+        return plot_confusion(scores, run_dir / f"confusion_{split}.png", title)
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- trained runs
+
+
+def run_labels(run: LoadedRun) -> tuple[str, ...]:
+    """A run's class names: from its data.json, else from its corpus."""
+    path = run_dir_of(run.checkpoint) / DATA_MANIFEST
+    if path.exists():
+        labels = json.loads(path.read_text()).get("labels")
+        if labels:
+            return tuple(labels)
+    return load_task_corpus(run.train_config.data, "classification").labels
+
+
+def load_classifier(run: LoadedRun) -> Classifier:
+    cfg = run.train_config
+    if cfg.task != "classification":
+        raise ValueError(f"{run.checkpoint} is a {cfg.task} run, not a classification run")
+    return Classifier(run.model, run.tokenizer, run_labels(run), cfg.data.seq_len)
+
+
+def evaluate_run(run: LoadedRun, split: str = "test", max_batches: int | None = None) -> dict:
+    """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run on a split; the
+    matrix also goes to <run>/confusion_<split>.png."""
+    classifier = load_classifier(run)
+    cfg = run.train_config
+    corpus = load_task_corpus(cfg.data, "classification")
+    index = {label: i for i, label in enumerate(classifier.labels)}
+    docs = corpus[split]
+    ids, cut = classifier.encode([d.text for d in docs])
+    ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
+    collate = ClassificationCollator(classifier.tokenizer.pad_id)
+    result, scores = evaluate_dataset(run.model, ds, collate, classifier.labels, cfg.batch_size, max_batches)
+    png = write_confusion(scores, run_dir_of(run.checkpoint), split)
+    return {
+        "data": f"{cfg.data.corpus} {split} split",
+        "checkpoint_step": run.step,
+        "texts_truncated": len(cut),
+        **result,
+        "n": scores.n,
+        "per_class": scores.per_class,
+        "confusion": scores.to_dict()["confusion"],
+        "labels": list(scores.labels),
+        "confusion_png": str(png) if png else None,
+    }
+
+
+def format_result(result: dict) -> str:
+    lines = [
+        f"{result['data']} (step {result['checkpoint_step']}, {result['n']} texts): accuracy "
+        f"{result['accuracy']:.2%} | macro-F1 {result['macro_f1']:.4f} | loss {result['eval_loss']:.4f}"
+    ]
+    for name, s in result["per_class"].items():
+        lines.append(
+            f"  {name:<14} precision {s['precision']:.3f}  recall {s['recall']:.3f}  f1 {s['f1']:.3f}  n {s['support']}"
+        )
+    if result["confusion_png"]:
+        lines.append(f"confusion matrix: {result['confusion_png']}")
+    return "\n".join(lines)

@@ -1,0 +1,333 @@
+"""Machine translation: sentence pairs, joint or separate byte-level BPE, length-bucketed batches,
+label-smoothed cross-entropy, and BLEU / chrF (sacrebleu) of decoded held-out sentences.
+
+Run directory, besides what the trainer writes: tokenizer.json (the joint vocabulary, or the target
+one), src_tokenizer.json (separate vocabularies only) and data.json (the corpus manifest: source, split
+rule, counts and split hashes, plus how many training pairs were too long).
+
+Evaluation during training: loss per target token on the validation split (no smoothing) and greedy
+BLEU / chrF on its sentences. `evaluate_run` (for `tformer eval`) scores a split with beam search and
+reports the copy-the-source baseline beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.data.corpora import Corpus, Pair, corpus_task, load_corpus
+from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
+from tformer.data.loader import make_bucket_loader
+from tformer.data.tokenizer import Tokenizer
+from tformer.eval.bleu import copy_baseline, score_translations
+from tformer.generate.beam import Hypothesis, SearchConfig, search
+from tformer.runs import LoadedRun
+from tformer.schema import ConfigError
+from tformer.tasks.stream import BatchStream
+from tformer.train.config import DataConfig, TrainConfig
+
+SRC_TOKENIZER = "src_tokenizer.json"
+DATA_MANIFEST = "data.json"
+PATH_OPTION = {
+    "trans-de-en": "path",
+    "bbc-news": "root",
+    "shakespeare": "root",
+}  # loader keyword for data.path
+EVAL_SEARCH = SearchConfig(method="greedy", batch_size=64)
+TEST_SEARCH = SearchConfig(method="beam", beam_size=4, length_penalty=0.6)
+
+
+def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
+    """The corpus `data` names, checked to serve `task`; data.path (if set) says where its files are."""
+    kind = corpus_task(data.corpus)
+    if kind != task:
+        raise ConfigError(f"data.corpus {data.corpus!r} is a {kind} corpus, not a {task} one")
+    if data.path is not None:
+        if data.corpus not in PATH_OPTION:
+            raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
+        options[PATH_OPTION[data.corpus]] = data.path
+    return load_corpus(data.corpus, **options)
+
+
+def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
+    (run_dir / DATA_MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run directory of a checkpoint (run/checkpoints/step_N -> run)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+
+
+def truncate(ids: list[int], max_len: int, eos_id: int) -> tuple[list[int], bool]:
+    """Cut a source (ending in EOS) to max_len tokens, keeping the EOS; True when it was cut."""
+    if len(ids) <= max_len:
+        return ids, False
+    return ids[: max_len - 1] + [eos_id], True
+
+
+class Translator:
+    """A trained encoder-decoder with its tokenizers: text in, text out (batched, length-sorted)."""
+
+    def __init__(self, model: nn.Module, src_tok: Tokenizer, tgt_tok: Tokenizer, max_src_len: int) -> None:
+        self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
+        self.max_src_len = min(max_src_len, model.cfg.max_seq_len)
+
+    def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+        """Source ids (with EOS) per text, and the indices of the texts that were truncated."""
+        out, cut = [], []
+        for i, ids in enumerate(self.src_tok.encode_batch(list(texts), add_eos=True)):
+            ids, was_cut = truncate(ids, self.max_src_len, self.src_tok.eos_id)
+            out.append(ids)
+            if was_cut:
+                cut.append(i)
+        return out, cut
+
+    def hypotheses(self, sources: Sequence[list[int]], cfg: SearchConfig) -> list[Hypothesis]:
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        out: list[Hypothesis | None] = [None] * len(sources)
+        was_training = self.model.training
+        self.model.eval()
+        for start in range(0, len(order), cfg.batch_size):
+            chunk = order[start : start + cfg.batch_size]
+            src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
+            hyps = search(
+                self.model,
+                src.to(device),
+                mask.to(device),
+                cfg,
+                bos_id=self.tgt_tok.bos_id,
+                eos_id=self.tgt_tok.eos_id,
+                banned=(self.tgt_tok.pad_id, self.tgt_tok.bos_id),
+            )
+            for i, h in zip(chunk, hyps):
+                out[i] = h
+        self.model.train(was_training)
+        return out  # type: ignore[return-value]
+
+    def translate(self, texts: Sequence[str], cfg: SearchConfig) -> list[str]:
+        sources, _ = self.encode(texts)
+        return [self.tgt_tok.decode(h.tokens) for h in self.hypotheses(sources, cfg)]
+
+
+def seq2seq_loss_sum(
+    model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0
+) -> tuple[Tensor, int]:
+    # Right-padded targets need no key mask: causal attention never reaches the padding after a token.
+    logits = model(batch.src, batch.tgt_in, batch.src_mask, None)  # (B, T, V)
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        batch.tgt_out.flatten(),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
+    return loss, int((batch.tgt_out != IGNORE_INDEX).sum())
+
+
+class TranslationTask:
+    """The task protocol of `tformer.tasks` for sentence-pair translation."""
+
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+        self.cfg, self.device, self.run_dir = cfg, device, run_dir
+        self.corpus = load_task_corpus(cfg.data, "translation", direction=cfg.data.direction)
+        train = list(self.corpus["train"])[: cfg.data.max_train_docs]
+        self.src_tok, self.tgt_tok = self._tokenizers(train)
+        self.collate = Seq2SeqCollator(self.tgt_tok.pad_id, self.tgt_tok.bos_id, self.tgt_tok.eos_id)
+        self.train_ds = self.dataset(train)
+        self.val_ds = self.dataset(self.corpus["val"])
+        write_manifest(
+            run_dir, self.corpus, train_pairs_used=len(train), train_pairs_too_long=self.train_ds.n_filtered
+        )
+
+    def _tokenizers(self, train: Sequence[Pair]) -> tuple[Tokenizer, Tokenizer]:
+        data, tgt_path, src_path = (
+            self.cfg.data,
+            self.run_dir / "tokenizer.json",
+            self.run_dir / SRC_TOKENIZER,
+        )
+        if tgt_path.exists():  # resuming: the run's own vocabularies
+            tgt = Tokenizer.load(tgt_path)
+            return (Tokenizer.load(src_path) if data.tokenizer == "separate" else tgt), tgt
+        if data.tokenizer == "joint":
+            tgt = Tokenizer.train_bpe([t for p in train for t in (p.src, p.tgt)], data.vocab_size)
+            src = tgt
+        else:
+            tgt = Tokenizer.train_bpe([p.tgt for p in train], data.vocab_size)
+            src = Tokenizer.train_bpe([p.src for p in train], data.src_vocab_size or data.vocab_size)
+            src.save(src_path)
+        tgt.save(tgt_path)
+        return src, tgt
+
+    def dataset(self, pairs: Sequence[Pair]) -> Seq2SeqDataset:
+        n = self.cfg.data.seq_len
+        return Seq2SeqDataset.from_texts(pairs, self.src_tok, n, n, tgt_tokenizer=self.tgt_tok)
+
+    def model_config(self, cfg: TrainConfig):
+        if cfg.model.arch != "encoder_decoder":
+            raise ConfigError(f"translation needs model.arch 'encoder_decoder', got {cfg.model.arch!r}")
+        separate = cfg.data.tokenizer == "separate"
+        return cfg.model.replace(
+            vocab_size=self.tgt_tok.vocab_size,
+            src_vocab_size=self.src_tok.vocab_size if separate else None,
+            share_embeddings=cfg.model.share_embeddings and not separate,
+            max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len),
+        )
+
+    def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
+        """Length-bucketed batches; rank `rank` of `world_size` takes every world_size-th batch."""
+        size = (
+            dict(max_tokens=cfg.data.max_tokens) if cfg.data.max_tokens else dict(batch_size=cfg.batch_size)
+        )
+        loader = make_bucket_loader(
+            self.train_ds,
+            shuffle=True,
+            seed=cfg.seed,
+            collate_fn=self.collate,
+            rank=rank,
+            world_size=world_size,
+            **size,
+        )
+        return BatchStream(loader)
+
+    def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
+        return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing)
+
+    def count_targets(self, batch: Seq2SeqBatch) -> int:
+        return int((batch.tgt_out != IGNORE_INDEX).sum())
+
+    def count_inputs(self, batch: Seq2SeqBatch) -> int:
+        return int(batch.tgt_mask.sum())  # target tokens: what tokens/s means for seq2seq here
+
+    def translator(self, model: nn.Module) -> Translator:
+        return Translator(model, self.src_tok, self.tgt_tok, self.cfg.data.seq_len)
+
+    def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
+        result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
+        pairs = list(self.corpus[split])[: max_batches * self.cfg.batch_size]
+        hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH)
+        scores = score_translations(hyps, [p.tgt for p in pairs])
+        return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
+
+    def tokenizer_json(self) -> str:
+        return self.tgt_tok.to_json_str()
+
+    def describe_result(self, report: dict) -> str:
+        if "eval_loss" not in report:
+            return "no evaluation recorded"
+        return (
+            f"validation loss {report['eval_loss']:.4f} nats/token | perplexity {report['perplexity']:.2f} | "
+            f"greedy BLEU {report['bleu']:.2f} | chrF {report['chrf']:.2f}\n"
+            f"test BLEU with beam search: tformer eval --run {self.run_dir}"
+        )
+
+    def show_sample(self, model: nn.Module, n: int = 5) -> str:
+        pairs = list(self.corpus["test"])[:n]
+        outs = self.translator(model).translate([p.src for p in pairs], TEST_SEARCH)
+        lines = ["--- test sentences (beam 4) ---"]
+        for p, out in zip(pairs, outs):
+            lines += [f"source:    {p.src}", f"reference: {p.tgt}", f"output:    {out}", ""]
+        return "\n".join(lines[:-1]) + "\n---"
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, ds: Seq2SeqDataset, collate: Callable, batch_size: int, max_batches: int, device
+) -> dict[str, float]:
+    """Loss per target token (no smoothing) over up to max_batches length-sorted batches."""
+    lengths = ds.lengths()
+    order = sorted(range(len(ds)), key=lambda i: lengths[i])[: max_batches * batch_size]
+    total, count = 0.0, 0
+    for start in range(0, len(order), batch_size):
+        batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
+        loss, n = seq2seq_loss_sum(model, batch)
+        total, count = total + float(loss), count + n
+    loss = total / max(1, count)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+# ----------------------------------------------------------------------------- trained runs
+
+
+def load_translator(run: LoadedRun) -> Translator:
+    """The Translator of a run loaded with `tformer.runs.load_run`."""
+    cfg = run.train_config
+    if cfg.task != "translation":
+        raise ValueError(f"{run.checkpoint} is a {cfg.task} run, not a translation run")
+    src_tok = run.tokenizer
+    if cfg.data.tokenizer == "separate":
+        path = run_dir_of(run.checkpoint) / SRC_TOKENIZER
+        if not path.exists():
+            raise FileNotFoundError(f"separate vocabularies: the source tokenizer {path} is missing")
+        src_tok = Tokenizer.load(path)
+    return Translator(run.model, src_tok, run.tokenizer, cfg.data.seq_len)
+
+
+def evaluate_run(
+    run: LoadedRun,
+    split: str = "test",
+    search_cfg: SearchConfig = TEST_SEARCH,
+    max_batches: int | None = None,
+) -> dict:
+    """Beam-search BLEU / chrF of a run on a split of its corpus, with the copy-the-source baseline and
+    the loss; the translations go to <run>/translations_<split>.txt."""
+    cfg = run.train_config
+    translator = load_translator(run)
+    pairs = list(load_task_corpus(cfg.data, "translation", direction=cfg.data.direction)[split])
+    if max_batches is not None:
+        pairs = pairs[: max_batches * search_cfg.batch_size]
+    sources, cut = translator.encode([p.src for p in pairs])
+    t0 = time.perf_counter()
+    hyps = [translator.tgt_tok.decode(h.tokens) for h in translator.hypotheses(sources, search_cfg)]
+    seconds = time.perf_counter() - t0
+    refs = [p.tgt for p in pairs]
+    scores, copy = score_translations(hyps, refs), copy_baseline([p.src for p in pairs], refs)
+    ds = Seq2SeqDataset.from_texts(
+        pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
+    )
+    collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
+    loss = evaluate_loss(run.model, ds, collate, 64, 10**9, torch.device("cpu"))
+    out = run_dir_of(run.checkpoint) / f"translations_{split}.txt"
+    try:
+        out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    except OSError:
+        out = None
+    return {
+        "data": f"{cfg.data.corpus} {cfg.data.direction} {split} split",
+        "checkpoint_step": run.step,
+        "sentences": len(pairs),
+        "sources_truncated": len(cut),
+        "search": search_cfg.to_dict(),
+        "bleu": scores.bleu,
+        "chrf": scores.chrf,
+        "copy_bleu": copy.bleu,
+        "copy_chrf": copy.chrf,
+        **loss,
+        "sentences_per_s": len(pairs) / max(seconds, 1e-9),
+        "bleu_signature": scores.bleu_signature,
+        "chrf_signature": scores.chrf_signature,
+        "translations": str(out) if out else None,
+    }
+
+
+def format_result(result: dict) -> str:
+    s = result["search"]
+    how = (
+        f"beam {s['beam_size']}, length penalty {s['length_penalty']}"
+        if s["method"] == "beam"
+        else s["method"]
+    )
+    return (
+        f"{result['data']} (step {result['checkpoint_step']}, {result['sentences']} sentences, {how}): "
+        f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
+        f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | loss {result['eval_loss']:.4f} nats/token "
+        f"| {result['sentences_per_s']:.1f} sentences/s\n{result['bleu_signature']}"
+    )

@@ -1,0 +1,125 @@
+"""The distributed package at world size 1 (no process group, fast, in the default suite): plans,
+config, the DCP checkpoint format written and read by one process, and its error handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tformer.config import MoEConfig
+from tformer.distributed.checkpoint import (
+    DCPCheckpointer,
+    SafetensorsCheckpointer,
+    _dcp_call,
+    is_dcp_checkpoint,
+    make_checkpointer,
+    rescale_loader_state,
+)
+from tformer.distributed.env import Local, init_distributed
+from tformer.distributed.parallelize import parallelize, separate_dtensor_groups
+from tformer.distributed.plans import make_plan
+from tformer.model import build_model
+from tformer.presets import tiny
+from tformer.schema import ConfigError
+from tformer.train.checkpoint import CheckpointError, latest_checkpoint
+from tformer.train.config import OptimConfig, ParallelConfig, TrainConfig
+from tformer.train.optim import make_optimizer, make_scheduler
+from tformer.train.step import LOCAL
+
+
+def moe_model(n_experts: int = 4, d_ff: int = 32):
+    torch.manual_seed(0)
+    return build_model(tiny().replace(d_model=32, d_ff=d_ff, n_heads=2, moe=MoEConfig(n_experts=n_experts)))
+
+
+def trained(model):
+    optimizer = make_optimizer(model, OptimConfig(fused=False))
+    scheduler = make_scheduler(optimizer, 10, OptimConfig())
+    model(torch.randint(0, 128, (2, 8))).square().mean().backward()
+    optimizer.step()
+    scheduler.step()
+    return optimizer, scheduler
+
+
+def test_world_size_one_is_a_null_object(monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    env = init_distributed(ParallelConfig())
+    assert isinstance(env, Local) and env.world_size == 1 and env.is_main
+    model = moe_model()
+    parallel = parallelize(
+        model, make_plan(ParallelConfig(data="fsdp", experts="shard"), 1), env, torch.device("cpu")
+    )
+    assert parallel.model is model and parallel.comm is LOCAL
+    optimizer = make_optimizer(model, OptimConfig(fused=False))
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    assert [list(g["params"]) for g in separate_dtensor_groups(optimizer).param_groups] == groups
+    assert isinstance(make_checkpointer(ParallelConfig(), env, 0), SafetensorsCheckpointer)
+    assert isinstance(make_checkpointer(ParallelConfig(checkpoint="dcp"), env, 0), DCPCheckpointer)
+
+
+def test_plan_and_config() -> None:
+    plan = make_plan(ParallelConfig(data="fsdp", experts="shard", param_dtype="bfloat16"), 2)
+    assert plan.data == "fsdp" and plan.expert_parallel and plan.param_dtype == torch.bfloat16
+    assert plan.is_fsdp_unit("blocks.3") and plan.is_fsdp_unit("encoder.blocks.0")
+    assert not plan.is_fsdp_unit("blocks.3.attn") and not plan.is_fsdp_unit("tok_embed")
+    with pytest.raises(ConfigError, match="param_dtype"):
+        ParallelConfig(data="ddp", param_dtype="bfloat16")
+    cfg = TrainConfig().with_overrides({"parallel.data": "fsdp", "parallel.async_save": True})
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert rescale_loader_state({"epoch": 1, "index_in_epoch": 3, "seed": 0}, 2, 1)["index_in_epoch"] == 6
+
+
+def test_dcp_round_trip_in_one_process(tmp_path) -> None:
+    """A DCP checkpoint written by one process restores model, optimizer, scheduler, RNG and the MoE
+    counters exactly (the format distributed runs write; here without a process group)."""
+    model = moe_model()
+    optimizer, scheduler = trained(model)
+    ckpt = DCPCheckpointer(Local(), seed=0)
+    torch.manual_seed(123)
+    path = ckpt.save(tmp_path, 1, model, optimizer, scheduler, {"loader": {}}, {"note": "x"}, keep_last=2)
+    expected_rng = torch.rand(3)
+    assert is_dcp_checkpoint(path) and latest_checkpoint(tmp_path) == path
+
+    other = moe_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    opt2 = make_optimizer(other, OptimConfig(fused=False))
+    sched2 = make_scheduler(opt2, 10, OptimConfig())
+    state = DCPCheckpointer(Local(), seed=0).load(path, other, opt2, sched2)
+    assert state == {"loader": {}}
+    assert torch.equal(torch.rand(3), expected_rng)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(optimizer.state.values(), opt2.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sched2.state_dict() == scheduler.state_dict()
+    with pytest.raises(CheckpointError, match="exists already"):
+        ckpt.save(tmp_path, 1, model, optimizer, scheduler, {}, {}, keep_last=2)
+
+
+def test_dcp_mismatch_is_a_checkpoint_error(tmp_path) -> None:
+    """A9, B9: a changed architecture fails before anything is loaded, with the toolkit's error naming
+    the tensor; DCP's own CheckpointException (a BaseException) becomes that error too."""
+    model = moe_model(4)
+    optimizer, scheduler = trained(model)
+    path = DCPCheckpointer(Local(), seed=0).save(tmp_path, 1, model, optimizer, scheduler, {}, {}, None)
+    bigger = moe_model(8)
+    opt2, sched2 = trained(bigger)
+    before = {k: v.clone() for k, v in bigger.state_dict().items()}
+    with pytest.raises(
+        CheckpointError, match=r"blocks\.0\.ffn\.router\.\w+' has shape \(4,\), the model \(8,\)"
+    ):
+        DCPCheckpointer(Local(), seed=0).load(path, bigger, opt2, sched2)
+    assert all(torch.equal(v, before[k]) for k, v in bigger.state_dict().items())  # nothing loaded
+    wider = moe_model(4, d_ff=48)
+    opt3, sched3 = trained(wider)
+    with pytest.raises(CheckpointError, match=r"rank 0: ValueError: Size mismatch .*experts\.\w+_proj"):
+        DCPCheckpointer(Local(), seed=0).load(path, wider, opt3, sched3)
+
+    def fails():
+        raise dcp.CheckpointException("save failed", {1: OSError("disk full")})
+
+    with pytest.raises(CheckpointError, match="rank 1: OSError: disk full"):
+        _dcp_call("save", tmp_path, fails)

@@ -1,0 +1,386 @@
+"""One rank of a distributed test: `torchrun --standalone --nproc_per_node 2 worker.py SCENARIO OUT_DIR`.
+
+Each scenario runs several checks and writes `OUT_DIR/<scenario>.rank<r>.json`; the pytest side
+(test_distributed.py) asserts on the files. Scenarios:
+  parity   DDP, FSDP2, EP+DDP, EP+FSDP2 gradients and two full steps vs a single-process reference
+           on the union of the ranks' batches; the EP layer alone vs the full MoE (zero sends and
+           experts without tokens); an expert without tokens on one rank (DDP, FSDP2); a NaN loss
+           on one rank (every rank skips); the MoE bias update and routing statistics are global;
+           FSDP2 bf16 mixed precision
+  resume1  Trainer runs to step 8, saving at 4 and 8 while training goes on (DDP dense, sync save;
+           EP+FSDP2 MoE with dropout, bias updates, async save); a 1-process DCP checkpoint
+           resumed by 2 ranks (1 -> 2)
+  resume2  the step-4 saves resumed in new processes and a new process group, to step 8; a 2-rank
+           checkpoint and its full state left for the 1-process load on the pytest side (2 -> 1)
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import math
+import shutil
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
+
+from tformer.config import MoEConfig
+from tformer.distributed.env import init_distributed
+from tformer.distributed.expert_parallel import apply_expert_parallel
+from tformer.distributed.parallelize import global_routing_stats, parallelize
+from tformer.distributed.plans import is_rank_local, make_plan
+from tformer.model import build_model
+from tformer.model.moe import MoE
+from tformer.presets import tiny
+from tformer.tasks.lm import lm_loss_sum
+from tformer.train.config import OptimConfig, ParallelConfig
+from tformer.train.optim import make_optimizer
+from tformer.train.step import train_step
+
+B, T = 2, 8  # per-rank batch
+
+
+def moe_model_cfg(**moe):
+    moe = {"n_experts": 4, "top_k": 2, "aux_loss_coef": 0.0, "bias_update_rate": 0.01, **moe}
+    return tiny().replace(d_model=32, d_ff=32, n_heads=2, vocab_size=64, moe=MoEConfig(**moe))
+
+
+class Batch:
+    def __init__(self, ids, targets):
+        self.ids, self.targets = ids, targets
+
+
+def global_batch(world: int, step: int) -> Batch:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 64, (world * B, T + 1), generator=g)
+    return Batch(ids[:, :-1], ids[:, 1:])
+
+
+def rank_part(batch: Batch, rank: int) -> Batch:
+    return Batch(batch.ids[rank * B : (rank + 1) * B], batch.targets[rank * B : (rank + 1) * B])
+
+
+def full(t: torch.Tensor, sliced: bool) -> torch.Tensor:
+    """The whole tensor on every rank: DTensors gathered, expert-parallel slices concatenated."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    if sliced:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+    return t
+
+
+def max_diff(model, ref, sliced: set[str], what: str) -> float:
+    worst = 0.0
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        mine = p.grad if what == "grad" else p.detach()
+        want = ref_params[name].grad if what == "grad" else ref_params[name].detach()
+        if mine is None:
+            mine = torch.zeros_like(p)
+        worst = max(worst, float((full(mine, name in sliced) - want).abs().max()))
+    return worst
+
+
+def step_args(model, optimizer, comm=None) -> list:
+    """train_step's arguments; [2] (the micro-batches) is filled in per step. Clipping at 0.05 is active."""
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = [model, lm_loss_sum, None, lambda b: int(b.targets.numel()), optimizer, sched, 0.05, nullcontext()]
+    return args + ([comm] if comm is not None else [])
+
+
+def parity(env, out_dir: Path, out: dict) -> None:
+    rank, world = env.rank, env.world_size
+    cfg = moe_model_cfg()
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
+    ref_opt = make_optimizer(ref, ocfg)
+    ref_args = step_args(ref, ref_opt)
+    batch0 = global_batch(world, 0)
+    loss, n = lm_loss_sum(ref, batch0)
+    (loss / n).backward()
+    ref_grads = copy.deepcopy(ref)  # holds the reference gradients (deepcopy leaves .grad behind)
+    for p, q in zip(ref.parameters(), ref_grads.parameters()):
+        q.grad = p.grad.clone()
+    ref.zero_grad(set_to_none=True)
+    ref_results = []
+    for step in range(2):
+        ref_args[2] = [global_batch(world, step)]
+        ref_results.append(train_step(*ref_args))
+    for data, experts in [("ddp", "replicate"), ("fsdp", "replicate"), ("ddp", "shard"), ("fsdp", "shard")]:
+        mode = f"{'ep+' if experts == 'shard' else ''}{data}"
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        plan = make_plan(ParallelConfig(data=data, experts=experts), world)
+        par = parallelize(model, plan, env, torch.device("cpu"))
+        sliced = set(par.rank_local)
+        opt = par.adapt_optimizer(make_optimizer(model, ocfg))
+        local = rank_part(batch0, rank)
+        loss, _ = lm_loss_sum(par.model, local)
+        (loss * world / batch0.targets.numel()).backward()
+        grad_diff = max_diff(model, ref_grads, sliced, "grad")
+        model.zero_grad(set_to_none=True)
+        args = step_args(par.model, opt, par.comm)
+        results = []
+        for step in range(2):
+            args[2] = [rank_part(global_batch(world, step), rank)]
+            results.append(train_step(*args))
+        biases = [
+            float((a.router.expert_bias - b.router.expert_bias).abs().max())
+            for a, b in zip(
+                [m for m in model.modules() if isinstance(m, MoE)],
+                [m for m in ref.modules() if isinstance(m, MoE)],
+            )
+        ]
+        out[mode] = {
+            "grad_diff": grad_diff,
+            "param_diff": max_diff(model, ref, sliced, "param"),
+            "loss_diff": max(abs(a.loss - b.loss) for a, b in zip(results, ref_results)),
+            "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in zip(results, ref_results)),
+            "clipped": ref_results[0].grad_norm > 0.05,
+            "bias_diff": max(biases),
+            "bias_moved": any(
+                float(m.router.expert_bias.abs().max()) > 0 for m in ref.modules() if isinstance(m, MoE)
+            ),
+        }
+        del par, model, opt, args
+        gc.collect()
+    out["bf16"] = fsdp_bf16(env, cfg, ocfg, ref_results[0].loss)
+    out["ep_layer"] = ep_layer(env)
+    out["unused_expert"] = unused_expert(env, cfg, ocfg)
+    out["nan"] = nan_agreement(env, cfg, ocfg)
+
+
+def fsdp_bf16(env, cfg, ocfg, ref_loss: float) -> dict:
+    """FSDP2 mixed precision (bf16 compute, fp32 reduction and optimizer step) runs and stays close."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    plan = make_plan(ParallelConfig(data="fsdp", param_dtype="bfloat16"), env.world_size)
+    par = parallelize(model, plan, env, torch.device("cpu"))
+    opt = make_optimizer(model, ocfg)
+    args = step_args(par.model, opt, par.comm)
+    args[2] = [rank_part(global_batch(env.world_size, 0), env.rank)]
+    r = train_step(*args)
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    del par, model, opt, args
+    return {"loss_diff": abs(r.loss - ref_loss), "finite": math.isfinite(r.grad_norm), "fp32_params": fp32}
+
+
+def ep_layer(env) -> dict:
+    """ExpertParallelDispatch vs the full MoE on this rank's tokens. Rank 0 routes everything to its own
+    experts (sends 0 rows to rank 1); expert 3 gets no token at all."""
+    rank, world = env.rank, env.world_size
+    cfg = moe_model_cfg(n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    ref = MoE(cfg, 0).train()
+    with torch.no_grad():
+        ref.router.expert_bias.copy_(torch.tensor([1e4, 1e4, -1e4, -1e4] if rank == 0 else [0, 0, 0, -1e4]))
+    ep = copy.deepcopy(ref)
+    apply_expert_parallel(ep, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1, 6 + 3 * rank, cfg.d_model, generator=g)
+    dy = torch.randn(x.shape, generator=g)
+    xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ye = ref(xr), ep(xe)
+    (yr * dy).sum().backward()
+    (ye * dy).sum().backward()
+    worst = 0.0
+    for name, p in ref.experts.named_parameters():
+        summed = p.grad.clone()
+        dist.all_reduce(summed)
+        n = summed.shape[0] // world
+        mine = dict(ep.experts.named_parameters())[name].grad
+        worst = max(worst, float((mine - summed[rank * n : (rank + 1) * n]).abs().max()))
+    expert3 = dict(ep.experts.named_parameters())["up_proj"].grad[1] if rank == 1 else torch.zeros(1)
+    return {
+        "out_equal": bool(torch.equal(yr, ye)),
+        "out_diff": float((yr - ye).abs().max()),
+        "dx_diff": float((xr.grad - xe.grad).abs().max()),
+        "expert_grad_diff": worst,
+        "empty_expert_grad_zero": bool((expert3 == 0).all()),
+    }
+
+
+def identical_across_ranks(model) -> bool:
+    """Every replicated or sharded parameter is the same on all ranks (checksums of whole tensors)."""
+    sums = torch.tensor([float(full(p.detach(), False).double().sum()) for p in model.parameters()])
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    return all(torch.equal(gathered[0], s) for s in gathered)
+
+
+def unused_expert(env, cfg, ocfg) -> dict:
+    """Expert 3 gets no token on rank 1 (its router bias there): DDP and FSDP2 steps neither crash nor
+    hang, and the replicated weights stay identical across ranks."""
+    result = {}
+    for data in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        if env.rank == 1:
+            with torch.no_grad():
+                for m in model.modules():
+                    if isinstance(m, MoE):
+                        m.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))
+        par = parallelize(
+            model, make_plan(ParallelConfig(data=data), env.world_size), env, torch.device("cpu")
+        )
+        opt = make_optimizer(model, ocfg)
+        args = step_args(par.model, opt, par.comm)
+        args[2] = [rank_part(global_batch(env.world_size, 0), env.rank)]
+        r = train_step(*args)
+        result[data] = {
+            "finite": math.isfinite(r.loss) and not r.skipped,
+            "same": identical_across_ranks(model),
+        }
+        del par, model, opt, args
+    return result
+
+
+def nan_agreement(env, cfg, ocfg) -> dict:
+    """A NaN loss on rank 1 only: every rank skips the step; weights unchanged and identical."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    par = parallelize(model, make_plan(ParallelConfig(data="ddp"), env.world_size), env, torch.device("cpu"))
+    opt = make_optimizer(model, ocfg)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(m, batch):
+        loss, n = lm_loss_sum(m, batch)
+        return (loss * float("nan") if env.rank == 1 else loss), n
+
+    args = step_args(par.model, opt, par.comm)
+    args[1], args[2] = loss_fn, [rank_part(global_batch(env.world_size, 0), env.rank)]
+    r = train_step(*args)
+    stats = global_routing_stats(model, env)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    flags = torch.tensor([int(r.skipped)])
+    dist.all_reduce(flags)
+    window = next(iter(stats.values()))["window_tokens"]
+    del par, model, opt, args
+    return {"skipped_everywhere": int(flags) == env.world_size, "unchanged": unchanged,
+            "global_window_tokens": window}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- resume
+def lm_config(corpus: Path, **parallel):
+    from tformer.train.config import DataConfig, OptimConfig
+    from tformer.train.presets import tiny_lm
+
+    base = tiny_lm()
+    moe = parallel.pop("moe", None)
+    model = base.model.replace(d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32, moe=moe)
+    return base.replace(
+        model=model,
+        data=DataConfig(corpus=f"text:{corpus}", vocab_size=300, seq_len=32),
+        optim=OptimConfig(lr=1e-2, warmup_steps=2, fused=False),
+        steps=8,
+        batch_size=2,
+        eval_every=4,
+        eval_batches=1,
+        save_every=4,
+        log_every=1,
+        parallel=ParallelConfig(**parallel),
+    )
+
+
+def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
+    """Train (or resume) to cfg.steps; per-rank parameter checksums. `dump`: the full state at the
+    start (after the restore), written by rank 0."""
+    from tformer.tasks import make_task
+    from tformer.train.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir, make_task("lm"), resume=resume, progress=False)
+    if dump is not None:
+        dump_full_state(trainer, dump)
+    trainer.fit()
+    sums = [float(full(p.detach(), False).double().sum()).hex() for p in trainer.model.parameters()]
+    trainer.close()  # releases model, optimizer, mesh (the process group is the launch's)
+    del trainer
+    gc.collect()
+    return {"param_sums": sums}
+
+
+def losses(run_dir: Path) -> list[str]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["loss"]).hex() for r in records if r["kind"] == "train"]
+
+
+VARIANTS = ("ddp_dense_sync", "ep_fsdp_moe_async")
+
+
+def variant(name: str, corpus: Path):
+    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01, bias_update_rate=0.01)
+    if name == "ddp_dense_sync":
+        return lm_config(corpus, data="ddp")
+    return lm_config(corpus, data="fsdp", experts="shard", async_save=True, moe=moe)
+
+
+def resume1(env, out_dir: Path, out: dict) -> None:
+    """Uninterrupted runs to step 8, saving at 4 and 8 while training goes on (their step-4 saves are
+    resumed by the next launch: new processes, new process group); the 1 -> 2 reshard."""
+    corpus = out_dir / "corpus"
+    for name in VARIANTS:
+        out[name] = run(variant(name, corpus), out_dir / f"{name}_a")
+    # 1 -> 2: the pytest side saved a 1-process DCP checkpoint at step 4; resume it on 2 ranks (EP+FSDP2)
+    cfg = variant("ep_fsdp_moe_async", corpus).replace(steps=5)  # and train one step on
+    run(cfg, out_dir / "one_proc", resume=True, dump=out_dir / "from_one.safetensors")
+
+
+def copy_run(src: Path, dst: Path, step_dir: str) -> None:
+    """A run directory holding only `src`'s checkpoint `step_dir` (as if it had stopped there)."""
+    shutil.copytree(src / "checkpoints" / step_dir, dst / "checkpoints" / step_dir)
+    for f in ("tokenizer.json", "config.json", "metrics.jsonl"):
+        shutil.copy(src / f, dst / f)
+
+
+def resume2(env, out_dir: Path, out: dict) -> None:
+    """Resume each run's step-4 save to step 8; the EP+FSDP2 one also dumps its state at step 4 and is
+    left as a 2-rank checkpoint for the 1-process load on the pytest side (2 -> 1)."""
+    for name in VARIANTS:
+        a, b = out_dir / f"{name}_a", out_dir / f"{name}_b"
+        if env.is_main:
+            copy_run(a, b, "step_000004")
+            copy_run(a, out_dir / f"{name}_two_proc", "step_000004")
+        env.barrier()
+        dump = out_dir / "two_proc.safetensors" if name == "ep_fsdp_moe_async" else None
+        out[name] = run(variant(name, out_dir / "corpus"), b, resume=True, dump=dump)
+        if env.is_main:
+            out[name] |= {"losses_a": losses(a), "losses_b": losses(b)}
+
+
+def dump_full_state(trainer, dump: Path) -> None:
+    """The full model + optimizer state (expert slices gathered), written by rank 0."""
+    options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    sliced = set(trainer.parallel.rank_local)
+    tensors = {f"model.{k}": full(v, k in sliced) for k, v in model_state.items() if not is_rank_local(k)}
+    for k, v in optim_state.items():
+        if isinstance(v, torch.Tensor):
+            name = k.removeprefix("state.").rsplit(".", 1)[0]
+            tensors[f"optim.{k}"] = full(v, name in sliced and v.dim() > 0)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, dump)
+
+
+def main() -> int:
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    env = init_distributed(ParallelConfig(timeout_s=60), "cpu")  # one process group per launch
+    out: dict = {}
+    {"parity": parity, "resume1": resume1, "resume2": resume2}[scenario](env, out_dir, out)
+    env.barrier()
+    env.shutdown()
+    (out_dir / f"{scenario}.rank{env.rank}.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The experiments' building blocks on tiny inputs: report rendering, measurements, verdict rules,
+the MoE arms' compute match and the routing interventions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tformer.cli.main import main
+from tformer.config import ModelConfig, MoEConfig
+from tformer.experiments import moe, norm
+from tformer.experiments.report import Report, Verdict, all_hold, fmt, text_table
+from tformer.experiments.runner import ArmLog, Setting, layer_groups
+from tformer.model import build_model
+from tformer.model.moe import moe_layers
+from tformer.model.stats import count_params, flops_per_token
+from tformer.presets import tiny
+
+
+def test_fmt_and_all_hold():
+    assert fmt(1.234567) == "1.2346" and fmt(math.nan) == "nan" and fmt(math.inf) == "inf" and fmt(3) == "3"
+    assert all_hold([True, True]) is True
+    assert all_hold([True, False, None]) is False
+    assert all_hold([True, None]) is None and all_hold([]) is None
+
+
+def test_report_renders_markdown_and_self_contained_html(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    fig.savefig(tmp_path / "p.png")
+    plt.close(fig)
+    r = Report("T <1>")
+    r.text("a `code` and **bold** <tag>")
+    r.table(["a", "b"], [["x|y", 1]])
+    r.figure(tmp_path / "p.png", "cap")
+    r.verdicts([Verdict("c", "rule", False, "ev", "ref")])
+    md, page = r.write(tmp_path)
+    text = md.read_text()
+    assert "| x\\|y | 1 |" in text and "![cap](p.png)" in text and "**not reproduced**" in text
+    html = page.read_text()
+    assert "<code>code</code>" in html and "<strong>bold</strong>" in html and "&lt;tag&gt;" in html
+    assert "data:image/png;base64," in html and "T &lt;1&gt;" in html
+
+
+def test_text_table_aligns_columns():
+    out = text_table(["arm", "loss"], [["a", "1.0"], ["bbb", "10.25"]]).splitlines()
+    assert out[0] == "arm   loss" and out[2] == "a      1.0" and out[3] == "bbb  10.25"
+
+
+def test_layer_groups_cover_every_parameter_once():
+    for arch in ("decoder", "encoder_decoder"):
+        model = build_model(tiny(arch))
+        groups = layer_groups(model)
+        ids = [id(p) for ps in groups.values() for p in ps]
+        assert sorted(ids) == sorted(id(p) for p in model.parameters())
+        blocks = [g for g in groups if "blocks." in g]
+        assert len(blocks) == (2 if arch == "decoder" else 4)
+
+
+def test_setting_validation():
+    with pytest.raises(ValueError, match="n_heads"):
+        Setting(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        Setting(steps=10, warmup_steps=20)
+    with pytest.raises(ValueError, match="depths"):
+        norm.NormSetting(depths=())
+    assert norm.QUICK.replace(steps=None, seeds=3).seeds == 3  # None = keep
+
+
+def arm_log(losses: list[float], placement="post", warmup=False) -> ArmLog:
+    records = [{"kind": "train", "step": i + 1, "loss": x, "grad_norm": 1.0} for i, x in enumerate(losses)]
+    return ArmLog("a", 0, {"placement": placement, "depth": 2, "warmup": warmup}, {}, records)
+
+
+def test_divergence_events_rule():
+    arm = arm_log([5.0, 6.0, 4.0, 5.5, math.nan, 3.0])
+    assert norm.divergence_events(arm, warmup_steps=0) == [2, 4, 5]
+    assert norm.divergence_events(arm, warmup_steps=3) == [4, 5]  # only after the warm-up window
+
+
+def test_moe_arms_match_active_compute():
+    s = moe.QUICK
+    cfgs = moe.arm_configs(s, lambda c: c.replace(vocab_size=300))
+    dense = count_params(cfgs["dense"])["active"]
+    flops = flops_per_token(cfgs["dense"], s.seq_len, causal=True)
+    for name, cfg in cfgs.items():
+        size = count_params(cfg)
+        assert size["active"] == pytest.approx(dense, rel=0.05), name
+        assert flops_per_token(cfg, s.seq_len, causal=True) == pytest.approx(flops, rel=0.05), name
+    totals = {n: count_params(c)["total"] for n, c in cfgs.items() if n != "dense"}
+    assert max(totals.values()) == pytest.approx(min(totals.values()), rel=0.02)  # same capacity
+    assert cfgs["deepseekmoe"].moe.n_shared == 1 and cfgs["deepseekmoe-noshared"].moe.n_shared == 0
+    assert (
+        cfgs["deepseekmoe-lossfree"].moe.aux_loss_coef == 0
+        and cfgs["deepseekmoe-lossfree"].moe.bias_update_rate > 0
+    )
+
+
+def small_moe() -> tuple[ModelConfig, torch.nn.Module]:
+    cfg = tiny().replace(vocab_size=64, moe=MoEConfig(n_experts=8, top_k=2, d_expert=16, n_shared=1))
+    return cfg, build_model(cfg).eval()
+
+
+def test_disable_top_experts_skips_each_tokens_best():
+    cfg, model = small_moe()
+    x = torch.randint(0, 64, (2, 10))
+    seen, handles = moe.capture_routing(model)
+    model(x)
+    best = {k: v[0][:, 0] for k, v in seen.items()}  # each token's best expert
+    for h in handles:
+        h.remove()
+    hooks = moe.disable_top_experts(model, ratio=1 / 8)  # 1 of 8 experts off per token
+    seen, handles = moe.capture_routing(model)  # registered after: sees the altered routing
+    with torch.no_grad():
+        model(x)
+    for h in hooks + handles:
+        h.remove()
+    for k, idx in seen.items():
+        assert not (idx[0] == best[k][:, None]).any()
+    assert moe.disable_top_experts(model, ratio=0.0) == []
+
+
+def test_without_shared_loads_every_other_weight():
+    cfg, model = small_moe()
+    ablated = moe.without_shared(model, cfg, torch.device("cpu"))
+    assert all(layer.router.top_k == 3 for _, layer in moe_layers(ablated))
+    x = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        assert not torch.allclose(model(x), ablated(x))
+        assert torch.equal(model.tok_embed.weight, ablated.tok_embed.weight)
+
+
+def test_cli_rejects_an_option_the_study_lacks(capsys):
+    assert main(["experiment", "moe", "--quick", "--depths", "2,4", "--out", "/nonexistent/x"]) == 2
+    assert "has no option depths" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""Each study's --quick mode end to end through the CLI, in-process: it writes report.md, a
+self-contained report.html and its PNGs, and the report's numbers are the ones its logs hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from tformer.cli.main import main
+from tformer.experiments.runner import read_records
+
+PNGS = {
+    "norm": ["norm_init_grads.png", "norm_loss.png", "norm_grad_norm.png", "norm_layer_grads.png"],
+    "rope": ["rope_position_ppl.png", "rope_length_ppl.png", "rope_training.png"],
+    "moe": ["moe_loss.png", "moe_load_heatmap.png", "moe_maxvio.png", "moe_disable.png"],
+}
+
+
+def run_quick(study: str, root: Path) -> tuple[Path, str]:
+    import contextlib
+    import io
+
+    out = root / study
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["experiment", study, "--quick", "--out", str(out), "--threads", "1"])
+    assert code == 0, buf.getvalue()
+    return out, buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["norm", "rope", "moe"])
+def quick_run(request, tmp_path_factory) -> tuple[str, Path, str]:
+    out, stdout = run_quick(request.param, tmp_path_factory.mktemp("experiments"))
+    return request.param, out, stdout
+
+
+def table_row(md: str, first_cell: str) -> list[str]:
+    """The cells of the first Markdown table row whose first cell is `first_cell`."""
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no table row starting with {first_cell!r}")
+
+
+def last_eval(run: Path, arm: str) -> float:
+    return [r for r in read_records(run / "arms" / arm / "metrics.jsonl") if r["kind"] == "eval"][-1][
+        "eval_loss"
+    ]
+
+
+def test_quick_run_writes_report_files(quick_run):
+    study, out, stdout = quick_run
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    for png in PNGS[study]:
+        assert (out / png).stat().st_size > 1000, png
+        assert f"]({png})" in md
+    assert page.count("data:image/png;base64,") == len(PNGS[study])
+    assert not re.search(r'src="(?!data:)', page), "report.html must not reference outside files"
+    assert "## Verdicts" in md and "Quick setting" in md
+    assert re.search(r"\[(reproduced|not reproduced|inconclusive)\] ", stdout)
+    assert json.loads((out / "setting.json").read_text())["study"] == study
+    assert all((d / "metrics.jsonl").exists() for d in (out / "arms").iterdir())
+
+
+def test_report_numbers_come_from_the_logs(quick_run):
+    study, out, _ = quick_run
+    md = (out / "report.md").read_text()
+    if study == "norm":
+        cells = table_row(md, "post-L2-warmup-s0")  # column 8: final val loss
+        assert float(cells[7]) == pytest.approx(last_eval(out, "post-L2-warmup-s0"), abs=6e-5)
+    elif study == "rope":
+        cells = table_row(md, "RoPE")  # variant, seed, ppl @ 1L, ...
+        records = read_records(out / "arms" / "rope-s0" / "metrics.jsonl")
+        losses = next(
+            r for r in records if r["kind"] == "position_eval" and r["method"] == "none" and r["factor"] == 1
+        )["position_loss"]
+        assert float(cells[2]) == pytest.approx(math.exp(sum(losses) / len(losses)), abs=6e-3)
+    else:
+        cells = table_row(md, "deepseekmoe-s0")
+        assert float(cells[1]) == pytest.approx(last_eval(out, "deepseekmoe-s0"), abs=6e-5)
+        records = read_records(out / "arms" / "deepseekmoe-s0" / "metrics.jsonl")
+        layers = next(r for r in records if r["kind"] == "routing_eval")["layers"].values()
+        assert float(cells[4]) == pytest.approx(sum(x["max_vio"] for x in layers) / len(layers), abs=6e-4)
+
+
+def test_report_only_rebuilds_the_same_report(quick_run, capsys):
+    study, out, _ = quick_run
+    if study != "rope":
+        pytest.skip("one study is enough: the CLI path is shared, and plotting costs seconds")
+    before = (out / "report.md").read_text()
+    assert main(["experiment", study, "--report-only", "--out", str(out)]) == 0
+    assert (out / "report.md").read_text() == before
+
+
+def test_existing_run_is_not_overwritten(quick_run, capsys):
+    study, out, _ = quick_run
+    assert main(["experiment", study, "--quick", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_norm_encoder_decoder_arm(tmp_path):
+    """Post- vs Pre-Norm on translation (trans-de-en, when installed) with BLEU in the report."""
+    pytest.importorskip("sacrebleu")
+    from tformer.data.corpora import TRANS_PATH
+
+    if not TRANS_PATH.exists():
+        pytest.skip("trans-de-en is not installed")
+    args = ["experiment", "norm", "--quick", "--arch", "encoder_decoder", "--depths", "2", "--steps", "6"]
+    assert main([*args, "--out", str(tmp_path), "--threads", "1"]) == 0
+    md = (tmp_path / "report.md").read_text()
+    cells = table_row(md, "pre-L2-warmup-s0")
+    evals = [
+        r
+        for r in read_records(tmp_path / "arms" / "pre-L2-warmup-s0" / "metrics.jsonl")
+        if r["kind"] == "eval"
+    ]
+    assert float(cells[-1]) == pytest.approx(evals[-1]["bleu"], abs=6e-3)
+    assert "loses BLEU" in md

@@ -1,0 +1,229 @@
+"""Beam, greedy and sampled search for encoder-decoder models: against greedy, against the uncached
+slow twin, against brute-force enumeration, and on scripted next-token distributions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tformer import build_model
+from tformer.generate.beam import SearchConfig, beam_search, length_penalty, sample_search, search
+from tformer.model.attention import Memory
+from tformer.model.cache import KVCache
+from tformer.model.masks import padding_mask
+from tformer.presets import tiny
+from tformer.schema import ConfigError
+
+BOS, EOS, PAD = 1, 2, 0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is as fast as two and does not stall on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def seq2seq(**changes):
+    torch.manual_seed(0)
+    cfg = tiny("encoder_decoder").replace(vocab_size=24, max_seq_len=32, **changes)
+    return build_model(cfg).eval()
+
+
+def sources(b: int = 3, s: int = 7, vocab: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(3, vocab, (b, s), generator=gen)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 4:] = False  # one padded sentence
+    return src.masked_fill(~mask, PAD), mask
+
+
+def tokens(hyps) -> list[list[int]]:
+    return [h.tokens for h in hyps]
+
+
+@pytest.mark.parametrize("changes", [{}, {"norm_placement": "post", "positions": "sinusoidal"}])
+def test_beam_size_1_is_greedy(changes) -> None:
+    model = seq2seq(**changes)
+    src, mask = sources()
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=12, banned=(PAD, BOS))
+    greedy = sample_search(model, src, mask, **common)
+    beam = beam_search(model, src, mask, beam_size=1, alpha=0.0, **common)
+    assert tokens(beam) == tokens(greedy)
+    for b, g in zip(beam, greedy):
+        assert b.log_prob == pytest.approx(g.log_prob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "changes", [{}, {"norm_placement": "post", "positions": "sinusoidal", "ffn": "relu", "norm": "layernorm"}]
+)
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
+def test_cached_beam_search_equals_uncached(changes, alpha: float) -> None:
+    model = seq2seq(**changes)
+    src, mask = sources()
+    max_len = torch.tensor([9, 14, 5])  # per sentence
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=max_len, beam_size=4, alpha=alpha, banned=(PAD, BOS))
+    fast = beam_search(model, src, mask, cached=True, **common)
+    slow = beam_search(model, src, mask, cached=False, **common)
+    assert tokens(fast) == tokens(slow)
+    for f, s, n in zip(fast, slow, max_len.tolist()):
+        assert f.score == pytest.approx(s.score, abs=1e-4)
+        assert len(f.tokens) + f.finished <= n
+
+
+def test_batched_search_equals_one_sentence_at_a_time() -> None:
+    model = seq2seq()
+    src, mask = sources()
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, beam_size=3, alpha=0.6, banned=(PAD, BOS))
+    batched = beam_search(model, src, mask, **common)
+    for i, hyp in enumerate(batched):
+        n = int(mask[i].sum())
+        alone = beam_search(model, src[i : i + 1, :n], None, **common)[0]
+        assert alone.tokens == hyp.tokens
+        assert alone.score == pytest.approx(hyp.score, abs=1e-4)
+
+
+@torch.no_grad()
+def sequence_log_prob(model, src, seq: list[int]) -> float:
+    """log p(seq | src) by one full forward, banned ids masked as in the search (seq: generated tokens)."""
+    tgt = torch.tensor([[BOS] + seq[:-1]])
+    logp = torch.log_softmax(model(src, tgt).float(), dim=-1)[0]  # (T, V)
+    return float(sum(logp[t, tok] for t, tok in enumerate(seq)))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, -0.5])
+def test_large_beam_finds_the_brute_force_best(alpha: float) -> None:
+    """Vocabulary 5 (pad, bos, eos and two words), max length 3: 1 + 2 + 4 outputs end in EOS and 8 are
+    cut at the max length; a beam of 20 keeps every prefix, so the search is exhaustive."""
+    torch.manual_seed(3)
+    cfg = tiny("encoder_decoder").replace(vocab_size=5, max_seq_len=8, d_model=16, n_heads=2, d_ff=32)
+    model = build_model(cfg).eval()
+    src = torch.tensor([[3, 4, 4, 3, EOS]])
+    words, max_len = (3, 4), 3
+    outputs = [[*body, EOS] for n in range(max_len) for body in itertools.product(words, repeat=n)]
+    outputs += [list(body) for body in itertools.product(words, repeat=max_len)]
+    assert len(outputs) == 15
+    scored = {tuple(o): sequence_log_prob(model, src, o) / length_penalty(len(o), alpha) for o in outputs}
+    best = max(scored, key=scored.get)
+    hyp = beam_search(
+        model,
+        src,
+        None,
+        bos_id=BOS,
+        eos_id=EOS,
+        max_len=max_len,
+        beam_size=20,
+        alpha=alpha,
+        banned=(PAD, BOS),
+    )[0]
+    assert tuple(hyp.tokens + [EOS] * hyp.finished) == best
+    assert hyp.score == pytest.approx(scored[best], abs=1e-4)
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in encoder-decoder whose next-token log-probabilities depend only on the prefix length.
+
+    table[t] is the distribution after t generated tokens (the same for every prefix); counts decoder calls.
+    """
+
+    def __init__(self, table: list[list[float]]) -> None:
+        super().__init__()
+        self.table = torch.tensor(table).log()
+        self.cfg = tiny("encoder_decoder").replace(vocab_size=self.table.shape[1], max_seq_len=32)
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.calls = 0
+
+    def encode(self, src, src_mask=None):
+        b, s = src.shape
+        return Memory(torch.zeros(b, s, 4), torch.arange(s), padding_mask(1, src_mask, s, src.device))
+
+    def decode(self, tgt, memory, positions=None, key_padding_mask=None, cache=None):
+        self.calls += 1
+        start = cache.seq_len if cache is not None else 0
+        t = min(start + tgt.shape[1] - 1, len(self.table) - 1)
+        if cache is not None:
+            cache.lengths = [start + tgt.shape[1]]
+        return self.table[t].expand(tgt.shape[0], tgt.shape[1], -1).clone()
+
+    def new_cache(self, capacity=None):
+        return KVCache(1, capacity or 32)
+
+
+# vocabulary: 0 pad, 1 bos, 2 eos, 3 "a", 4 "b"
+def test_search_stops_once_the_best_finished_cannot_be_beaten() -> None:
+    # EOS is certain-ish at step 1: a live beam's bound log(0.1) / lp(max) is below log(0.9) / lp(1)
+    model = ScriptedModel([[0, 0, 0.9, 0.05, 0.05]] * 3)
+    hyp = beam_search(
+        model, torch.tensor([[3, 2]]), None, bos_id=BOS, eos_id=EOS, max_len=30, beam_size=2, alpha=0.0
+    )[0]
+    assert hyp.tokens == [] and hyp.finished and model.calls == 1
+    assert hyp.log_prob == pytest.approx(math.log(0.9))
+
+
+def test_length_penalty_can_prefer_the_longer_hypothesis() -> None:
+    # step 1: EOS 0.5 vs "a" 0.5; step 2: EOS 0.45.  Raw: [] (log .5) beats [a] (log .225).
+    table = [[0, 0, 0.5, 0.5, 0.0], [0, 0, 0.45, 0.55, 0.0], [0, 0, 1.0, 0.0, 0.0]]
+    src = torch.tensor([[3, 2]])
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=3, beam_size=2)
+    assert beam_search(ScriptedModel(table), src, None, alpha=0.0, **common)[0].tokens == []
+    # alpha 4, lp(L) = ((5 + L) / 6)^4: [] log(.5) / 1 = -0.693; [a] log(.225) / 1.85 = -0.806;
+    # [a, a] ends at step 3 with log(.5 * .55) / 3.16 = -0.408: the best.
+    hyp = beam_search(ScriptedModel(table), src, None, alpha=4.0, **common)[0]
+    assert hyp.tokens == [3, 3] and hyp.finished
+
+
+def test_max_length_returns_the_best_unfinished_hypothesis() -> None:
+    model = ScriptedModel([[0, 0, 0.1, 0.6, 0.3]] * 4)
+    hyp = beam_search(
+        model, torch.tensor([[3, 2]]), None, bos_id=BOS, eos_id=EOS, max_len=2, beam_size=3, alpha=0.0
+    )[0]
+    assert hyp.tokens == [3, 3] and not hyp.finished
+    assert hyp.log_prob == pytest.approx(2 * math.log(0.6))
+
+
+def test_eos_outside_the_top_k_does_not_finish() -> None:
+    # beam 1: EOS (0.3) is the second candidate; greedy continues with "a" and ends with EOS at step 2
+    model = ScriptedModel([[0, 0, 0.3, 0.7, 0.0], [0, 0, 0.2, 0.8, 0.0], [0, 0, 1.0, 0.0, 0.0]])
+    hyp = beam_search(
+        model, torch.tensor([[3, 2]]), None, bos_id=BOS, eos_id=EOS, max_len=5, beam_size=1, alpha=0.0
+    )[0]
+    assert hyp.tokens == [3, 3] and hyp.finished
+
+
+def test_sampling_is_seeded_and_greedy_ignores_the_seed() -> None:
+    model = seq2seq()
+    src, mask = sources()
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, banned=(PAD, BOS))
+    a = sample_search(model, src, mask, temperature=1.0, seed=5, **common)
+    b = sample_search(model, src, mask, temperature=1.0, seed=5, **common)
+    assert tokens(a) == tokens(b)
+    assert tokens(sample_search(model, src, mask, seed=1, **common)) == tokens(
+        sample_search(model, src, mask, **common)
+    )
+    for h in a:
+        assert BOS not in h.tokens and PAD not in h.tokens and EOS not in h.tokens
+
+
+def test_search_config_dispatch_and_validation() -> None:
+    model = seq2seq()
+    src, mask = sources()
+    greedy = search(model, src, mask, SearchConfig(method="greedy", max_len=6), bos_id=BOS, eos_id=EOS)
+    beam1 = search(
+        model, src, mask, SearchConfig(beam_size=1, length_penalty=0.0, max_len=6), bos_id=BOS, eos_id=EOS
+    )
+    assert tokens(greedy) == tokens(beam1)
+    assert all(len(h.tokens) + h.finished <= 6 for h in greedy)
+    lens = SearchConfig().max_lens(torch.tensor([4, 40]), max_seq_len=32)
+    assert lens.tolist() == [16, 32]  # 1.5 * 4 + 10, then capped by the context
+    for bad in ({"beam_size": 0}, {"max_len": 0}, {"top_p": 0.0}, {"method": "nucleus"}):
+        with pytest.raises(ConfigError):
+            SearchConfig(**bad)
+    with pytest.raises(ValueError, match="context"):
+        beam_search(model, src, mask, bos_id=BOS, eos_id=EOS, max_len=64)
+    with pytest.raises(ValueError, match="real token"):
+        beam_search(model, src, torch.zeros_like(mask), bos_id=BOS, eos_id=EOS, max_len=4)

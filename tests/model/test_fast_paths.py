@@ -1,0 +1,249 @@
+"""Every fast path against its slow twin: the half-layout RoPE without torch.cat vs the reference
+rotation, stacked q/k/v and gate/up GEMMs vs separate linear layers, SDPA with `enable_gqa` vs
+repeat_kv + SDPA vs eager attention, the mask-free SDPA call for an all-True mask vs the explicit mask,
+and, at sizes where the fast paths switch on, the whole model vs Hugging Face Llama and vs cached
+decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import tformer.model.linear as linear_module
+from tformer import RopeConfig, build_model
+from tformer.model.attention import (
+    ATTENTION_KERNELS,
+    SDPA_HAS_GQA,
+    EagerAttention,
+    GqaSdpaAttention,
+    SdpaAttention,
+)
+from tformer.model.linear import FUSE_MIN_ROWS, stacked_linear
+from tformer.model.masks import Mask, causal_mask, padding_mask
+from tformer.model.positions import HalfRotaryEmbedding, RotaryEmbedding, make_rotary
+from tformer.presets import llama_like, tiny
+
+from .helpers import make, rand_tokens
+
+ROPES = {
+    "plain": RopeConfig(),
+    "linear": RopeConfig(scaling="linear", factor=2.0),
+    "yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_seq_len=16),
+}
+
+
+# ----------------------------------------------------------------------------- rotary
+@pytest.mark.parametrize("rope", list(ROPES.values()), ids=list(ROPES))
+@pytest.mark.parametrize("batched_positions", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_rotary_is_bit_identical_to_reference(rope: RopeConfig, batched_positions: bool, dtype) -> None:
+    fast, ref = HalfRotaryEmbedding(16, 64, rope), RotaryEmbedding(16, 64, rope)
+    q = torch.randn(3, 4, 10, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(3, 2, 10, 16, dtype=dtype, requires_grad=True)
+    positions = torch.randint(0, 64, (3, 10)) if batched_positions else torch.arange(5, 15)
+    got, want = fast.pair(q, k, positions), ref.pair(q, k, positions)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(fast(q, positions), ref(q, positions))
+    weight = torch.linspace(-1, 1, 16, dtype=dtype)
+    grads = [torch.autograd.grad(sum((o * weight).sum() for o in out), (q, k)) for out in (got, want)]
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_half_rotary_on_strided_heads() -> None:
+    """q/k arrive as transposed views of the projection output (B, T, H, E) -> (B, H, T, E)."""
+    fast, ref = HalfRotaryEmbedding(8, 32, RopeConfig()), RotaryEmbedding(8, 32, RopeConfig())
+    x = torch.randn(2, 7, 3, 8).transpose(1, 2)  # (B, H, T, E), not contiguous
+    assert torch.equal(fast(x, torch.arange(7)), ref(x, torch.arange(7)))
+
+
+def test_make_rotary_picks_the_fast_twin_only_where_it_applies() -> None:
+    assert type(make_rotary(16, 32, RopeConfig())) is HalfRotaryEmbedding
+    assert type(make_rotary(16, 32, RopeConfig(layout="interleaved"))) is RotaryEmbedding
+    assert type(make_rotary(16, 32, RopeConfig(fraction=0.5))) is RotaryEmbedding
+
+
+# ----------------------------------------------------------------------------- stacked GEMMs
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_stacked_linear_equals_separate_layers(bias: bool, autocast: bool) -> None:
+    layers = [nn.Linear(16, n, bias=bias) for n in (16, 8, 8)]
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    outs, grads = [], []
+    for min_rows in (0, 10**9):  # stacked, separate
+        for p in (x, *(p for layer in layers for p in layer.parameters())):
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = stacked_linear(x, layers, min_rows=min_rows)
+        sum((t.float() * torch.arange(t.shape[-1])).sum() for t in y).backward()
+        outs.append(y)
+        grads.append([x.grad] + [p.grad for layer in layers for p in layer.parameters()])
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_stacked_linear_switches_on_at_fuse_min_rows() -> None:
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    few = stacked_linear(torch.randn(FUSE_MIN_ROWS - 1, 4), layers)
+    many = stacked_linear(torch.randn(FUSE_MIN_ROWS, 4), layers)
+    assert few[0].is_contiguous() and not many[0].is_contiguous()  # views of one stacked output
+
+
+# ----------------------------------------------------------------------------- attention kernels
+def _masks(t_q: int, t_k: int) -> dict[str, Mask]:
+    pad = torch.ones(2, t_k, dtype=torch.bool)
+    pad[1, :3] = False
+    return {
+        "causal": causal_mask(t_k - t_q, t_q, None, torch.device("cpu")),
+        "padded": causal_mask(t_k - t_q, t_q, pad, torch.device("cpu")),
+        "bidirectional": padding_mask(t_q, None, t_k, torch.device("cpu")),
+    }
+
+
+@pytest.mark.parametrize(("t_q", "t_k"), [(9, 9), (1, 9), (3, 9)])
+@pytest.mark.parametrize("n_rep", [1, 2, 4])
+def test_attention_kernels_agree(t_q: int, t_k: int, n_rep: int) -> None:
+    q = torch.randn(2, 4, t_q, 8)
+    k, v = torch.randn(2, 4 // n_rep, t_k, 8), torch.randn(2, 4 // n_rep, t_k, 8)
+    kernels = [EagerAttention(0.0, n_rep), SdpaAttention(0.0, n_rep)]
+    kernels += [GqaSdpaAttention(0.0, n_rep)] if SDPA_HAS_GQA else []
+    for name, mask in _masks(t_q, t_k).items():
+        ref = kernels[0](q, k, v, mask)
+        for kernel in kernels[1:]:
+            torch.testing.assert_close(kernel(q, k, v, mask), ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_registry_uses_enable_gqa_where_torch_has_it() -> None:
+    assert ATTENTION_KERNELS["sdpa"] is (GqaSdpaAttention if SDPA_HAS_GQA else SdpaAttention)
+
+
+def test_full_mask_flags() -> None:
+    cpu = torch.device("cpu")
+    one_new = causal_mask(7, 1, None, cpu)
+    assert one_new.is_full and bool(one_new.allowed.all())
+    assert not causal_mask(7, 2, None, cpu).is_full
+    assert causal_mask(0, 5, None, cpu).is_causal and not causal_mask(0, 5, None, cpu).is_full
+    assert not causal_mask(7, 1, torch.ones(1, 8, dtype=torch.bool), cpu).is_full  # padding: keep the mask
+    assert padding_mask(3, None, 5, cpu).is_full
+    assert not padding_mask(3, torch.ones(2, 5, dtype=torch.bool), 5, cpu).is_full
+
+
+def test_sdpa_without_mask_equals_explicit_all_true_mask() -> None:
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 8)
+    full = causal_mask(8, 1, None, torch.device("cpu"))
+    explicit = Mask(full.allowed)
+    torch.testing.assert_close(SdpaAttention(0.0)(q, k, v, full), SdpaAttention(0.0)(q, k, v, explicit))
+
+
+# ----------------------------------------------------------------------------- whole models
+def _hf_llama_and_ours(n_kv_heads: int):
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    ours = build_model(llama_like(96, 64, 2, 4, n_kv_heads, 112, 512)).eval()
+    renames = {
+        "model.embed_tokens": "tok_embed",
+        "model.norm": "final_norm",
+        "model.layers": "blocks",
+        "self_attn": "attn",
+        "mlp": "ffn",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    state = {}
+    for name, tensor in hf.state_dict().items():
+        for a, b in renames.items():
+            name = name.replace(a, b)
+        state[name] = tensor
+    ours.load_state_dict(state, strict=True)
+    return hf, ours
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+@torch.no_grad()
+def test_llama_parity_where_the_stacked_gemms_are_on(n_kv_heads: int) -> None:
+    hf, ours = _hf_llama_and_ours(n_kv_heads)
+    tokens = torch.randint(0, 96, (4, FUSE_MIN_ROWS // 4))  # B * T = FUSE_MIN_ROWS: stacked GEMMs
+    torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_training_sized_forward_equals_separate_gemms_and_cached_decoding(monkeypatch) -> None:
+    model = make(tiny(), n_kv_heads=2, max_seq_len=FUSE_MIN_ROWS)
+    tokens = rand_tokens(model.cfg, b=2, t=FUSE_MIN_ROWS // 2)
+    fast = model(tokens)
+    t = tokens.shape[1]
+    cache = model.new_cache(t)
+    steps = [model(tokens[:, : t - 4], cache=cache)] + [
+        model(tokens[:, i : i + 1], cache=cache) for i in range(t - 4, t)
+    ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), fast, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(linear_module, "FUSE_MIN_ROWS", 10**9)
+    torch.testing.assert_close(model(tokens), fast, rtol=1e-5, atol=1e-5)
+
+
+def test_training_sized_gradients_equal_separate_gemms(monkeypatch) -> None:
+    model = make(tiny(), n_kv_heads=2, max_seq_len=FUSE_MIN_ROWS).train()
+    tokens = rand_tokens(model.cfg, b=2, t=FUSE_MIN_ROWS // 2 + 1)  # inputs: 2 x FUSE_MIN_ROWS / 2 rows
+    grads = []
+    for min_rows in (FUSE_MIN_ROWS, 10**9):
+        monkeypatch.setattr(linear_module, "FUSE_MIN_ROWS", min_rows)
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------- generation engine
+def _greedy_by_full_forward(model: nn.Module, prompt: list[int], n: int, eos_id: int | None) -> list[int]:
+    """The slow twin of the cached engine: re-run the whole sequence for every new token."""
+    seq, new = list(prompt), []
+    for _ in range(n):
+        tok = int(model(torch.tensor([seq]))[0, -1].argmax())
+        if tok == eos_id:
+            break
+        seq.append(tok)
+        new.append(tok)
+    return new
+
+
+@torch.no_grad()
+def test_cached_greedy_generation_equals_full_recompute_with_padding_and_eos() -> None:
+    from tformer.generate.engine import generate
+    from tformer.generate.sampling import SamplingConfig
+
+    model = make(tiny(), n_kv_heads=2)
+    prompts = [[5, 17, 3, 9, 40, 2], [7, 1], [11, 12, 13]]
+    eos_id = _greedy_by_full_forward(model, prompts[0], 3, None)[2]  # row 0 stops at its third token
+    want = [_greedy_by_full_forward(model, p, 12, eos_id) for p in prompts]
+    steps = []
+    got = generate(model, prompts, SamplingConfig(temperature=0.0, max_new_tokens=12), eos_id=eos_id,
+                   on_step=steps.append)  # fmt: skip
+    assert got == want
+    assert len(got[0]) <= 2
+    for t, step in enumerate(steps):  # finished rows are reported as -1
+        for i, row in enumerate(want):
+            expected = row[t] if t < len(row) else (eos_id if t == len(row) else -1)
+            assert int(step[i]) == expected

