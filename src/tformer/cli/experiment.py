@@ -65,7 +65,7 @@ def resolve_setting(args: argparse.Namespace, module):
         changes["depths"] = tuple(int(d) for d in args.depths.split(","))
     if getattr(args, "arch", None):
         changes["arch"] = args.arch
-    known = {f for f in setting.to_dict()}
+    known = set(setting.to_dict()) - set(getattr(module, "UNUSED_OPTIONS", ()))
     unused = sorted(k for k, v in changes.items() if v is not None and k not in known)
     if unused:
         raise ValueError(f"experiment {args.study} has no option {', '.join(unused)}")

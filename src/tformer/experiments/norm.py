@@ -43,6 +43,7 @@ from tformer.experiments.runner import (
 from tformer.train.config import DataConfig
 
 PLACEMENTS = ("post", "pre")
+UNUSED_OPTIONS = ("n_layers",)  # the depths are `depths`
 TRANSLATION_CORPUS = "trans-de-en"
 COLORS = {"post": "tab:red", "pre": "tab:blue"}
 
@@ -209,128 +210,128 @@ def final_train_loss(arm: ArmLog, last: int = 10) -> float:
     return mean(losses)
 
 
-def find(arms: list[ArmLog], **tags) -> ArmLog | None:
-    for a in arms:
-        if all((a.seed if k == "seed" else a.tags.get(k)) == v for k, v in tags.items()):
-            return a
-    return None
-
-
 # ----------------------------------------------------------------------------- verdicts
+class Grid:
+    """The arms by (placement, depth, warm-up, seed); a rule over a missing arm gives None."""
+
+    def __init__(self, arms: list[ArmLog], s: NormSetting) -> None:
+        self.s, self.w = s, s.warmup_steps
+        self.arms = {(a.tags["placement"], a.tags["depth"], a.tags["warmup"], a.seed): a for a in arms}
+
+    def cases(self, fn, warmups=(True,)) -> list[bool | None]:
+        """fn(post, pre) for every depth, warm-up setting and seed (None where an arm is missing)."""
+        out = []
+        for seed in range(self.s.seeds):
+            for depth in self.s.depths:
+                for warm in warmups:
+                    post, pre = (self.arms.get((p, depth, warm, seed)) for p in PLACEMENTS)
+                    out.append(None if post is None or pre is None else fn(post, pre))
+        return out
+
+    def cost(self, placement: str, depth: int, seed: int, measure) -> float | None:
+        """measure(no warm-up arm) - measure(warm-up arm)."""
+        with_w, no_w = (self.arms.get((placement, depth, warm, seed)) for warm in (True, False))
+        return None if with_w is None or no_w is None else measure(no_w) - measure(with_w)
+
+    def by_depth(self, fn, placement: str, warmup: bool = True) -> str:
+        """'L6 x, L12 y': fn averaged over seeds at each depth."""
+        return ", ".join(
+            f"L{d} {fmt(mean([fn(a) for k, a in self.arms.items() if k[:3] == (placement, d, warmup)]), 3)}"
+            for d in self.s.depths
+        )
+
+    def cost_by_depth(self, placement: str, measure) -> str:
+        costs = {
+            d: [self.cost(placement, d, sd, measure) for sd in range(self.s.seeds)] for d in self.s.depths
+        }
+        return ", ".join(f"L{d} {fmt(mean([c for c in v if c is not None]), 3)}" for d, v in costs.items())
+
+
+def warmup_cost_rule(g: Grid, measure, sign: float) -> list[bool | None]:
+    """Dropping warm-up costs Post-Norm (sign * cost > 0) more than it costs Pre-Norm, per depth and seed."""
+    out = []
+    for seed in range(g.s.seeds):
+        for depth in g.s.depths:
+            post, pre = g.cost("post", depth, seed, measure), g.cost("pre", depth, seed, measure)
+            out.append(None if post is None or pre is None else sign * post > max(0.0, sign * pre))
+    return out
+
+
+def divergence_rule(g: Grid) -> list[bool | None]:
+    """At the largest depth, Post-Norm without warm-up diverges and no Pre-Norm arm does, per seed."""
+    out = []
+    for seed in range(g.s.seeds):
+        post = g.arms.get(("post", max(g.s.depths), False, seed))
+        pre = [a for k, a in g.arms.items() if k[0] == "pre" and k[3] == seed]
+        calm = not any(divergence_events(a, g.w) for a in pre)
+        out.append(None if post is None else bool(divergence_events(post, g.w)) and calm)
+    return out
+
+
+XIONG = "Xiong et al. 2020"
+
+
 def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
-    seeds, depths, w = range(s.seeds), s.depths, s.warmup_steps
-
-    def pair(depth, warmup, seed):
-        return find(arms, placement="post", depth=depth, warmup=warmup, seed=seed), find(
-            arms, placement="pre", depth=depth, warmup=warmup, seed=seed
-        )
-
-    grow, lower, penalty, diverge, steady = [], [], [], [], []
-    for seed in seeds:
-        for depth in depths:
-            post, pre = pair(depth, True, seed)
-            grow.append(None if not (post and pre) else init_ratio(post) > max(1.0, init_ratio(pre)))
-            for warmup in (True, False):
-                post, pre = pair(depth, warmup, seed)
-                lower.append(None if not (post and pre) else pre.final_eval < post.final_eval)
-                steady.append(None if not (post and pre) else grad_norm_cv(pre, w) < grad_norm_cv(post, w))
-            (pw, prw), (pn, prn) = pair(depth, True, seed), pair(depth, False, seed)
-            ok = all((pw, prw, pn, prn))
-            post_cost = None if not ok else pn.final_eval - pw.final_eval
-            penalty.append(None if not ok else post_cost > 0 and post_cost > prn.final_eval - prw.final_eval)
-        deepest = max(depths)
-        post_nw, _ = pair(deepest, False, seed)
-        pre_all = [a for a in arms if a.tags["placement"] == "pre" and a.seed == seed]
-        diverge.append(
-            None
-            if post_nw is None
-            else bool(divergence_events(post_nw, w)) and not any(divergence_events(a, w) for a in pre_all)
-        )
-
-    def by_depth(fn, placement, warmup=True):
-        parts = []
-        for d in depths:
-            vals = [fn(a) for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": warmup}]
-            parts.append(f"L{d} {fmt(mean(vals), 3)}")
-        return ", ".join(parts)
-
-    def penalty_text(placement):
-        parts = []
-        for d in depths:
-            with_w = [
-                a.final_eval for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": True}
-            ]
-            no_w = [
-                a.final_eval for a in arms if a.tags == {"placement": placement, "depth": d, "warmup": False}
-            ]
-            parts.append(f"L{d} {fmt(mean(no_w) - mean(with_w), 3)}")
-        return ", ".join(parts)
-
-    n_events = {
-        p: sum(len(divergence_events(a, w)) for a in arms if a.tags["placement"] == p) for p in PLACEMENTS
+    g, w = Grid(arms, s), s.warmup_steps
+    events = {
+        p: sum(len(divergence_events(a, w)) for k, a in g.arms.items() if k[0] == p) for p in PLACEMENTS
     }
-    bleu = []
-    if s.arch == "encoder_decoder":
-        for seed in seeds:
-            for depth in depths:
-                (pw, prw), (pn, prn) = pair(depth, True, seed), pair(depth, False, seed)
-                ok = all((pw, prw, pn, prn))
-                drop = None if not ok else final_bleu(pw) - final_bleu(pn)
-                bleu.append(None if not ok else drop > 0 and drop > final_bleu(prw) - final_bleu(prn))
     out = [
         Verdict(
             "At initialisation Post-Norm's gradients grow toward the output layer; Pre-Norm's do not",
             "gradient norm of the last block / the first block (of the decoder, for an encoder-decoder) at "
             "initialisation is > 1 and larger for Post-Norm than for Pre-Norm, at every depth and seed",
-            all_hold(grow),
-            f"ratio last/first (mean over seeds): Post {by_depth(init_ratio, 'post')}; "
-            f"Pre {by_depth(init_ratio, 'pre')}",
-            "Xiong et al. 2020, Fig. 3: Post-LN gradients grow with the layer index, Pre-LN's stay flat",
+            all_hold(g.cases(lambda post, pre: init_ratio(post) > max(1.0, init_ratio(pre)))),
+            f"ratio last/first (mean over seeds): Post {g.by_depth(init_ratio, 'post')}; "
+            f"Pre {g.by_depth(init_ratio, 'pre')}",
+            f"{XIONG}, Fig. 3: Post-LN gradients grow with the layer index, Pre-LN's stay flat",
         ),
         Verdict(
             "Pre-Norm converges faster",
             "Pre-Norm's final validation loss is lower than Post-Norm's at every depth, with and without "
             "warm-up, for every seed",
-            all_hold(lower),
-            f"final val loss with warm-up: Post {by_depth(lambda a: a.final_eval, 'post')}; "
-            f"Pre {by_depth(lambda a: a.final_eval, 'pre')}",
-            "Xiong et al. 2020: Pre-LN without warm-up reaches Post-LN's BLEU sooner",
+            all_hold(g.cases(lambda post, pre: pre.final_eval < post.final_eval, (True, False))),
+            f"final val loss with warm-up: Post {g.by_depth(lambda a: a.final_eval, 'post')}; "
+            f"Pre {g.by_depth(lambda a: a.final_eval, 'pre')}",
+            f"{XIONG}: Pre-LN without warm-up reaches Post-LN's BLEU sooner",
         ),
         Verdict(
             "Post-Norm needs learning-rate warm-up much more than Pre-Norm",
             "dropping warm-up raises Post-Norm's final validation loss, and by more than it raises (or "
             "lowers) Pre-Norm's, at every depth and seed",
-            all_hold(penalty),
-            f"val loss without - with warm-up: Post {penalty_text('post')}; Pre {penalty_text('pre')}",
-            "Xiong et al. 2020: Post-LN without warm-up 8.45 BLEU vs about 34 with warm-up (IWSLT14 De-En)",
+            all_hold(warmup_cost_rule(g, lambda a: a.final_eval, +1.0)),
+            f"val loss without - with warm-up: Post {g.cost_by_depth('post', lambda a: a.final_eval)}; "
+            f"Pre {g.cost_by_depth('pre', lambda a: a.final_eval)}",
+            f"{XIONG}: Post-LN without warm-up 8.45 BLEU vs about 34 with warm-up (IWSLT14 De-En)",
         ),
         Verdict(
             "Post-Norm without warm-up diverges",
-            f"at the largest depth ({max(depths)}) every seed's Post-Norm arm without warm-up has a divergence "
+            f"at the largest depth ({max(s.depths)}) every seed's Post-Norm arm without warm-up has a divergence "
             "event and no Pre-Norm arm has one",
-            all_hold(diverge),
-            f"divergence events in all arms: Post {n_events['post']}, Pre {n_events['pre']}",
-            "Xiong et al. 2020: Post-LN training without warm-up fails to converge",
+            all_hold(divergence_rule(g)),
+            f"divergence events in all arms: Post {events['post']}, Pre {events['pre']}",
+            f"{XIONG}: Post-LN training without warm-up fails to converge",
         ),
         Verdict(
             "Pre-Norm's gradients are steadier during training",
             "coefficient of variation of the gradient norm after the warm-up window is lower for Pre-Norm "
             "than for Post-Norm at every depth, schedule and seed",
-            all_hold(steady),
-            f"CV with warm-up: Post {by_depth(lambda a: grad_norm_cv(a, w), 'post')}; "
-            f"Pre {by_depth(lambda a: grad_norm_cv(a, w), 'pre')}",
+            all_hold(g.cases(lambda post, pre: grad_norm_cv(pre, w) < grad_norm_cv(post, w), (True, False))),
+            f"CV with warm-up: Post {g.by_depth(lambda a: grad_norm_cv(a, w), 'post')}; "
+            f"Pre {g.by_depth(lambda a: grad_norm_cv(a, w), 'pre')}",
         ),
     ]
-    if bleu:
+    if s.arch == "encoder_decoder":
         out.append(
             Verdict(
                 "Without warm-up Post-Norm loses BLEU, Pre-Norm much less",
                 "dropping warm-up lowers Post-Norm's final greedy BLEU, and by more than Pre-Norm's, at every "
                 "depth and seed",
-                all_hold(bleu),
-                f"BLEU with warm-up: Post {by_depth(final_bleu, 'post')}; Pre {by_depth(final_bleu, 'pre')}; "
-                f"without: Post {by_depth(final_bleu, 'post', False)}; Pre {by_depth(final_bleu, 'pre', False)}",
-                "Xiong et al. 2020 (IWSLT14 De-En): Post-LN 8.45 BLEU without warm-up vs about 34 with",
+                all_hold(warmup_cost_rule(g, final_bleu, -1.0)),
+                f"BLEU with warm-up: Post {g.by_depth(final_bleu, 'post')}; Pre {g.by_depth(final_bleu, 'pre')}; "
+                f"without: Post {g.by_depth(final_bleu, 'post', False)}; "
+                f"Pre {g.by_depth(final_bleu, 'pre', False)}",
+                f"{XIONG} (IWSLT14 De-En): Post-LN 8.45 BLEU without warm-up vs about 34 with",
             )
         )
     return out

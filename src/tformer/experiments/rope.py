@@ -1,7 +1,9 @@
 """Positions and long sequences: sinusoidal vs learned vs RoPE, and RoPE scaled at evaluation.
 
 Arms (same decoder otherwise: Pre-Norm RMSNorm, SwiGLU, no dropout): positions "sinusoidal", "learned",
-"rope", each trained on windows of L = seq_len tokens. Evaluation on held-out text at lengths n L for n in
+"rope", each trained on windows of L = seq_len tokens. Embeddings follow Vaswani et al. (N(0, 1/d) times
+sqrt(d): unit scale), so an added sinusoidal table is not louder than the tokens it is added to (with
+small GPT-style embeddings it would drown them, a handicap for the sinusoidal arm only). Evaluation on held-out text at lengths n L for n in
 `eval_factors` (same tokens at every length: K windows of the longest length, cut into pieces):
 
     sinusoidal  the fixed table extends by formula (a model built with the longer max_seq_len)
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from matplotlib.ticker import NullLocator
 from torch import nn
 
 from tformer.config import ModelConfig, RopeConfig
@@ -82,7 +85,7 @@ FULL = RopeSetting(
     eval_every=100,
     eval_batches=8,
     seeds=2,
-    eval_windows=16,
+    eval_windows=32,
 )
 QUICK = FULL.replace(
     max_train_docs=2,
@@ -117,9 +120,9 @@ def model_config(s: RopeSetting, positions: str) -> ModelConfig:
         positions=positions,
         ffn="swiglu",
         bias=False,
-        embed_scale=False,
+        embed_scale=True,  # token embeddings at unit scale, like the position tables they are added to
         tie_embeddings=True,
-        init="scaled",
+        init="xavier",
     )
 
 
@@ -303,6 +306,13 @@ def verdicts(c: dict, s: RopeSetting) -> list[Verdict]:
 
 
 # ----------------------------------------------------------------------------- plots and report
+def fit_yscale(ax) -> None:
+    """Log scale when the curves span more than a decade, linear (readable ticks) otherwise."""
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0]
+    if ys and max(ys) / min(ys) > 10:
+        ax.set_yscale("log")
+
+
 def plot_positions(c: dict, s: RopeSetting, path: Path) -> Path:
     L, width = s.seq_len, s.bucket or max(1, s.seq_len // 4)
     longer = [n for n in s.eval_factors if n > 1] or list(s.eval_factors)
@@ -320,12 +330,10 @@ def plot_positions(c: dict, s: RopeSetting, path: Path) -> Path:
                 label=LABELS[v],
                 lw=1.3,
             )
+        fit_yscale(ax)
         ax.axvline(L, color="gray", ls=":", lw=1)
         ax.set(
-            title=f"evaluated at {n}L = {n * L}",
-            xlabel=f"position (buckets of {width})",
-            ylabel="perplexity",
-            yscale="log",
+            title=f"evaluated at {n}L = {n * L}", xlabel=f"position (buckets of {width})", ylabel="perplexity"
         )
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -348,8 +356,11 @@ def plot_lengths(c: dict, s: RopeSetting, path: Path) -> Path:
             label=LABELS[v],
         )
     for ax, title in zip(axes, ("whole window", "positions >= L only")):
-        ax.set(xscale="log", yscale="log", xlabel="evaluation length / L", ylabel="perplexity", title=title)
+        ax.set(xlabel="evaluation length / L", ylabel="perplexity", title=title)
+        ax.set_xscale("log", base=2)
         ax.set_xticks(list(s.eval_factors), [str(n) for n in s.eval_factors])
+        ax.xaxis.set_minor_locator(NullLocator())
+        fit_yscale(ax)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Perplexity vs evaluation length (mean over seeds)")
@@ -422,7 +433,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
             f"{'all' if s.max_train_docs is None else s.max_train_docs} training works; trained on windows of "
             f"L = {s.seq_len} tokens.",
             f"Model: decoder, {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, SwiGLU {s.d_ff}, Pre-Norm "
-            "RMSNorm, no dropout; only the position scheme differs.",
+            "RMSNorm, Xavier init, embeddings scaled by sqrt(d_model) (unit scale, like the added position "
+            "tables), no dropout; only the position scheme differs.",
             f"Budget (every arm): {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, AdamW lr {s.lr}, warm-up "
             f"{s.warmup_steps}, cosine to 10%, clipping {s.grad_clip}; seeds {', '.join(map(str, range(s.seeds)))}.",
             f"Evaluation: {s.eval_windows} windows of {max(s.eval_factors) * s.seq_len} held-out tokens, cut into "

@@ -264,6 +264,9 @@ def init_grad_norms(model: nn.Module, batches: list, data: StudyData, groups: di
         for k, v in group_grad_norms(groups).items():
             sums[k] = sums.get(k, 0.0) + v / len(batches)
         model.zero_grad(set_to_none=True)
+    for _, layer in moe_layers(model):  # these forwards are measurements, not training: forget their loads
+        layer.router.tokens_per_expert.zero_()
+        layer.router.window_tokens.zero_()
     return {"kind": "init_grads", "batches": len(batches), "layer_grad_norms": sums}
 
 
@@ -311,7 +314,7 @@ class LoadWindow:
         return {"kind": "routing", "step": step, "load": shares}
 
 
-def train_step(
+def instrumented_step(
     model: nn.Module, loss_fn, batch, optimizer, scheduler, grad_clip: float, groups: dict
 ) -> dict:
     """Loss -> backward -> per-layer gradient norms -> clip -> step (skipped when non-finite).
@@ -361,7 +364,7 @@ def train_arm(arm: Arm, data: StudyData, setting: Setting, run_dir: Path, init_b
     for step in range(1, setting.steps + 1):
         batch = stream.next_batch(device)
         t0 = now(device)
-        record = train_step(model, data.loss, batch, optimizer, scheduler, arm.optim.grad_clip, groups)
+        record = instrumented_step(model, data.loss, batch, optimizer, scheduler, arm.optim.grad_clip, groups)
         clock += now(device) - t0
         record = {"kind": "train", "step": step, **record, "time_s": clock}
         if has_moe:
