@@ -156,3 +156,28 @@ def test_corrupt_checkpoint_is_one_line_and_keeps_files(trained_run: Path, capsy
     err = capsys.readouterr().err
     assert "model.safetensors" in err and err.count("\n") == 1
     assert weights.exists() and (copy / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+def test_bench_reports_speed(capsys) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "tiny-lm",
+                "--repeats",
+                "1",
+                "--new-tokens",
+                "4",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["train_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["params_total"] == result["params_active"] > 0

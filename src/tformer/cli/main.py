@@ -96,6 +96,19 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+@register("bench", "measure training and decoding speed of a decoder config on this machine", "bench:run")
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from tformer.cli.options import add_config_arguments
+
+    add_config_arguments(p, default_preset="shakespeare")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the preset's batch size")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the preset's data.seq_len")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is reported)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens to decode")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 @register("demo", "smoke run: build each architecture and train a tiny decoder for a few steps", "demo:run")
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")

@@ -35,8 +35,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     out_scale = 1.0 / math.sqrt(2 * depth) if cfg.init == "scaled" else 1.0
     for name, p in model.named_parameters():
         parts = name.split(".")
-        if p.dim() == 1:
-            nn.init.zeros_(p) if parts[-1] == "bias" else nn.init.ones_(p)
+        if parts[-1].endswith("bias"):  # biases, stacked (E, out) expert biases included
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
         elif "embed" in parts[-2]:
             std = cfg.d_model**-0.5 if cfg.init == "xavier" else cfg.init_std
             nn.init.normal_(p, 0.0, std)

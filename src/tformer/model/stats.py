@@ -44,12 +44,13 @@ def count_params(model_or_cfg: nn.Module | ModelConfig) -> dict[str, int]:
     return {"total": total, "active": total - inactive}
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+def flops_per_token(model_or_cfg: nn.Module | ModelConfig, seq_len: int, causal: bool = False) -> float:
     """Forward matmul FLOPs per token at sequence length `seq_len` (see the module docstring)."""
     from tformer.model.attention import CrossAttention, SelfAttention
     from tformer.model.moe import moe_layers
 
-    model = _as_model(cfg)
+    model = _as_model(model_or_cfg)
+    cfg = model.cfg
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     moe = sum(layer.router.weight.numel() for _, layer in moe_layers(model))
     experts = sum(numel * share for numel, share in _routed_experts(model))

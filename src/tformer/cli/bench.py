@@ -1,0 +1,94 @@
+"""`tformer bench`: how fast a model config trains and decodes on this machine.
+
+Measures, in one process: a matmul peak on the model's own shapes, training tokens/s (forward,
+loss, backward, AdamW step) with model FLOPs utilisation against that peak, and KV-cached greedy
+decoding tokens/s. For comparisons against other libraries see benchmarks/ in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer import build_model
+    from tformer.cli.options import resolve_train_config
+    from tformer.generate.engine import generate
+    from tformer.generate.sampling import SamplingConfig
+    from tformer.model.stats import count_params, flops_per_token
+    from tformer.train.optim import make_optimizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = resolve_train_config(args, default_preset="shakespeare")
+    if cfg.model.arch != "decoder":
+        raise ValueError(f"tformer bench measures decoder LMs; preset arch is {cfg.model.arch!r}")
+    torch.manual_seed(0)
+    mcfg = cfg.model
+    model = build_model(mcfg)
+    opt = make_optimizer(model, cfg.optim)
+    b, t = args.batch_size or cfg.batch_size, min(args.seq_len or cfg.data.seq_len, mcfg.max_seq_len)
+    x = torch.randint(0, mcfg.vocab_size, (b, t))
+
+    def train_step() -> None:
+        logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    a = torch.randn(b * t, mcfg.d_model)
+    w = torch.randn(max(mcfg.d_ff, mcfg.d_model), mcfg.d_model)
+
+    def matmuls() -> None:
+        for _ in range(20):
+            a @ w.t()
+
+    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _best(matmuls, args.repeats)
+    train_s = _best(train_step, args.repeats)
+    train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
+    model.eval()
+    prompt = [x[0, :8].tolist()]
+    n_new = min(args.new_tokens, mcfg.max_seq_len - 8)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
+    decode_s = _best(lambda: generate(model, prompt, sampling), max(1, args.repeats // 2))
+    params = count_params(model)
+    result = {
+        "params_total": params["total"],
+        "params_active": params["active"],
+        "batch": [b, t],
+        "threads": torch.get_num_threads(),
+        "matmul_peak_gflops": peak / 1e9,
+        "train_tokens_per_s": b * t / train_s,
+        "train_mfu": train_flops / train_s / peak,
+        "decode_tokens_per_s": n_new / decode_s,
+        "decode_ms_per_token": 1000 * decode_s / n_new,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"model: {params['total']:,} parameters ({params['active']:,} active per token), batch {b} x {t}, "
+        f"{result['threads']} threads"
+    )
+    print(f"matmul peak (fp32, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
+    print(f"training: {result['train_tokens_per_s']:,.0f} tokens/s, MFU {100 * result['train_mfu']:.1f}%")
+    print(
+        f"greedy decoding (batch 1, KV cache): {result['decode_tokens_per_s']:,.1f} tokens/s "
+        f"({result['decode_ms_per_token']:.2f} ms/token)"
+    )
+    return 0
