@@ -224,9 +224,10 @@ class MatmulPeak:
     """The matmul rate a model's own GEMM shapes reach on this machine, measured as a round-robin
     variant so that it sees the same load as the models.
 
-    Each call runs every distinct shape once (in `dtype`, the layouts of a training step: x @ W^T
-    with W stored (out, in), and the transposed operands of backward); `gflops(t)` weights each
-    shape by how often the model runs it, so the rate is what the model's matmuls alone would reach.
+    Each call runs every distinct shape once, in `dtype`, as `F.linear` on contiguous operands (the
+    backward products with their own shapes, not their transposed layouts); `gflops_best()` weights
+    each shape by how often the model runs it, so the rate is what the model's matmuls alone would
+    reach on this machine at that moment.
     """
 
     def __init__(self, shapes: Sequence[MatmulShape], dtype: torch.dtype = torch.float32) -> None:
