@@ -39,7 +39,7 @@ QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new
 COLUMNS = [
     ("name", "variant", "s"),
     ("best_s", "best s", ".2f"),
-    ("ms_tok", "ms/token", ".2f"),
+    ("ms_tok", "ms/step", ".2f"),
     ("tok_s", "tok/s", ".0f"),
     ("vs_hf_best", "x HF (best)", ".2f"),
     ("vs_hf_paired", "x HF (paired med)", ".2f"),

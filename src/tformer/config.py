@@ -48,8 +48,9 @@ class RopeConfig(Config):
             self._require(self.factor == 1.0, "factor", "must be 1.0 when scaling is 'none'")
         if self.original_max_seq_len is not None:
             self._require(self.original_max_seq_len > 0, "original_max_seq_len", "must be > 0")
-        self._require(self.yarn_beta_fast > self.yarn_beta_slow > 0, "yarn_beta_fast",
-                      "must be > yarn_beta_slow > 0")
+        self._require(
+            self.yarn_beta_fast > self.yarn_beta_slow > 0, "yarn_beta_fast", "must be > yarn_beta_slow > 0"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,32 +107,54 @@ class MoEConfig(Config):
 
     def check(self) -> None:
         self._require(self.n_experts >= 1, "n_experts", "must be >= 1")
-        self._require(1 <= self.top_k <= self.n_experts, "top_k", f"must be in [1, n_experts={self.n_experts}]")
+        self._require(
+            1 <= self.top_k <= self.n_experts, "top_k", f"must be in [1, n_experts={self.n_experts}]"
+        )
         if self.d_expert is not None:
             self._require(self.d_expert > 0, "d_expert", "must be > 0")
         if self.d_shared is not None:
             self._require(self.d_shared > 0, "d_shared", "must be > 0")
         self._require(self.n_shared >= 0, "n_shared", "must be >= 0")
         self._require(self.routed_scaling > 0, "routed_scaling", "must be > 0")
-        self._require(self.n_group >= 1 and self.n_experts % self.n_group == 0, "n_group",
-                      f"must be >= 1 and divide n_experts={self.n_experts}")
-        self._require(1 <= self.topk_group <= self.n_group, "topk_group", f"must be in [1, n_group={self.n_group}]")
+        self._require(
+            self.n_group >= 1 and self.n_experts % self.n_group == 0,
+            "n_group",
+            f"must be >= 1 and divide n_experts={self.n_experts}",
+        )
+        self._require(
+            1 <= self.topk_group <= self.n_group, "topk_group", f"must be in [1, n_group={self.n_group}]"
+        )
         if self.n_group > 1:
             per_group = self.n_experts // self.n_group
-            self._require(self.topk_group * per_group >= self.top_k, "topk_group",
-                          f"must leave at least top_k={self.top_k} experts selectable")
+            self._require(
+                self.topk_group * per_group >= self.top_k,
+                "topk_group",
+                f"must leave at least top_k={self.top_k} experts selectable",
+            )
             if self.group_score == "top2":
-                self._require(per_group >= 2, "group_score",
-                              f"'top2' needs >= 2 experts per group (n_experts / n_group = {per_group})")
+                self._require(
+                    per_group >= 2,
+                    "group_score",
+                    f"'top2' needs >= 2 experts per group (n_experts / n_group = {per_group})",
+                )
         self._require(self.jitter >= 0, "jitter", "must be >= 0")
         self._require(self.first_dense >= 0, "first_dense", "must be >= 0")
         self._require(self.every >= 1, "every", "must be >= 1")
         if self.capacity_factor is not None:
             self._require(self.capacity_factor > 0, "capacity_factor", "must be > 0 (or null for dropless)")
-        for name in ("aux_loss_coef", "device_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        for name in (
+            "aux_loss_coef",
+            "device_loss_coef",
+            "seq_aux_loss_coef",
+            "z_loss_coef",
+            "bias_update_rate",
+        ):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
-        self._require(self.n_devices >= 1 and self.n_experts % self.n_devices == 0, "n_devices",
-                      f"must be >= 1 and divide n_experts={self.n_experts}")
+        self._require(
+            self.n_devices >= 1 and self.n_experts % self.n_devices == 0,
+            "n_devices",
+            f"must be >= 1 and divide n_experts={self.n_experts}",
+        )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_dense and (layer_idx - self.first_dense) % self.every == 0
@@ -192,20 +215,33 @@ class ModelConfig(Config):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         if self.src_vocab_size is not None:
-            self._require(self.src_vocab_size >= 1, "src_vocab_size", "must be >= 1 (or null: same as vocab_size)")
+            self._require(
+                self.src_vocab_size >= 1, "src_vocab_size", "must be >= 1 (or null: same as vocab_size)"
+            )
             if self.share_embeddings and self.arch == "encoder_decoder":
-                self._require(self.src_vocab_size == self.vocab_size, "src_vocab_size",
-                              f"must equal vocab_size={self.vocab_size} when share_embeddings is true")
+                self._require(
+                    self.src_vocab_size == self.vocab_size,
+                    "src_vocab_size",
+                    f"must equal vocab_size={self.vocab_size} when share_embeddings is true",
+                )
         if self.n_encoder_layers is not None:
-            self._require(self.n_encoder_layers >= 1, "n_encoder_layers", "must be >= 1 (or null: same as n_layers)")
+            self._require(
+                self.n_encoder_layers >= 1, "n_encoder_layers", "must be >= 1 (or null: same as n_layers)"
+            )
         if self.head_dim is None:
-            self._require(self.d_model % self.n_heads == 0, "n_heads",
-                          f"must divide d_model={self.d_model} (or set head_dim)")
+            self._require(
+                self.d_model % self.n_heads == 0,
+                "n_heads",
+                f"must divide d_model={self.d_model} (or set head_dim)",
+            )
         else:
             self._require(self.head_dim >= 1, "head_dim", "must be >= 1")
         if self.n_kv_heads is not None:
-            self._require(self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-                          f"must be >= 1 and divide n_heads={self.n_heads}")
+            self._require(
+                self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+                "n_kv_heads",
+                f"must be >= 1 and divide n_heads={self.n_heads}",
+            )
         self._require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         self._require(0.0 <= self.attn_dropout < 1.0, "attn_dropout", "must be in [0, 1)")
         self._require(self.norm_eps > 0, "norm_eps", "must be > 0")

@@ -55,8 +55,7 @@ def flops_per_token(model_or_cfg: nn.Module | ModelConfig, seq_len: int, causal:
     moe = sum(layer.router.weight.numel() for _, layer in moe_layers(model))
     experts = sum(numel * share for numel, share in _routed_experts(model))
     n_attn = sum(isinstance(m, (SelfAttention, CrossAttention)) for m in model.modules())
-    mcfg = model.cfg  # the config, whether a config or a model was passed
-    d_attn = mcfg.n_heads * mcfg.resolved_head_dim  # d_qk = d_v
+    d_attn = cfg.n_heads * cfg.resolved_head_dim  # d_qk = d_v
     attention = 2 * seq_len * 2 * d_attn * n_attn * (0.5 if causal else 1.0)
     return 2.0 * (linear + moe + experts) + attention
 
