@@ -90,7 +90,8 @@ def _own_cpu_seconds() -> float:
 class LoadMeter:
     """Context manager: CPU share other processes used while it was open, and the load average.
 
-    foreign_cpu_share = (machine busy CPU seconds - ours) / (wall seconds x cores).
+    foreign_cpu_share = (machine busy CPU seconds - ours) / (wall seconds x cores); busy includes the
+    hypervisor's steal time (CPU this VM was owed but did not get).
     """
 
     def __enter__(self) -> LoadMeter:
