@@ -26,6 +26,9 @@ decoder self over the full T, not halved for causality, and cross over S).
     python benchmarks/bench_seq2seq.py                 # ~5-10 minutes on 2 cores, writes results/seq2seq.json
     python benchmarks/bench_seq2seq.py --quick         # < 1 minute smoke check (tiny shapes)
     python benchmarks/bench_seq2seq.py --run runs/translation   # adds beam speed on a trained run
+
+On a busy machine two threads can run several times slower than one (each op waits for a core the
+other processes hold): the JSON records the foreign CPU share; `--threads 1` measures the one-core case.
 """
 
 from __future__ import annotations
@@ -278,8 +281,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
     p.add_argument("--run", default=None, help="a trained translation run: also time beam search on it")
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, the machine's cores)")
     args = p.parse_args()
-    setup(threads=2)
+    setup(threads=args.threads)
     s = QUICK if args.quick else FULL
     info = cpu_info()
     results = {"cpu": info, "fp32": train_section(s, "fp32", "full shape" if not args.quick else "quick")}

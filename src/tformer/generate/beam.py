@@ -116,8 +116,15 @@ class CachedSteps:
 
     def select(self, index: Tensor, row_sentence: Tensor) -> None:
         """Keep rows `index` (R',) of the last step; row_sentence (R',): the source sentence of each."""
-        self.cache.reorder(index)
-        self._follow(row_sentence)
+        if torch.equal(row_sentence, self.row_sentence):
+            # The beams moved among their own sentence's rows, which share one encoder memory: the
+            # cross-attention K/V are already right, only the self-attention K/V follow the beams.
+            cross, self.cache.cross_kv = self.cache.cross_kv, [None] * len(self.cache.cross_kv)
+            self.cache.reorder(index)
+            self.cache.cross_kv = cross
+        else:
+            self.cache.reorder(index)
+            self._follow(row_sentence)
 
     def _follow(self, row_sentence: Tensor) -> None:
         # Beams of one sentence share its memory: rebuild only when the set of sentences changes.
