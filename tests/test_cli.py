@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tformer.cli.main import main
 
@@ -181,3 +182,37 @@ def test_bench_reports_speed(capsys) -> None:
     result = json.loads(capsys.readouterr().out)
     assert result["train_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["params_total"] == result["params_active"] > 0
+
+
+def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, capsys) -> None:
+    """A run saved in the sharded DCP format (what torchrun runs write) opens directly in generate and
+    eval, with the same weights as its single-process export."""
+    from tformer.distributed.checkpoint import export_single_process
+    from tformer.runs import load_run
+
+    corpus = json.loads((trained_run / "config.json").read_text())["data"]["corpus"]
+    out = tmp_path / "dcp-run"
+    argv = [
+        "train",
+        "--preset",
+        "tiny-lm",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        f"data.corpus={corpus}",
+    ]
+    for kv in ("data.vocab_size=300", "steps=2", "eval_every=2", "save_every=2", "data.seq_len=32"):
+        argv += ["--set", kv]
+    assert main([*argv, "--set", "parallel.checkpoint=dcp"]) == 0
+    direct = load_run(out)
+    assert (direct.checkpoint / ".metadata").is_file() and direct.step == 2
+    exported = load_run(export_single_process(direct.checkpoint, tmp_path / "exported"))
+    for (name, a), b in zip(direct.model.state_dict().items(), exported.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    capsys.readouterr()
+    assert (
+        main(["generate", "--run", str(out), "--prompt", "to be", "--max-new-tokens", "4", "--greedy"]) == 0
+    )
+    assert main(["eval", "--run", str(out), "--json"]) == 0
+    assert "perplexity" in capsys.readouterr().out

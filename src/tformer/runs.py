@@ -1,4 +1,5 @@
-"""Opening a finished or running training run: its model, tokenizer and configs, from a checkpoint."""
+"""Opening a finished or running training run: its model, tokenizer and configs, from a checkpoint
+(the single-process safetensors format, or the sharded DCP format that torchrun runs write)."""
 
 from __future__ import annotations
 
@@ -48,5 +49,10 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     except (OSError, KeyError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
     model = build_model(model_cfg)
-    loaded = load_checkpoint(ckpt, model, restore_rng=False)
-    return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, loaded.step)
+    if (ckpt / ".metadata").is_file():  # a torch.distributed.checkpoint directory (a torchrun run)
+        from tformer.distributed.checkpoint import load_dcp_weights
+
+        step = load_dcp_weights(ckpt, model, train_cfg)
+    else:
+        step = load_checkpoint(ckpt, model, restore_rng=False).step
+    return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step)

@@ -163,3 +163,27 @@ def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: 
         grads.append([p.detach() - b for p, b in zip(trainer.model.parameters(), before)])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_on_cpu_without_bf16_instructions_warns(monkeypatch):
+    import warnings
+
+    from tformer.train import step
+
+    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="without bf16 instructions"):
+        step.autocast_context(torch.device("cpu"), "bfloat16")
+    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.autocast_context(torch.device("cpu"), "bfloat16")
+        step.autocast_context(torch.device("cpu"), "float32")
+
+
+def test_cpu_bf16_detection_reads_this_machine():
+    from tformer.train.step import cpu_has_native_bf16
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    found = cpu_has_native_bf16()
+    if found is not None:
+        assert found == ("avx512_bf16" in flags or "amx_bf16" in flags)

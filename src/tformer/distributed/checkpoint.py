@@ -30,6 +30,7 @@ import hashlib
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +367,23 @@ def make_checkpointer(parallel: ParallelConfig, env: Local, seed: int):
             raise CheckpointError("parallel.checkpoint='safetensors' is the single-process format; use 'dcp'")
         return SafetensorsCheckpointer(env, seed)
     return DCPCheckpointer(env, seed, parallel.async_save)
+
+
+def load_dcp_weights(checkpoint: str | Path, model: nn.Module, train_cfg: TrainConfig) -> int:
+    """Fill `model` (unsharded, one process) from a DCP checkpoint of any world size; return its step.
+    For generation and evaluation: the optimizer the format needs is built and dropped, and this
+    process's RNG state is left as it was."""
+    path = Path(checkpoint)
+    optimizer = make_optimizer(model, train_cfg.optim.replace(fused=False))
+    scheduler = make_scheduler(optimizer, train_cfg.steps, train_cfg.optim)
+    rng = capture_rng_state()
+    try:
+        with warnings.catch_warnings():  # DCP notes that it reads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            DCPCheckpointer(Local(), train_cfg.seed).load(path, model, optimizer, scheduler)
+    finally:
+        restore_rng_state(rng)
+    return int(_Reader(path, verify=False).pair("trainer")["step"])
 
 
 def export_single_process(checkpoint: str | Path, out_run_dir: str | Path) -> Path:

@@ -19,7 +19,7 @@ def shakespeare_model(moe: MoEConfig | None) -> ModelConfig:
         n_heads=4,
         d_ff=688,
         max_seq_len=256,
-        dropout=0.1,
+        dropout=0.0,  # the main job sees under one epoch of text: dropout would only slow learning
         norm="rmsnorm",
         norm_eps=1e-6,
         norm_placement="pre",
@@ -36,7 +36,7 @@ def shakespeare_model(moe: MoEConfig | None) -> ModelConfig:
 
 def shakespeare() -> TrainConfig:
     """The main job: a Pre-Norm + RoPE + DeepSeekMoE decoder on Shakespeare, sized for about 10 minutes
-    on 2 quiet CPU cores (500 steps of 16 x 128 tokens: about 1M tokens, some 0.6 epochs).
+    on 2 quiet CPU cores (500 steps of 16 x 128 tokens: about 1M tokens, some 0.6 epochs, so no dropout).
 
     DeepSeekMoE layers after one dense layer: 8 fine-grained experts of width 172 (a quarter of the
     dense 688), top-2, plus 1 shared expert of width 172: 3 x 172 = 516 active hidden units per token.
@@ -126,7 +126,8 @@ def translation() -> TrainConfig:
 
     Joint 4k BPE (small data wants a small vocabulary; it also keeps the output layer cheap), length-
     bucketed batches of at most 2048 padded tokens (~110 pairs), label smoothing 0.1 (as in the paper),
-    AdamW with warm-up and cosine decay; about 15 epochs (~1.1 s per step). `--set data.direction=en-de` for the other
+    AdamW with warm-up and cosine decay: 1400 steps of ~1,700 target tokens, about 14 epochs
+    (~1,400 target tokens/s measured on 2 quiet cores). `--set data.direction=en-de` for the other
     direction.
     """
     return TrainConfig(
@@ -138,11 +139,11 @@ def translation() -> TrainConfig:
         optim=OptimConfig(
             lr=2e-3, beta2=0.98, weight_decay=0.1, warmup_steps=200, schedule="cosine", min_lr_ratio=0.05
         ),
-        steps=1600,
+        steps=1400,
         batch_size=64,
-        eval_every=400,
+        eval_every=350,
         eval_batches=20,
-        save_every=400,
+        save_every=350,
         log_every=25,
         label_smoothing=0.1,
         dtype="float32",

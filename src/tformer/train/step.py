@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import platform
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -84,8 +87,29 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
 
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this x86 Linux CPU has bf16 matmul instructions (AVX512-BF16 or AMX); None if unknown."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def autocast_context(device: torch.device, dtype: str):
     if dtype == "bfloat16":
+        if device.type == "cpu" and cpu_has_native_bf16() is False:
+            warnings.warn(
+                "dtype=bfloat16 on a CPU without bf16 instructions (no AVX512-BF16 / AMX): bf16 matmuls "
+                "are emulated and typically 10-20x slower than float32 here; set dtype=float32",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
