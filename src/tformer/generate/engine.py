@@ -7,12 +7,16 @@ it would alone. Each decode step feeds (B, 1) new tokens against the KV cache.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
+from tformer.model.linear import DECODE_MAX_ROWS, transposed_linears
+
+MIN_NEW_FOR_LAYOUT = 16  # below this many new tokens, copying the weights costs more than it saves
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -53,13 +57,26 @@ def generate(
     pad_id: int = 0,
     decode: Callable[[list[int]], str] | None = None,
     on_step: Callable[[Tensor], None] | None = None,
+    fast_decode: bool = True,
 ) -> list[list[int]]:
     """New tokens for each prompt (the prompt excluded), stopping at EOS, a stop string or the budget.
 
     decode: turns a row's new ids into text; needed for `sampling.stop_strings`.
     on_step: called with the (B,) tokens of each step, for streaming.
+    fast_decode: for one or two prompts on the CPU, decode with transposed copies of the widening
+        layers' weights (`tformer.model.linear.transposed_linears`: 1.7-2x faster matrix-vector
+        products for FFN up/gate and the output head; costs a copy of those weights during the call).
+        False: plain `F.linear` throughout (the slow twin).
     """
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
+    worth_it = (
+        fast_decode and len(prompts) <= DECODE_MAX_ROWS and sampling.max_new_tokens >= MIN_NEW_FOR_LAYOUT
+    )
+    with transposed_linears(model) if worth_it else contextlib.nullcontext():
+        return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step)
+
+
+def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list[list[int]]:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -26,12 +26,11 @@ from tformer.data.datasets import (
     ClassificationDataset,
     pad_sequences,
 )
-from tformer.data.loader import make_bucket_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
-from tformer.tasks.stream import BatchStream
+from tformer.tasks.stream import BatchStream, bucketed_train_stream
 from tformer.tasks.translation import DATA_MANIFEST, load_task_corpus, run_dir_of, write_manifest
 from tformer.train.config import TrainConfig
 
@@ -128,20 +127,7 @@ class ClassificationTask:
         )
 
     def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
-        """Length-bucketed batches; rank `rank` of `world_size` takes every world_size-th batch."""
-        size = (
-            dict(max_tokens=cfg.data.max_tokens) if cfg.data.max_tokens else dict(batch_size=cfg.batch_size)
-        )
-        loader = make_bucket_loader(
-            self.train_ds,
-            shuffle=True,
-            seed=cfg.seed,
-            collate_fn=self.collate,
-            rank=rank,
-            world_size=world_size,
-            **size,
-        )
-        return BatchStream(loader)
+        return bucketed_train_stream(self.train_ds, self.collate, cfg, rank, world_size)
 
     def loss(self, model: nn.Module, batch: ClassificationBatch) -> tuple[Tensor, int]:
         return classification_loss_sum(model, batch, self.cfg.label_smoothing)

@@ -1,10 +1,11 @@
-"""An endless, resumable stream of batches over a `ResumableLoader`."""
+"""An endless, resumable stream of batches over a `ResumableLoader`, and the length-bucketed training
+stream the sentence tasks (translation, classification) share."""
 
 from __future__ import annotations
 
 import torch
 
-from tformer.data.loader import ResumableLoader
+from tformer.data.loader import ResumableLoader, make_bucket_loader
 
 
 class BatchStream:
@@ -25,3 +26,13 @@ class BatchStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.loader.load_state_dict(state)
         self._it = None
+
+
+def bucketed_train_stream(dataset, collate_fn, cfg, rank: int = 0, world_size: int = 1) -> BatchStream:
+    """Shuffled length-bucketed batches of `dataset` (by `cfg.data.max_tokens` padded tokens when set,
+    else `cfg.batch_size` examples); rank `rank` of `world_size` takes every world_size-th batch."""
+    size = dict(max_tokens=cfg.data.max_tokens) if cfg.data.max_tokens else dict(batch_size=cfg.batch_size)
+    loader = make_bucket_loader(
+        dataset, shuffle=True, seed=cfg.seed, collate_fn=collate_fn, rank=rank, world_size=world_size, **size
+    )
+    return BatchStream(loader)

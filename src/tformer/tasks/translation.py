@@ -24,13 +24,12 @@ from torch import Tensor, nn
 
 from tformer.data.corpora import Corpus, Pair, corpus_task, load_corpus
 from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
-from tformer.data.loader import make_bucket_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
-from tformer.tasks.stream import BatchStream
+from tformer.tasks.stream import BatchStream, bucketed_train_stream
 from tformer.train.config import DataConfig, TrainConfig
 
 SRC_TOKENIZER = "src_tokenizer.json"
@@ -182,20 +181,7 @@ class TranslationTask:
         )
 
     def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
-        """Length-bucketed batches; rank `rank` of `world_size` takes every world_size-th batch."""
-        size = (
-            dict(max_tokens=cfg.data.max_tokens) if cfg.data.max_tokens else dict(batch_size=cfg.batch_size)
-        )
-        loader = make_bucket_loader(
-            self.train_ds,
-            shuffle=True,
-            seed=cfg.seed,
-            collate_fn=self.collate,
-            rank=rank,
-            world_size=world_size,
-            **size,
-        )
-        return BatchStream(loader)
+        return bucketed_train_stream(self.train_ds, self.collate, cfg, rank, world_size)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
         return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tformer.config import ModelConfig, MoEConfig, RopeConfig
+from tformer.presets import paper_base
 from tformer.schema import ConfigError
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 
@@ -96,11 +97,10 @@ def tiny_lm() -> TrainConfig:
 
 
 def translation_model() -> ModelConfig:
-    """A small Pre-Norm encoder-decoder (3 + 3 layers, d_model 256) for 2 CPU cores; otherwise the
-    paper's parts: LayerNorm, sinusoidal positions, ReLU FFN, shared sqrt(d)-scaled embeddings tied to
-    the output projection (the vocabulary size is set from the tokenizer)."""
-    return ModelConfig(
-        arch="encoder_decoder",
+    """The paper's base model (`tformer.presets.paper_base`: LayerNorm, sinusoidal positions, ReLU FFN,
+    shared sqrt(d)-scaled embeddings tied to the output projection) made small for 2 CPU cores and
+    Pre-Norm: 3 + 3 layers, d_model 256 (the vocabulary size is set from the tokenizer)."""
+    return paper_base().replace(
         vocab_size=4000,
         d_model=256,
         n_layers=3,
@@ -108,16 +108,8 @@ def translation_model() -> ModelConfig:
         n_heads=4,
         d_ff=1024,
         max_seq_len=64,
-        dropout=0.1,
         attn_dropout=0.0,
-        norm="layernorm",
         norm_placement="pre",
-        positions="sinusoidal",
-        ffn="relu",
-        embed_scale=True,
-        share_embeddings=True,
-        tie_embeddings=True,
-        init="xavier",
     )
 
 
@@ -126,9 +118,9 @@ def translation() -> TrainConfig:
 
     Joint 4k BPE (small data wants a small vocabulary; it also keeps the output layer cheap), length-
     bucketed batches of at most 2048 padded tokens (~110 pairs), label smoothing 0.1 (as in the paper),
-    AdamW with warm-up and cosine decay: 1400 steps of ~1,700 target tokens, about 14 epochs
-    (~1,400 target tokens/s measured on 2 quiet cores). `--set data.direction=en-de` for the other
-    direction.
+    AdamW with warm-up and cosine decay: 1400 steps of ~1,700 target tokens, about 14 epochs (30.5
+    minutes measured on 2 quiet cores, ~1,330 target tokens/s; test BLEU 4.6, see README).
+    `--set data.direction=en-de` for the other direction.
     """
     return TrainConfig(
         task="translation",
