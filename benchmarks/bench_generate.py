@@ -22,17 +22,15 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
+from peers import hf_llama, hf_llama_state_for_tformer, tformer_llama  # noqa: E402
 
-from tformer import build_model  # noqa: E402
 from tformer.generate.engine import generate  # noqa: E402
 from tformer.generate.sampling import SamplingConfig  # noqa: E402
-from tformer.presets import llama_like  # noqa: E402
 
 FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=3)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new=16, rounds=2)
@@ -47,44 +45,11 @@ COLUMNS = [
 
 
 def build_pair(s: dict) -> tuple[nn.Module, nn.Module]:
-    """tformer DecoderLM and HF LlamaForCausalLM holding the same weights."""
+    """tformer DecoderLM and HF LlamaForCausalLM holding the same weights (HF's, copied into ours)."""
     torch.manual_seed(0)
-    cfg = llama_like(s["vocab"], s["d_model"], s["layers"], s["heads"], None, s["d_ff"], 512)
-    ours = build_model(cfg).eval()
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["d_model"],
-        intermediate_size=s["d_ff"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["heads"],
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").eval()
-    renames = {
-        "tok_embed": "model.embed_tokens",
-        "final_norm": "model.norm",
-        "blocks": "model.layers",
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        ".attn.": ".self_attn.",
-        ".ffn.": ".mlp.",
-    }
-    state = {}
-    for name, tensor in ours.state_dict().items():
-        for a, b in renames.items():
-            name = name.replace(a, b)
-        state[name] = tensor
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    hf = hf_llama(s, 512, bos_token_id=None, eos_token_id=None, pad_token_id=0).eval()
+    ours = tformer_llama(s, 512).eval()
+    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
     return ours, hf
 
 

@@ -48,6 +48,7 @@ from harness import (  # noqa: E402
     summarize,
     write_json,
 )
+from peers import hf_llama, hf_llama_state_for_tformer, tformer_llama  # noqa: E402
 
 from tformer import MoEConfig, build_model  # noqa: E402
 from tformer.presets import llama_like  # noqa: E402
@@ -69,46 +70,7 @@ COLUMNS = [
 
 # ----------------------------------------------------------------------------- models
 def tformer_dense(s: dict) -> nn.Module:
-    cfg = llama_like(s["vocab"], s["d_model"], s["layers"], s["heads"], None, s["d_ff"], max(512, s["seq"]))
-    return build_model(cfg)
-
-
-def hf_llama(s: dict) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["d_model"],
-        intermediate_size=s["d_ff"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["heads"],
-        max_position_embeddings=max(512, s["seq"]),
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
-
-
-def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, torch.Tensor]:
-    """HF Llama state dict under tformer's names (the mapping of tests/model/test_parity.py)."""
-    renames = {
-        "model.embed_tokens": "tok_embed",
-        "model.norm": "final_norm",
-        "model.layers": "blocks",
-        "self_attn": "attn",
-        "mlp": "ffn",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    out = {}
-    for name, tensor in hf.state_dict().items():
-        for a, b in renames.items():
-            name = name.replace(a, b)
-        out[name] = tensor
-    return out
+    return tformer_llama(s, max(512, s["seq"]))
 
 
 def tformer_moe(s: dict, m: dict) -> nn.Module:
@@ -288,7 +250,7 @@ def run_section(
 
 def dense_section(s: dict, rounds: int, dtype: str) -> dict:
     torch.manual_seed(0)
-    hf = hf_llama(s)
+    hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
     ours = tformer_dense(s)
     ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)  # same weights, same first loss
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
@@ -361,7 +323,7 @@ def moe_section(s: dict, m: dict, rounds: int) -> dict:
 
 def compile_section(s: dict, rounds: int) -> dict:
     torch.manual_seed(0)
-    hf = hf_llama(s)
+    hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
     eager, compiled = tformer_dense(s), tformer_dense(s)
     compiled.load_state_dict(eager.state_dict())
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
