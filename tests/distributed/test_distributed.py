@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tests.tasks.conftest import write_bbc, write_dictionary
+from tests.words import WORDS
 from tformer.cli.main import main
 from tformer.distributed.checkpoint import export_single_process, is_dcp_checkpoint
 from tformer.distributed.plans import is_rank_local
@@ -27,29 +28,6 @@ pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
-WORDS = [
-    "the",
-    "king",
-    "is",
-    "dead",
-    "long",
-    "live",
-    "the",
-    "king",
-    "and",
-    "all",
-    "his",
-    "men",
-    "who",
-    "fought",
-    "for",
-    "him",
-    "in",
-    "the",
-    "field",
-    "of",
-    "war",
-]
 
 
 def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -9,35 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.words import WORDS
 from tformer.tasks import make_task
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.loop import Trainer
 from tformer.train.presets import tiny_lm
 from tformer.train.step import NonFiniteError
-
-WORDS = [
-    "the",
-    "king",
-    "is",
-    "dead",
-    "long",
-    "live",
-    "the",
-    "king",
-    "and",
-    "all",
-    "his",
-    "men",
-    "who",
-    "fought",
-    "for",
-    "him",
-    "in",
-    "the",
-    "field",
-    "of",
-    "war",
-]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""A small word list the trainer and distributed tests build their throwaway corpora from."""
+
+WORDS = [
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "the",
+    "king",
+    "and",
+    "all",
+    "his",
+    "men",
+    "who",
+    "fought",
+    "for",
+    "him",
+    "in",
+    "the",
+    "field",
+    "of",
+    "war",
+]
