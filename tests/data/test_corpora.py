@@ -140,6 +140,26 @@ def test_trans_split_is_deterministic():
     assert _fresh(C.load_trans_de_en).manifest() == first
 
 
+def test_trans_dictionary_terms_only_extend_train():
+    plain = load_corpus("trans-de-en", direction="de-en")
+    extended = load_corpus("trans-de-en", direction="de-en", terms=3000)
+    assert extended["val"] == plain["val"] and extended["test"] == plain["test"]
+    assert extended["train"][: len(plain["train"])] == plain["train"]
+    terms = extended["train"][len(plain["train"]) :]
+    assert len(terms) == 3000 and all(t.id.startswith("T") for t in terms)
+    assert len({(t.src, t.tgt) for t in terms}) == 3000
+    held_out = [p for s in ("val", "test") for p in plain[s]]
+    lines = {p.id[1:].partition(".")[0] for p in held_out}
+    assert not {t.id[1:].partition(".")[0] for t in terms} & lines  # never from a held-out entry
+    assert not {t.src.casefold() for t in terms} & {p.src.casefold() for p in held_out}
+    assert not any(c in t.src + t.tgt for t in terms for c in "/;{}[]")
+    assert "3000 of" in extended.split_rule
+    again = _fresh(C.load_trans_de_en, direction="de-en", terms=3000)
+    assert again["train"] == extended["train"]  # the first 3000 by hash: deterministic
+    with pytest.raises(ValueError, match="terms"):
+        load_corpus("trans-de-en", terms=-1)
+
+
 # ---------------------------------------------------------------- BBC News
 
 BBC_UNIQUE = {"business": 503, "entertainment": 369, "politics": 403, "sports": 505, "tech": 347}

@@ -13,13 +13,16 @@ import torch.nn.functional as F
 
 from tformer import build_model
 from tformer.cli.main import main
+from tformer.data import load_corpus
 from tformer.data.datasets import IGNORE_INDEX
 from tformer.eval.bleu import copy_baseline, score_translations
 from tformer.generate.beam import SearchConfig, sample_search
 from tformer.presets import tiny
 from tformer.runs import load_run
+from tformer.schema import ConfigError
 from tformer.tasks import make_task
 from tformer.tasks.translation import load_translator
+from tformer.train.config import DataConfig
 from tformer.train.loop import Trainer
 from tformer.train.presets import tiny_translation
 
@@ -122,7 +125,18 @@ def test_separate_vocabularies(dictionary_file: Path, tmp_path: Path) -> None:
     )
 
 
-@pytest.fixture(scope="module")
+def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_path: Path) -> None:
+    cfg = small_config(dictionary_file, steps=1, eval_batches=1)
+    cfg = cfg.replace(data=cfg.data.replace(dictionary_terms=2))
+    Trainer(cfg, tmp_path / "terms", make_task("translation"), progress=False).fit()
+    manifest = json.loads((tmp_path / "terms" / "data.json").read_text())
+    plain = load_corpus("trans-de-en", path=str(dictionary_file), direction="de-en")
+    assert manifest["train_pairs_used"] == len(plain["train"]) + 2  # "Hund :: dog", "Katzen :: cats"...
+    assert "2 of 3 dictionary terms" in manifest["split_rule"]
+    with pytest.raises(ConfigError, match="dictionary_terms"):
+        DataConfig(corpus="shakespeare", dictionary_terms=10)
+
+
 def trained_run(dictionary_file: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mt") / "run"
     code = main(

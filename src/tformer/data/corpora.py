@@ -311,20 +311,72 @@ def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, st
     return tuple(pairs)
 
 
+@functools.lru_cache(maxsize=2)
+def parse_trans_de_en_terms(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, str], ...]:
+    """Every other aligned (id, german, english) sub-entry of the dictionary: words, phrases and short
+    sentences, tags stripped, without `/` or `;` alternatives, deduplicated, sentence pairs excluded.
+    The id "T<line>.<sub-entry>" points into the file."""
+    path = _require(Path(path), "trans-de-en dictionary", TRANS_INSTALL)
+    sentences = {(p[1], p[2]) for p in parse_trans_de_en(path)}
+    terms, seen = [], set(sentences)
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        german, sep, english = line.partition(" :: ")
+        if not sep or line.startswith("#"):
+            continue
+        de_entries, en_entries = german.split(" | "), english.split(" | ")
+        if len(de_entries) != len(en_entries):
+            continue
+        for k, (de, en) in enumerate(zip(de_entries, en_entries)):
+            de, en = _clean_entry(de), _clean_entry(en)
+            if de and en and not any(c in de or c in en for c in "/;") and (de, en) not in seen:
+                seen.add((de, en))
+                terms.append((f"T{line_no}.{k}", de, en))
+    return tuple(terms)
+
+
+def _line_of(item_id: str) -> str:
+    return item_id[1:].partition(".")[0]
+
+
 @functools.lru_cache(maxsize=8)
 def load_trans_de_en(
-    path: str | Path = TRANS_PATH, direction: str = "en-de", n_val: int = 500, n_test: int = 1000
+    path: str | Path = TRANS_PATH,
+    direction: str = "en-de",
+    n_val: int = 500,
+    n_test: int = 1000,
+    terms: int = 0,
 ) -> Corpus:
-    """Ding dictionary example sentences as translation pairs; the split is the same for both directions."""
+    """Ding dictionary example sentences as translation pairs; the split is the same for both directions.
+
+    `terms` > 0 adds that many of the dictionary's other entries (words and phrases, see
+    `parse_trans_de_en_terms`) to the training split, the first by sha256(German); entries from a line
+    that holds a validation or test sentence, or whose German is one, are never taken.
+    """
     if direction not in ("en-de", "de-en"):
         raise ValueError(f"direction must be 'en-de' or 'de-en', got {direction!r}")
+    if terms < 0:
+        raise ValueError(f"terms must be >= 0, got {terms}")
     raw = parse_trans_de_en(path)
     splits = split_by_hash(raw, lambda p: p[1], n_val, n_test)
-    src, tgt = (2, 1) if direction == "en-de" else (1, 2)
-    pairs = {s: tuple(Pair(p[0], p[src], p[tgt]) for p in items) for s, items in splits.items()}
     rule = (
         f"grouped by German sentence, ordered by sha256(German): test={n_test}, val={n_val}, train=the rest"
     )
+    if terms:
+        held_out = [p for s in ("val", "test") for p in splits[s]]
+        lines, germans = {_line_of(p[0]) for p in held_out}, {p[1].casefold() for p in held_out}
+        pool = [
+            t
+            for t in parse_trans_de_en_terms(path)
+            if _line_of(t[0]) not in lines and t[1].casefold() not in germans
+        ]
+        pool.sort(key=lambda t: (_digest(t[1]), t[0]))
+        splits["train"] = splits["train"] + tuple(pool[:terms])
+        rule += (
+            f"; train adds {min(terms, len(pool))} of {len(pool)} dictionary terms, first by sha256(German), "
+            "none from a line holding a val/test sentence"
+        )
+    src, tgt = (2, 1) if direction == "en-de" else (1, 2)
+    pairs = {s: tuple(Pair(p[0], p[src], p[tgt]) for p in items) for s, items in splits.items()}
     return Corpus("trans-de-en", "translation", pairs, rule, str(path), direction=direction)
 
 

@@ -55,6 +55,11 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
     return load_corpus(data.corpus, **options)
 
 
+def load_translation_corpus(data: DataConfig) -> Corpus:
+    terms = dict(terms=data.dictionary_terms) if data.dictionary_terms else {}
+    return load_task_corpus(data, "translation", direction=data.direction, **terms)
+
+
 def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
     (run_dir / DATA_MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
 
@@ -136,7 +141,7 @@ class TranslationTask:
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
-        self.corpus = load_task_corpus(cfg.data, "translation", direction=cfg.data.direction)
+        self.corpus = load_translation_corpus(cfg.data)
         train = list(self.corpus["train"])[: cfg.data.max_train_docs]
         self.src_tok, self.tgt_tok = self._tokenizers(train)
         self.collate = Seq2SeqCollator(self.tgt_tok.pad_id, self.tgt_tok.bos_id, self.tgt_tok.eos_id)
@@ -267,7 +272,7 @@ def evaluate_run(
     the loss; the translations go to <run>/translations_<split>.txt."""
     cfg = run.train_config
     translator = load_translator(run)
-    pairs = list(load_task_corpus(cfg.data, "translation", direction=cfg.data.direction)[split])
+    pairs = list(load_translation_corpus(cfg.data)[split])
     if max_batches is not None:
         pairs = pairs[: max_batches * search_cfg.batch_size]
     sources, cut = translator.encode([p.src for p in pairs])

