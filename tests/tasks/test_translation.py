@@ -137,6 +137,7 @@ def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_pat
         DataConfig(corpus="shakespeare", dictionary_terms=10)
 
 
+@pytest.fixture(scope="module")
 def trained_run(dictionary_file: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mt") / "run"
     code = main(
