@@ -7,6 +7,10 @@ copies the weights at every call, which costs more than it saves when there are 
 reads each weight once per token). So the stacked GEMM runs from `FUSE_MIN_ROWS` rows on, the
 separate layers (the slow twin, same result up to summation order) below. Parameters and checkpoint
 keys stay those of the separate `nn.Linear` layers.
+
+Decoding (one or two rows) is different again: `transposed_linears` makes, for the duration of a
+`generate` call, transposed copies of the widening layers and of each stacked group, which BLAS
+streams faster for a single row; `stacked_linear` uses a group's copy while it exists.
 """
 
 from __future__ import annotations
