@@ -1,7 +1,7 @@
 """The Hugging Face Llama peer of tformer's dense benchmark model, built once for every script.
 
 `s` is a script's shape dict (vocab, d_model, layers, heads, d_ff). The HF model's weights map onto
-tformer's `llama_like` model by renaming (the mapping of tests/model/test_parity.py).
+tformer's `llama_like` model by renaming (the mapping the parity tests use, tests/model/helpers.py).
 """
 
 from __future__ import annotations

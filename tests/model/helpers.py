@@ -22,3 +22,24 @@ def run(model: nn.Module, tokens: Tensor, **kwargs) -> Tensor:
 
 def rand_tokens(cfg: ModelConfig, b: int = 2, t: int = 12, lo: int = 0) -> Tensor:
     return torch.randint(lo, cfg.vocab_size, (b, t))
+
+
+HF_LLAMA_TO_TFORMER = {
+    "model.embed_tokens": "tok_embed",
+    "model.norm": "final_norm",
+    "model.layers": "blocks",
+    "self_attn": "attn",
+    "mlp": "ffn",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, Tensor]:
+    """A Hugging Face `LlamaForCausalLM` state dict under tformer's DecoderLM parameter names."""
+    state = {}
+    for name, tensor in hf.state_dict().items():
+        for a, b in HF_LLAMA_TO_TFORMER.items():
+            name = name.replace(a, b)
+        state[name] = tensor
+    return state

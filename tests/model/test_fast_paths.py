@@ -26,7 +26,7 @@ from tformer.model.masks import Mask, causal_mask, padding_mask
 from tformer.model.positions import HalfRotaryEmbedding, RotaryEmbedding, make_rotary
 from tformer.presets import llama_like, tiny
 
-from .helpers import make, rand_tokens
+from .helpers import hf_llama_state_for_tformer, make, rand_tokens
 
 ROPES = {
     "plain": RopeConfig(),
@@ -161,21 +161,7 @@ def _hf_llama_and_ours(n_kv_heads: int):
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     ours = build_model(llama_like(96, 64, 2, 4, n_kv_heads, 112, 512)).eval()
-    renames = {
-        "model.embed_tokens": "tok_embed",
-        "model.norm": "final_norm",
-        "model.layers": "blocks",
-        "self_attn": "attn",
-        "mlp": "ffn",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    state = {}
-    for name, tensor in hf.state_dict().items():
-        for a, b in renames.items():
-            name = name.replace(a, b)
-        state[name] = tensor
-    ours.load_state_dict(state, strict=True)
+    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
     return hf, ours
 
 

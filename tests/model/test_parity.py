@@ -15,6 +15,8 @@ from tformer.model import NO_CACHE
 from tformer.model.positions import sinusoidal_table
 from tformer.presets import llama_like
 
+from .helpers import hf_llama_state_for_tformer
+
 
 def test_sinusoidal_table_is_the_papers_formula() -> None:
     d, table = 10, sinusoidal_table(50, 10)
@@ -114,21 +116,7 @@ def test_decoder_matches_hf_llama() -> None:
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     cfg = llama_like(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=112, max_seq_len=64)
     ours = build_model(cfg).eval()
-    mapping = {"model.embed_tokens": "tok_embed", "model.norm": "final_norm", "lm_head": "lm_head"}
-    renames = {
-        "self_attn": "attn",
-        "mlp": "ffn",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "model.layers": "blocks",
-    }
-    state = {}
-    for name, tensor in hf.state_dict().items():
-        key = name
-        for a, b in (mapping | renames).items():
-            key = key.replace(a, b)
-        state[key] = tensor
-    missing, unexpected = ours.load_state_dict(state, strict=True)
+    missing, unexpected = ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
     assert not missing and not unexpected
     tokens = torch.randint(0, 96, (2, 17))
     torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import re
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -280,6 +280,23 @@ def _is_sentence(text: str) -> bool:
     return bool(text) and text[-1] in ".!?" and len(text.split()) >= 4
 
 
+def _aligned_subentries(path: Path) -> Iterator[tuple[int, int, str, str]]:
+    """(line number, sub-entry index, German, English) of every dictionary line whose ` | `-separated
+    sub-entries align one to one across ` :: `; raw text, tags not yet stripped."""
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        german, sep, english = line.partition(" :: ")
+        if not sep or line.startswith("#"):
+            continue
+        de_entries, en_entries = german.split(" | "), english.split(" | ")
+        if len(de_entries) == len(en_entries):
+            for k, (de, en) in enumerate(zip(de_entries, en_entries)):
+                yield line_no, k, de, en
+
+
+def _has_alternatives(text: str) -> bool:
+    return "/" in text or ";" in text
+
+
 @functools.lru_cache(maxsize=2)
 def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, str], ...]:
     """Clean, deduplicated (id, german, english) sentence pairs from the Ding dictionary file.
@@ -290,24 +307,15 @@ def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, st
     """
     path = _require(Path(path), "trans-de-en dictionary", TRANS_INSTALL)
     pairs, seen = [], set()
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        german, sep, english = line.partition(" :: ")
-        if not sep or line.startswith("#") or not ("." in german or "!" in german or "?" in german):
+    for line_no, k, de, en in _aligned_subentries(path):
+        if _last_char(de) not in _SENTENCE_ENDS:  # cheap test first: most entries are terms
             continue
-        de_entries, en_entries = german.split(" | "), None
-        for k, de in enumerate(de_entries):
-            if _last_char(de) not in _SENTENCE_ENDS:  # cheap test first: most entries are terms
-                continue
-            de = _clean_entry(de)
-            if "/" in de or ";" in de or not _is_sentence(de):
-                continue
-            en_entries = en_entries or english.split(" | ")
-            if len(en_entries) != len(de_entries):
-                break
-            en = _clean_entry(en_entries[k])
-            if en and "/" not in en and ";" not in en and (de, en) not in seen:
-                seen.add((de, en))
-                pairs.append((f"L{line_no}.{k}", de, en))
+        de, en = _clean_entry(de), _clean_entry(en)
+        if _has_alternatives(de) or not _is_sentence(de) or not en or _has_alternatives(en):
+            continue
+        if (de, en) not in seen:
+            seen.add((de, en))
+            pairs.append((f"L{line_no}.{k}", de, en))
     return tuple(pairs)
 
 
@@ -317,20 +325,12 @@ def parse_trans_de_en_terms(path: str | Path = TRANS_PATH) -> tuple[tuple[str, s
     sentences, tags stripped, without `/` or `;` alternatives, deduplicated, sentence pairs excluded.
     The id "T<line>.<sub-entry>" points into the file."""
     path = _require(Path(path), "trans-de-en dictionary", TRANS_INSTALL)
-    sentences = {(p[1], p[2]) for p in parse_trans_de_en(path)}
-    terms, seen = [], set(sentences)
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        german, sep, english = line.partition(" :: ")
-        if not sep or line.startswith("#"):
-            continue
-        de_entries, en_entries = german.split(" | "), english.split(" | ")
-        if len(de_entries) != len(en_entries):
-            continue
-        for k, (de, en) in enumerate(zip(de_entries, en_entries)):
-            de, en = _clean_entry(de), _clean_entry(en)
-            if de and en and not any(c in de or c in en for c in "/;") and (de, en) not in seen:
-                seen.add((de, en))
-                terms.append((f"T{line_no}.{k}", de, en))
+    terms, seen = [], {(p[1], p[2]) for p in parse_trans_de_en(path)}
+    for line_no, k, de, en in _aligned_subentries(path):
+        de, en = _clean_entry(de), _clean_entry(en)
+        if de and en and not _has_alternatives(de) and not _has_alternatives(en) and (de, en) not in seen:
+            seen.add((de, en))
+            terms.append((f"T{line_no}.{k}", de, en))
     return tuple(terms)
 
 

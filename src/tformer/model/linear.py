@@ -110,14 +110,14 @@ def transposed_linears(model: nn.Module, max_rows: int = DECODE_MAX_ROWS) -> Ite
     try:
         in_groups = set()
         for group in _stack_groups(model):
-            if _STACK_ATTR in group[0].__dict__:
+            in_groups.update(map(id, group))
+            if _STACK_ATTR in group[0].__dict__:  # an enclosing layout made it already
                 continue
             bias = None if group[0].bias is None else torch.cat([lin.bias.detach() for lin in group])
             weight_t = torch.cat([lin.weight.detach() for lin in group]).t().contiguous()
             sizes = tuple(lin.out_features for lin in group)
             group[0].__dict__[_STACK_ATTR] = _Stack(tuple(map(id, group)), weight_t, bias, sizes, max_rows)
             stacked.append(group[0])
-            in_groups.update(map(id, group))
         for m in model.modules():
             if type(m) is not nn.Linear or m.weight.device.type != "cpu" or "forward" in m.__dict__:
                 continue
