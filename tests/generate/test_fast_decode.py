@@ -1,15 +1,16 @@
-"""The decoding layout (transposed and stacked weight copies for one or two rows) against plain F.linear."""
+"""The decoding fast paths (row-blocked linear products, RMSNorm as LayerNorm) against their slow twins."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tformer import build_model
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
-from tformer.model.linear import _STACK_ATTR, stacked_linear, transposed_linears
+from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.presets import llama_like
 
@@ -25,55 +26,58 @@ def linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear]
 
 
-def widening(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in linears(model) if m.out_features > m.in_features]
+@pytest.mark.parametrize("shape", [(1, 1), (3,), (2, 5), (4, 16)])
+@pytest.mark.parametrize("n_blocks", [1, 2, 4, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_blocked_linear_equals_f_linear(shape, n_blocks: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    x, weight = torch.randn(*shape, 24), torch.randn(40, 24)
+    b = torch.randn(40) if bias else None
+    out = row_blocked_linear(x, weight, b, n_blocks)
+    assert out.shape == (*shape, 40)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
-def stacks(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in linears(model) if _STACK_ATTR in m.__dict__]
+def test_row_blocked_linear_has_gradients() -> None:
+    torch.manual_seed(0)
+    x, weight, bias = (
+        torch.randn(2, 3, 8, requires_grad=True),
+        torch.randn(12, 8, requires_grad=True),
+        torch.randn(12, requires_grad=True),
+    )
+    row_blocked_linear(x, weight, bias, 4).square().sum().backward()
+    grads = [t.grad.clone() for t in (x, weight, bias)]
+    for t in (x, weight, bias):
+        t.grad = None
+    F.linear(x, weight, bias).square().sum().backward()
+    for got, t in zip(grads, (x, weight, bias)):
+        torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_one_row_matches_f_linear_and_many_rows_use_it(model) -> None:
-    one, many = torch.randint(0, 97, (1, 1)), torch.randint(0, 97, (3, 5))
-    blocks = list(model.blocks)
+def test_few_rows_take_the_blocked_path_many_rows_f_linear(model) -> None:
+    few, many = torch.randint(0, 97, (2, 3)), torch.randint(0, 97, (2, DECODE_MAX_ROWS))
     with torch.no_grad():
-        ref_one, ref_many = model(one), model(many)
-        with transposed_linears(model):
+        ref_few, ref_many = model(few), model(many)
+        with row_blocked_linears(model):
             patched = [m for m in linears(model) if "forward" in m.__dict__]
-            assert patched == [model.lm_head]  # the widening layer outside a stacked group
-            firsts = [layer for b in blocks for layer in (b.attn.q_proj, b.ffn.gate_proj)]
-            assert stacks(model) == firsts  # q/k/v (32 -> 3 x 32 with GQA: 32 -> 64) and gate/up copies
-            stack = model.blocks[0].attn.q_proj.__dict__[_STACK_ATTR]
-            assert stack.weight_t.shape == (32, 32 + 16 + 16) and stack.sizes == (32, 16, 16)
-            fast_one, fast_many = model(one), model(many)
-    torch.testing.assert_close(fast_one, ref_one, atol=1e-5, rtol=1e-5)
-    assert torch.equal(fast_many, ref_many)  # 15 rows: the F.linear path, bit for bit
+            assert patched == linears(model)[:-1]  # all but the head: 97 outputs, a prime
+            assert model.lm_head is linears(model)[-1]
+            fast_few, fast_many = model(few), model(many)
+    torch.testing.assert_close(fast_few, ref_few, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast_many, ref_many)  # 2 x 64 rows: the F.linear path, bit for bit
     assert not any("forward" in m.__dict__ for m in linears(model))  # restored on exit
-    assert not stacks(model)
 
 
-def test_stacked_copy_serves_only_its_own_group(model) -> None:
-    attn = model.blocks[0].attn
-    x = torch.randn(1, 1, 32)
-    with torch.no_grad(), transposed_linears(model):
-        q, k, v = stacked_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-        other = stacked_linear(x, (attn.q_proj, attn.v_proj))  # same first layer, another group
-    torch.testing.assert_close(q, attn.q_proj(x), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(k, attn.k_proj(x), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(v, attn.v_proj(x), atol=1e-6, rtol=1e-6)
-    assert torch.equal(other[1], attn.v_proj(x))
-
-
-def test_tied_weights_share_one_copy_and_errors_restore(model) -> None:
-    seen = {}
-    with pytest.raises(RuntimeError, match="inside"), transposed_linears(model):
-        for m in widening(model):
-            if "forward" in m.__dict__:
-                seen.setdefault(id(m.weight), set()).add(id(m.forward.args[1]))
+def test_block_count_divides_the_width_and_errors_restore() -> None:
+    prime, six, twelve = nn.Linear(8, 7), nn.Linear(8, 6), nn.Linear(8, 12)
+    wrapper = nn.Sequential(prime, six, twelve)
+    with pytest.raises(RuntimeError, match="inside"), row_blocked_linears(wrapper, n_blocks=4):
+        assert "forward" not in prime.__dict__
+        assert six.forward.args[-1] == 3 and twelve.forward.args[-1] == 4
+        x = torch.randn(1, 8)
+        torch.testing.assert_close(six(x), F.linear(x, six.weight, six.bias), atol=1e-6, rtol=1e-6)
         raise RuntimeError("inside")
-    assert all(len(copies) == 1 for copies in seen.values())
-    assert model.lm_head.weight is model.tok_embed.weight and id(model.lm_head.weight) in seen
-    assert not any("forward" in m.__dict__ for m in linears(model)) and not stacks(model)
+    assert not any("forward" in m.__dict__ for m in wrapper)
 
 
 @pytest.mark.parametrize("n_prompts", [1, 2])

@@ -126,8 +126,6 @@ class Attention(nn.Module):
 class SelfAttention(Attention):
     """Attention of x over itself (and over the cached past when decoding)."""
 
-    stacked_projections = ("q_proj", "k_proj", "v_proj")  # read together by stacked_linear
-
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache) -> Tensor:
         q, k, v = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj))  # (B, T, H*E), 2 x (B, T, Hkv*E)
         q, k = self.rotary.pair(

@@ -40,8 +40,6 @@ class GeluFFN(ReluFFN):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    stacked_projections = ("gate_proj", "up_proj")  # read together by stacked_linear
-
     def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
