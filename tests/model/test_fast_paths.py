@@ -23,7 +23,7 @@ from tformer.model.attention import (
 )
 from tformer.model.linear import FUSE_MIN_ROWS, stacked_linear
 from tformer.model.masks import Mask, causal_mask, padding_mask
-from tformer.model.positions import HalfRotaryEmbedding, RotaryEmbedding, make_rotary
+from tformer.model.positions import JOINT_MAX_T, HalfRotaryEmbedding, RotaryEmbedding, make_rotary
 from tformer.presets import llama_like, tiny
 
 from .helpers import hf_llama_state_for_tformer, make, rand_tokens
@@ -39,11 +39,14 @@ ROPES = {
 @pytest.mark.parametrize("rope", list(ROPES.values()), ids=list(ROPES))
 @pytest.mark.parametrize("batched_positions", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_half_rotary_is_bit_identical_to_reference(rope: RopeConfig, batched_positions: bool, dtype) -> None:
+@pytest.mark.parametrize("t", [10, JOINT_MAX_T], ids=["per-tensor", "joint"])  # joint: a decoding step
+def test_half_rotary_is_bit_identical_to_reference(
+    rope: RopeConfig, batched_positions: bool, dtype, t: int
+) -> None:
     fast, ref = HalfRotaryEmbedding(16, 64, rope), RotaryEmbedding(16, 64, rope)
-    q = torch.randn(3, 4, 10, 16, dtype=dtype, requires_grad=True)
-    k = torch.randn(3, 2, 10, 16, dtype=dtype, requires_grad=True)
-    positions = torch.randint(0, 64, (3, 10)) if batched_positions else torch.arange(5, 15)
+    q = torch.randn(3, 4, t, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(3, 2, t, 16, dtype=dtype, requires_grad=True)
+    positions = torch.randint(0, 64, (3, t)) if batched_positions else torch.arange(5, 5 + t)
     got, want = fast.pair(q, k, positions), ref.pair(q, k, positions)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)

@@ -54,10 +54,12 @@ def row_blocked_linear(
     Same sums as F.linear, possibly in another order (floating point differs by rounding only).
     """
     d_in, d_out = x.shape[-1], weight.shape[0]
+    x = x.contiguous()
     rows = x.numel() // d_in
-    blocks = weight.view(n_blocks, d_out // n_blocks, d_in)
-    y = torch.bmm(blocks, x.reshape(rows, d_in).t().expand(n_blocks, d_in, rows))  # (n, D_out/n, R)
-    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], d_out)
+    xt = x.as_strided((n_blocks, d_in, rows), (0, 1, d_in))  # x^T, broadcast over the blocks
+    y = torch.bmm(weight.view(n_blocks, d_out // n_blocks, d_in), xt)  # (n, D_out/n, R)
+    out_shape = (*x.shape[:-1], d_out)
+    y = y.view(out_shape) if rows == 1 else y.permute(2, 0, 1).reshape(out_shape)
     return y if bias is None else y + bias
 
 

