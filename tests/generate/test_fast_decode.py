@@ -10,9 +10,16 @@ from torch import nn
 from tformer import build_model
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
+from tformer.model import linear as linear_module
 from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.presets import llama_like
+
+
+@pytest.fixture(autouse=True)
+def block_every_layer(monkeypatch) -> None:
+    """The test models are tiny; block their layers too (DECODE_MIN_WEIGHT is read at call time)."""
+    monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,15 @@ def test_block_count_divides_the_width_and_errors_restore() -> None:
         torch.testing.assert_close(six(x), F.linear(x, six.weight, six.bias), atol=1e-6, rtol=1e-6)
         raise RuntimeError("inside")
     assert not any("forward" in m.__dict__ for m in wrapper)
+
+
+def test_small_layers_keep_f_linear_by_default(monkeypatch) -> None:
+    monkeypatch.undo()  # the module default
+    small, large = nn.Linear(64, 64), nn.Linear(256, 256)  # 4,096 and 65,536 weights
+    with row_blocked_linears(nn.Sequential(small, large)):
+        assert "forward" not in small.__dict__ and "forward" in large.__dict__
+    with row_blocked_linears(nn.Sequential(small, large), min_weight=0):
+        assert "forward" in small.__dict__
 
 
 @pytest.mark.parametrize("n_prompts", [1, 2])
