@@ -22,6 +22,7 @@ that the cached search is tested against.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
+from tformer.model.linear import row_blocked_linears
 from tformer.model.masks import Mask
 from tformer.schema import Config
 
@@ -299,8 +301,18 @@ def search(
     bos_id: int,
     eos_id: int,
     banned: Sequence[int] = (),
+    fast_decode: bool = True,
 ) -> list[Hypothesis]:
-    """Decode a batch with the method `cfg` names; max lengths from cfg and the source lengths."""
+    """Decode a batch with the method `cfg` names; max lengths from cfg and the source lengths.
+
+    fast_decode: on the CPU, compute the linear layers' products of a few rows as row-blocked products
+    (`tformer.model.linear.row_blocked_linears`; one sentence with beam 4: 1.27x, greedy 1.14x on the
+    translation preset's model); False: `F.linear` throughout (the slow twin)."""
+    with row_blocked_linears(model) if fast_decode else contextlib.nullcontext():
+        return _search(model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned)
+
+
+def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned) -> list[Hypothesis]:
     src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
     max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
     common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned)
