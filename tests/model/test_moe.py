@@ -111,7 +111,10 @@ def test_grouped_dispatch_equals_loop_reference(case: str) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_grouped_matmul_kernels_agree(bias: bool) -> None:
+@pytest.mark.parametrize("row_blocked", [False, True], ids=["gemm", "row-blocked"])
+def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, monkeypatch) -> None:
+    """row-blocked: the loop kernel's few-row (decoding) path, here taken by every expert."""
+    monkeypatch.setattr("tformer.model.linear.DECODE_MIN_WEIGHT", 0 if row_blocked else 10**9)
     counts = [3, 0, 5, 1, 0]
     w = torch.randn(5, 8, 12, requires_grad=True)
     b = torch.randn(5, 8, requires_grad=True) if bias else None

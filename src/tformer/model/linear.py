@@ -64,6 +64,17 @@ def row_blocked_linear(
     return y if bias is None else y + bias
 
 
+def row_blocks(weight: Tensor, n_blocks: int = DECODE_BLOCKS, min_weight: int | None = None) -> int | None:
+    """How many row blocks `row_blocked_linear` should cut `weight` (out, in) into: the most up to
+    n_blocks that divide out (at least 2); None where F.linear is the better choice: a prime width, or
+    fewer than min_weight weights (default DECODE_MIN_WEIGHT, read at call time)."""
+    if weight.device.type != "cpu" or weight.numel() < (
+        DECODE_MIN_WEIGHT if min_weight is None else min_weight
+    ):
+        return None
+    return next((n for n in range(n_blocks, 1, -1) if weight.shape[0] % n == 0), None)
+
+
 def _decode_forward(linear: nn.Linear, max_rows: int, n_blocks: int, x: Tensor) -> Tensor:
     if x.numel() > max_rows * x.shape[-1]:
         return F.linear(x, linear.weight, linear.bias)  # the slow twin, and the path for many rows
@@ -95,12 +106,10 @@ def row_blocked_linears(
     patched: list[nn.Linear] = []
     try:
         for m in model.modules():
-            if type(m) is not nn.Linear or m.weight.device.type != "cpu" or "forward" in m.__dict__:
+            if type(m) is not nn.Linear or "forward" in m.__dict__:
                 continue
-            if m.weight.numel() < (DECODE_MIN_WEIGHT if min_weight is None else min_weight):
-                continue
-            blocks = next((n for n in range(n_blocks, 1, -1) if m.out_features % n == 0), None)
-            if blocks is None:  # a prime width: F.linear
+            blocks = row_blocks(m.weight, n_blocks, min_weight)
+            if blocks is None:
                 continue
             m.forward = partial(_decode_forward, m, max_rows, blocks)
             patched.append(m)
