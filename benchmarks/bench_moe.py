@@ -15,6 +15,7 @@ auxiliary loss outside the block); ours still counts tokens per expert in traini
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -34,6 +35,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from tformer import ModelConfig, MoEConfig
 from tformer.model import moe as moe_module
 from tformer.model.ffn import SwiGLU
+from tformer.model.linear import row_blocked_linears
 from tformer.model.moe import MoE
 
 D, BATCH, SEQ, DECODE_BATCH = 512, 8, 256, 8
@@ -173,7 +175,10 @@ def train_step(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def decode_step(block: nn.Module, x: torch.Tensor, reps: int) -> None:
-    with torch.inference_mode():
+    """HF's blocks as they are; tformer's inside `row_blocked_linears`, the decoding mode `generate`
+    enters (few-row products as row-blocked batched products, docs/performance.md)."""
+    ours = not type(block).__module__.startswith("transformers")
+    with torch.inference_mode(), row_blocked_linears(block) if ours else contextlib.nullcontext():
         for _ in range(reps):
             block(x)
 

@@ -11,6 +11,7 @@ import torch
 
 from tformer import build_model
 from tformer.generate.beam import SearchConfig, beam_search, length_penalty, sample_search, search
+from tformer.model import linear as linear_module
 from tformer.model.attention import Memory
 from tformer.model.cache import KVCache
 from tformer.model.masks import padding_mask
@@ -232,14 +233,18 @@ def test_search_config_dispatch_and_validation() -> None:
 @pytest.mark.parametrize("method", ["beam", "greedy"])
 def test_search_fast_decode_equals_slow_twin(monkeypatch, method: str) -> None:
     """Row-blocked linear products (every layer, however small) vs F.linear: same hypotheses."""
-    monkeypatch.setattr("tformer.model.linear.DECODE_MIN_WEIGHT", 0)
+    monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)
     model = seq2seq(d_model=32, n_heads=4, d_ff=64)
     src, mask = sources()
     cfg = SearchConfig(method=method, beam_size=3, max_len=10)
     common = dict(bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
-    fast = search(model, src, mask, cfg, **common)
+    calls = []
+    real = linear_module.row_blocked_linear
+    monkeypatch.setattr(linear_module, "row_blocked_linear", lambda *a: calls.append(1) or real(*a))
     slow = search(model, src, mask, cfg, fast_decode=False, **common)
-    assert tokens(fast) == tokens(slow) and all(len(h.tokens) > 0 for h in fast)
+    assert not calls
+    fast = search(model, src, mask, cfg, **common)
+    assert calls and tokens(fast) == tokens(slow) and all(len(h.tokens) > 0 for h in fast)
     for f, s in zip(fast, slow):
         assert f.score == pytest.approx(s.score, abs=1e-4)
     assert not any("forward" in m.__dict__ for m in model.modules())  # restored on exit

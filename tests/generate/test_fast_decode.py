@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer import build_model
+from tformer import MoEConfig, build_model
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import linear as linear_module
+from tformer.model import moe as moe_module
 from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.presets import llama_like
@@ -96,13 +97,57 @@ def test_small_layers_keep_f_linear_by_default(monkeypatch) -> None:
         assert "forward" in small.__dict__
 
 
+def count_calls(monkeypatch, module, name: str = "row_blocked_linear") -> list[int]:
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("n_prompts", [1, 2])
-def test_generate_fast_equals_slow_twin(model, n_prompts: int) -> None:
+def test_generate_fast_equals_slow_twin(model, n_prompts: int, monkeypatch) -> None:
+    calls = count_calls(monkeypatch, linear_module)
     prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
-    fast = generate(model, prompts, cfg)
     slow = generate(model, prompts, cfg, fast_decode=False)
+    assert not calls
+    fast = generate(model, prompts, cfg)
     assert fast == slow and all(len(row) == 24 for row in fast)
+    assert len(calls) >= 23 * 7 * 2  # every decoding step ran its 2 x 7 blocked layers
+
+
+def test_generate_fast_equals_slow_twin_with_moe(monkeypatch) -> None:
+    """The MoE experts' loop kernel takes the row-blocked path only inside the decoding context."""
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")
+    model = build_model(llama_like(97, 32, 2, 4, 2, 64, 64).replace(moe=moe)).eval()
+    calls = count_calls(monkeypatch, moe_module)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    slow = generate(model, [[5, 6, 7, 8]], cfg, fast_decode=False)
+    assert not calls
+    fast = generate(model, [[5, 6, 7, 8]], cfg)
+    assert fast == slow and calls
+
+
+def test_autocast_keeps_f_linear() -> None:
+    layer = nn.Linear(16, 32)
+    x = torch.randn(1, 16)
+    with torch.no_grad(), row_blocked_linears(nn.Sequential(layer)):
+        assert "forward" in layer.__dict__
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.linear(x, layer.weight, layer.bias)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_row_blocked_linear_on_strided_and_offset_input() -> None:
+    torch.manual_seed(0)
+    weight, base = torch.randn(12, 8), torch.randn(3, 10, 8)
+    for x in (base[:, 3:5], base.transpose(0, 1)[2:4], base[1, 4:6]):  # offset, non-contiguous, both
+        torch.testing.assert_close(
+            row_blocked_linear(x, weight, None, 4), F.linear(x, weight), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])

@@ -4,7 +4,9 @@ architecture (RELIABILITY section E)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer import ConfigError, ModelConfig, MoEConfig
+from tformer.model import moe as moe_module
 from tformer.model.ffn import make_dense_ffn
+from tformer.model.linear import row_blocked_linear, row_blocked_linears
 from tformer.model.moe import (
     MoE,
     loop_grouped_linear,
@@ -113,8 +117,15 @@ def test_grouped_dispatch_equals_loop_reference(case: str) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("row_blocked", [False, True], ids=["gemm", "row-blocked"])
 def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, monkeypatch) -> None:
-    """row-blocked: the loop kernel's few-row (decoding) path, here taken by every expert."""
-    monkeypatch.setattr("tformer.model.linear.DECODE_MIN_WEIGHT", 0 if row_blocked else 10**9)
+    """row-blocked: the loop kernel's few-row (decoding) path, taken by every expert inside the decoding
+    context (counted), never outside it."""
+    calls = []
+    monkeypatch.setattr(
+        moe_module, "row_blocked_linear", lambda *a: calls.append(1) or row_blocked_linear(*a)
+    )
+    decoding = (
+        partial(row_blocked_linears, nn.Sequential(), min_weight=0) if row_blocked else contextlib.nullcontext
+    )
     counts = [3, 0, 5, 1, 0]
     w = torch.randn(5, 8, 12, requires_grad=True)
     b = torch.randn(5, 8, requires_grad=True) if bias else None
@@ -129,9 +140,11 @@ def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, monkeypatch
         if kernel is None:  # reference: row by row
             y = torch.stack([F.linear(x[i], w[e], None if b is None else b[e]) for i, e in enumerate(rows)])
         else:
-            y = kernel(x, w, b, counts)
+            with decoding():
+                y = kernel(x, w, b, counts)
         (y * g).sum().backward()
         results.append([y.detach()] + [t.grad.clone() for t in leaves])
+    assert len(calls) == (3 if row_blocked else 0)  # the loop kernel's 3 experts with rows
     for got in results[:3]:
         for a, ref in zip(got, results[3]):
             torch.testing.assert_close(a, ref)

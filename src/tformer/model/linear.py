@@ -9,15 +9,18 @@ than it saves when there are few rows. So `stacked_linear` runs the stacked GEMM
 rows on, the separate layers (the slow twin, same result up to summation order) below. Parameters
 and checkpoint keys stay those of the separate `nn.Linear` layers.
 
-Decoding (a few rows per step): `row_blocked_linears` makes every CPU `nn.Linear` compute x W^T as a
-batch of products of W's row blocks with x^T (`row_blocked_linear`), which CPU BLAS spreads over
-the cores and streams at about twice the rate of `F.linear` for one row; it copies nothing.
+Decoding (a few rows per step): `row_blocked_linears` makes every CPU `nn.Linear` (and the MoE
+experts' kernel, through `decoding_row_blocks`) compute x W^T as a batch of products of W's row blocks
+with x^T (`row_blocked_linear`), which CPU BLAS spreads over the cores and streams at about twice the
+rate of `F.linear` for one row; it copies nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -41,7 +44,7 @@ def stacked_linear(
 
 # ----------------------------------------------------------------------------- decoding
 DECODE_MAX_ROWS = 64  # rows up to which the row-blocked product beats F.linear by >= 1.3x here
-DECODE_BLOCKS = 4  # row blocks per weight (2 to 16 measure the same on 2 cores; 1 is F.linear's speed)
+DECODE_BLOCKS = 4  # row blocks per weight: 2 to 16 measure the same on 2 cores (more cores may want more)
 DECODE_MIN_WEIGHT = 65_536  # elements (256 KB fp32) below which bmm's ~15 us fixed cost outweighs its gain
 
 
@@ -66,18 +69,36 @@ def row_blocked_linear(
 
 def row_blocks(weight: Tensor, n_blocks: int = DECODE_BLOCKS, min_weight: int | None = None) -> int | None:
     """How many row blocks `row_blocked_linear` should cut `weight` (out, in) into: the most up to
-    n_blocks that divide out (at least 2); None where F.linear is the better choice: a prime width, or
-    fewer than min_weight weights (default DECODE_MIN_WEIGHT, read at call time)."""
-    if weight.device.type != "cpu" or weight.numel() < (
-        DECODE_MIN_WEIGHT if min_weight is None else min_weight
-    ):
+    n_blocks that divide out (at least 2); None where F.linear is the better choice: no such divisor,
+    fewer than min_weight weights (default DECODE_MIN_WEIGHT, read at call time), not on the CPU."""
+    floor = DECODE_MIN_WEIGHT if min_weight is None else min_weight
+    if weight.device.type != "cpu" or weight.numel() == 0 or weight.numel() < floor:
         return None
     return next((n for n in range(n_blocks, 1, -1) if weight.shape[0] % n == 0), None)
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    max_rows: int
+    n_blocks: int
+    min_weight: int | None
+
+
+_DECODING: ContextVar[_Decoding | None] = ContextVar("tformer_row_blocked_decoding", default=None)
+
+
+def decoding_row_blocks(weight: Tensor, rows: int) -> int | None:
+    """For kernels that multiply by weights outside `nn.Linear` (the MoE experts): the block count to use
+    for a product of `rows` rows with `weight` while `row_blocked_linears` is active, else None."""
+    d = _DECODING.get()
+    if d is None or rows > d.max_rows:
+        return None
+    return row_blocks(weight, d.n_blocks, d.min_weight)
+
+
 def _decode_forward(linear: nn.Linear, max_rows: int, n_blocks: int, x: Tensor) -> Tensor:
-    if x.numel() > max_rows * x.shape[-1]:
-        return F.linear(x, linear.weight, linear.bias)  # the slow twin, and the path for many rows
+    if x.numel() > max_rows * x.shape[-1] or torch.is_autocast_enabled("cpu"):
+        return F.linear(x, linear.weight, linear.bias)  # the slow twin: many rows, or autocast's casts
     return row_blocked_linear(x, linear.weight, linear.bias, n_blocks)
 
 
@@ -90,11 +111,12 @@ def row_blocked_linears(
 ) -> Iterator[None]:
     """While active, every `nn.Linear` of `model` on the CPU computes inputs of at most `max_rows` rows
     with `row_blocked_linear`, in the most blocks up to `n_blocks` that divide its out_features (at
-    least 2; a layer with a prime width keeps `F.linear`); larger inputs (a long prompt) keep
-    `F.linear`, and so do layers with fewer than `min_weight` weights (default `DECODE_MIN_WEIGHT`,
-    read at call time; there, and with weights that
-    sit in the cache anyway, bmm's fixed cost of ~15 us a call outweighs the faster streaming: a
-    d_model 64 model decodes 0.83x as fast with every layer blocked). Nothing is copied.
+    least 2), and the MoE experts' loop kernel does the same for experts with that few rows
+    (`decoding_row_blocks`). `F.linear` stays for larger inputs (a long prompt), under CPU autocast,
+    for widths with no such divisor, and for layers with fewer than `min_weight` weights (default
+    `DECODE_MIN_WEIGHT`, read at call time): there, and wherever the weights sit in the cache anyway,
+    bmm's fixed cost of ~15 us a call outweighs the faster streaming (a d_model 64 model decoded 0.83x
+    as fast with every layer blocked). Nothing is copied.
 
     Why: one decoding step is a matrix-vector product per layer (a matrix-matrix product with a few
     rows at batch > 1), bound by reading the weights. For such shapes MKL runs `F.linear`'s
@@ -102,8 +124,12 @@ def row_blocked_linears(
     (every layer shape of an 8-layer d_model 512 model, cold weights, 2 threads, this project's 2-core
     machine): the matrix products of one step of one sequence take 10 ms instead of 18; at 2 to 64 rows
     the gain is 1.3-2.2x (docs/performance.md). Autograd works through it, but it is meant for inference.
+
+    The layers are patched in place (an instance `forward`), so use one such context per model at a time
+    and from one thread; a layer whose `forward` is already patched is left alone.
     """
-    patched: list[nn.Linear] = []
+    patched: list[tuple[nn.Linear, partial]] = []
+    token = _DECODING.set(_Decoding(max_rows, n_blocks, min_weight))
     try:
         for m in model.modules():
             if type(m) is not nn.Linear or "forward" in m.__dict__:
@@ -112,8 +138,10 @@ def row_blocked_linears(
             if blocks is None:
                 continue
             m.forward = partial(_decode_forward, m, max_rows, blocks)
-            patched.append(m)
+            patched.append((m, m.forward))
         yield
     finally:
-        for m in patched:
-            del m.forward
+        _DECODING.reset(token)
+        for m, ours in patched:
+            if m.__dict__.get("forward") is ours:  # only what this context set
+                del m.forward

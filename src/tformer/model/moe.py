@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig, MoEConfig
 from tformer.model.ffn import make_dense_ffn
-from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocks
+from tformer.model.linear import decoding_row_blocks, row_blocked_linear
 from tformer.model.router import BalanceLoss, Routing, TopKRouter, probabilities
 
 
@@ -41,9 +41,9 @@ class LoopGroupedLinear(torch.autograd.Function):
         ctx.counts, ctx.has_bias = counts, b is not None
         y = x.new_empty(x.shape[0], w.shape[1])  # (S, out)
         biases = b.unbind(0) if b is not None else (None,) * len(counts)
-        blocks = row_blocks(w[0])  # None: F.linear's GEMM for every expert
         for xe, ye, we, be, n in zip(x.split(counts), y.split(counts), w.unbind(0), biases, counts):
-            if n and blocks and n <= DECODE_MAX_ROWS:  # a few rows (decoding): a weight-bound product
+            blocks = decoding_row_blocks(we, n) if n else None  # set while decoding (row_blocked_linears)
+            if blocks:  # a few rows: a product bound by reading the weights
                 ye.copy_(row_blocked_linear(xe, we, be, blocks))
             elif n and be is not None:
                 torch.addmm(be, xe, we.t(), out=ye)

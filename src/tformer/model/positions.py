@@ -143,7 +143,8 @@ class RotaryEmbedding(nn.Module):
 class HalfRotaryEmbedding(RotaryEmbedding):
     """Fast twin of RotaryEmbedding for the half layout with every feature rotated (Llama):
     x * [cos, cos] + [x2, x1] * [-sin, sin], with both full-width tables precomputed for every position,
-    one lookup per (q, k) pair and no torch.cat. Bit-identical to the reference (a - b == a + (-b))."""
+    one lookup per (q, k) pair, no torch.cat of halves (in a decoding step q and k are concatenated and
+    rotated as one tensor). Bit-identical to the reference (a - b == a + (-b))."""
 
     def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
         super().__init__(head_dim, max_seq_len, rope)
