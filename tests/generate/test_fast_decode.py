@@ -129,6 +129,12 @@ def test_generate_fast_equals_slow_twin_with_moe(monkeypatch) -> None:
     assert fast == slow and calls
 
 
+def test_half_precision_weights_keep_f_linear() -> None:
+    layers = [nn.Linear(16, 32).to(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)]
+    with row_blocked_linears(nn.Sequential(*layers)):
+        assert ["forward" in m.__dict__ for m in layers] == [False, False, True]
+
+
 def test_autocast_keeps_f_linear() -> None:
     layer = nn.Linear(16, 32)
     x = torch.randn(1, 16)
