@@ -117,10 +117,10 @@ def row_blocked_linears(
     with `row_blocked_linear`, in the most blocks up to `n_blocks` that divide its out_features (at
     least 2), and the MoE experts' loop kernel does the same for experts with that few rows
     (`decoding_row_blocks`). `F.linear` stays for larger inputs (a long prompt), under CPU autocast,
-    for weights that are not fp32, for widths with no such divisor, and for layers with fewer than `min_weight` weights (default
-    `DECODE_MIN_WEIGHT`, read at call time): there, and wherever the weights sit in the cache anyway,
-    bmm's fixed cost of ~15 us a call outweighs the faster streaming (a d_model 64 model decoded 0.83x
-    as fast with every layer blocked). Nothing is copied.
+    for weights that are not fp32, for widths with no such divisor, and for layers with fewer than
+    `min_weight` weights (default `DECODE_MIN_WEIGHT`, read at call time): there, and wherever the
+    weights sit in the cache anyway, bmm's fixed cost of ~15 us a call outweighs the faster streaming
+    (a d_model 64 model decoded 0.83x as fast with every layer blocked). Nothing is copied.
 
     Why: one decoding step is a matrix-vector product per layer (a matrix-matrix product with a few
     rows at batch > 1), bound by reading the weights. For such shapes MKL runs `F.linear`'s
