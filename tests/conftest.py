@@ -17,3 +17,16 @@ def _seed() -> None:
 @pytest.fixture
 def tiny_cfg() -> ModelConfig:
     return tiny()
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """count_calls(module, name) -> a list that grows by one per call of module.name (still called)."""
+
+    def spy(module, name: str) -> list[int]:
+        calls: list[int] = []
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+        return calls
+
+    return spy

@@ -231,16 +231,14 @@ def test_search_config_dispatch_and_validation() -> None:
 
 
 @pytest.mark.parametrize("method", ["beam", "greedy"])
-def test_search_fast_decode_equals_slow_twin(monkeypatch, method: str) -> None:
+def test_search_fast_decode_equals_slow_twin(monkeypatch, count_calls, method: str) -> None:
     """Row-blocked linear products (every layer, however small) vs F.linear: same hypotheses."""
     monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)
     model = seq2seq(d_model=32, n_heads=4, d_ff=64)
     src, mask = sources()
     cfg = SearchConfig(method=method, beam_size=3, max_len=10)
     common = dict(bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
-    calls = []
-    real = linear_module.row_blocked_linear
-    monkeypatch.setattr(linear_module, "row_blocked_linear", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(linear_module, "row_blocked_linear")
     slow = search(model, src, mask, cfg, fast_decode=False, **common)
     assert not calls
     fast = search(model, src, mask, cfg, **common)

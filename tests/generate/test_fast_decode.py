@@ -97,16 +97,9 @@ def test_small_layers_keep_f_linear_by_default(monkeypatch) -> None:
         assert "forward" in small.__dict__
 
 
-def count_calls(monkeypatch, module, name: str = "row_blocked_linear") -> list[int]:
-    calls: list[int] = []
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
-    return calls
-
-
 @pytest.mark.parametrize("n_prompts", [1, 2])
-def test_generate_fast_equals_slow_twin(model, n_prompts: int, monkeypatch) -> None:
-    calls = count_calls(monkeypatch, linear_module)
+def test_generate_fast_equals_slow_twin(model, n_prompts: int, count_calls) -> None:
+    calls = count_calls(linear_module, "row_blocked_linear")
     prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
     slow = generate(model, prompts, cfg, fast_decode=False)
@@ -116,12 +109,12 @@ def test_generate_fast_equals_slow_twin(model, n_prompts: int, monkeypatch) -> N
     assert len(calls) >= 23 * 7 * 2  # every decoding step ran its 2 x 7 blocked layers
 
 
-def test_generate_fast_equals_slow_twin_with_moe(monkeypatch) -> None:
+def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:
     """The MoE experts' loop kernel takes the row-blocked path only inside the decoding context."""
     torch.manual_seed(0)
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")
     model = build_model(llama_like(97, 32, 2, 4, 2, 64, 64).replace(moe=moe)).eval()
-    calls = count_calls(monkeypatch, moe_module)
+    calls = count_calls(moe_module, "row_blocked_linear")
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
     slow = generate(model, [[5, 6, 7, 8]], cfg, fast_decode=False)
     assert not calls

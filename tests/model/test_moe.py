@@ -16,7 +16,7 @@ from torch import nn
 from tformer import ConfigError, ModelConfig, MoEConfig
 from tformer.model import moe as moe_module
 from tformer.model.ffn import make_dense_ffn
-from tformer.model.linear import row_blocked_linear, row_blocked_linears
+from tformer.model.linear import row_blocked_linears
 from tformer.model.moe import (
     MoE,
     loop_grouped_linear,
@@ -116,13 +116,10 @@ def test_grouped_dispatch_equals_loop_reference(case: str) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("row_blocked", [False, True], ids=["gemm", "row-blocked"])
-def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, monkeypatch) -> None:
+def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, count_calls) -> None:
     """row-blocked: the loop kernel's few-row (decoding) path, taken by every expert inside the decoding
     context (counted), never outside it."""
-    calls = []
-    monkeypatch.setattr(
-        moe_module, "row_blocked_linear", lambda *a: calls.append(1) or row_blocked_linear(*a)
-    )
+    calls = count_calls(moe_module, "row_blocked_linear")
     decoding = (
         partial(row_blocked_linears, nn.Sequential(), min_weight=0) if row_blocked else contextlib.nullcontext
     )
