@@ -13,7 +13,13 @@ from torch import nn
 from tformer.config import ModelConfig
 from tformer.data.tokenizer import Tokenizer
 from tformer.model import build_model
-from tformer.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from tformer.train.checkpoint import (
+    DCP_FORMAT,
+    CheckpointError,
+    checkpoint_format,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from tformer.train.config import TrainConfig
 
 
@@ -49,7 +55,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     except (OSError, KeyError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
     model = build_model(model_cfg)
-    if (ckpt / ".metadata").is_file():  # a torch.distributed.checkpoint directory (a torchrun run)
+    if checkpoint_format(ckpt) == DCP_FORMAT:  # a torch.distributed.checkpoint directory (a torchrun run)
         from tformer.distributed.checkpoint import load_dcp_weights
 
         step = load_dcp_weights(ckpt, model, train_cfg)

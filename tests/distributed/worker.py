@@ -267,7 +267,7 @@ def nan_agreement(env, cfg, ocfg) -> dict:
     window = next(iter(stats.values()))["window_tokens"]
     del par, model, opt, args
     return {"skipped_everywhere": int(flags) == env.world_size, "unchanged": unchanged,
-            "global_window_tokens": window}  # fmt: skip
+            "global_window_tokens": window, "nonfinite_ranks": list(r.nonfinite_ranks)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- resume

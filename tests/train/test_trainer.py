@@ -44,8 +44,11 @@ def small_config(corpus_dir: Path, **changes) -> TrainConfig:
 
 
 def losses(run_dir: Path) -> list[str]:
+    """Every step's loss and gradient norm, bit for bit."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [float(r["loss"]).hex() for r in records if r["kind"] == "train"]
+    return [
+        f"{float(r['loss']).hex()} {float(r['grad_norm']).hex()}" for r in records if r["kind"] == "train"
+    ]
 
 
 def test_exact_resume_with_dropout(corpus_dir: Path, tmp_path: Path) -> None:
@@ -164,3 +167,127 @@ def test_cpu_bf16_detection_reads_this_machine():
     found = cpu_has_native_bf16()
     if found is not None:
         assert found == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def one_step(trainer: Trainer, loss_fn=None, optimizer=None, batch=None, grad_clip: float = 1.0):
+    from tformer.train.step import autocast_context, train_step
+
+    return train_step(
+        trainer.model,
+        loss_fn or trainer.task.loss,
+        [batch if batch is not None else trainer.loader.next_batch(trainer.device)],
+        trainer.task.count_targets,
+        optimizer or trainer.optimizer,
+        trainer.scheduler,
+        grad_clip,
+        autocast_context(trainer.device, "float32"),
+    )
+
+
+def test_inf_gradient_with_finite_loss_is_skipped_before_the_optimizer(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    trainer = Trainer(small_config(corpus_dir), tmp_path / "i", make_task("lm"), progress=False)
+    param = next(trainer.model.parameters())
+
+    class Inf(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.sum() * 0
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.full_like(param, math.inf)
+
+    def loss_fn(model, batch):
+        loss, n = trainer.task.loss(model, batch)
+        return loss + Inf.apply(param), n
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    r = one_step(trainer, loss_fn)  # clip_grad_norm_ would turn these gradients into NaN
+    assert math.isfinite(r.loss) and not math.isfinite(r.grad_norm) and r.skipped
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert all(p.grad is None for p in trainer.model.parameters())
+    r = one_step(trainer)  # the next step trains normally
+    assert not r.skipped and math.isfinite(r.grad_norm)
+    assert not all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_clipping_bounds_the_norm_the_optimizer_sees(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, model=small_config(corpus_dir).model.replace(dropout=0.0))
+    trainer = Trainer(cfg, tmp_path / "c", make_task("lm"), progress=False)
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            return super().step(closure)
+
+    spy = Spy(trainer.model.parameters(), lr=0.0)
+    batch = trainer.loader.next_batch(trainer.device)
+    unclipped = one_step(trainer, optimizer=spy, batch=batch, grad_clip=0.0)
+    max_norm = unclipped.grad_norm / 4
+    clipped = one_step(trainer, optimizer=spy, batch=batch, grad_clip=max_norm)
+    assert clipped.grad_norm == pytest.approx(unclipped.grad_norm, rel=1e-5)  # the pre-clip norm is logged
+    assert seen[0] == pytest.approx(unclipped.grad_norm, rel=1e-5)
+    assert seen[1] <= max_norm + 1e-6 and seen[1] == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_batch_with_every_target_ignored_has_zero_loss(corpus_dir: Path, tmp_path: Path) -> None:
+    from tformer.data.datasets import IGNORE_INDEX
+
+    trainer = Trainer(small_config(corpus_dir), tmp_path / "z", make_task("lm"), progress=False)
+    batch = trainer.loader.next_batch(trainer.device)
+    batch = batch._replace(targets=torch.full_like(batch.targets, IGNORE_INDEX))
+    r = one_step(trainer, batch=batch)
+    assert (r.loss, r.grad_norm, r.targets, r.skipped) == (0.0, 0.0, 1, False)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_loss_spike_is_logged_and_training_goes_on(corpus_dir: Path, tmp_path: Path) -> None:
+    class SpikeTask(NaNTask):
+        def loss(self, model, batch):
+            self.calls += 1
+            loss, n = self.inner.loss(model, batch)
+            return (loss * 50 if self.calls == self.bad_from else loss), n
+
+    cfg = small_config(
+        corpus_dir, steps=26, eval_every=26, save_every=26, optim=OptimConfig(lr=1e-4, fused=False)
+    )
+    trainer = Trainer(cfg, tmp_path / "s", SpikeTask(bad_from=24), progress=False)
+    trainer.fit()
+    records = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    spikes = [r for r in records if r["kind"] == "spike"]
+    assert [r["step"] for r in spikes] == [24], spikes
+    assert spikes[0]["loss"] > 3 * spikes[0]["running_mean"] > 0
+    assert trainer.state.step == 26 and trainer.state.skipped_steps == 0
+    off = Trainer(cfg.replace(spike_factor=0.0), tmp_path / "s0", SpikeTask(bad_from=24), progress=False)
+    off.fit()
+    assert not [x for x in (tmp_path / "s0" / "metrics.jsonl").read_text().splitlines() if '"spike"' in x]
+
+
+def test_distributed_checkpoint_without_its_index_is_skipped_and_refused(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """B1 for the torch.distributed.checkpoint format (here written by one process)."""
+    from tformer.runs import load_run
+    from tformer.train.checkpoint import CheckpointError, latest_checkpoint
+    from tformer.train.config import ParallelConfig
+
+    cfg = small_config(
+        corpus_dir, steps=2, save_every=1, eval_every=2, parallel=ParallelConfig(checkpoint="dcp")
+    )
+    Trainer(cfg, tmp_path / "d", make_task("lm"), progress=False).fit()
+    first, second = (tmp_path / "d" / "checkpoints" / f"step_00000{i}" for i in (1, 2))
+    assert latest_checkpoint(tmp_path / "d") == second
+    (second / ".metadata").unlink()  # the writers "died" after the manifest, before DCP's index
+    assert latest_checkpoint(tmp_path / "d") == first
+    with pytest.raises(
+        CheckpointError, match=r"step_000002: distributed \(DCP\) checkpoint without its .metadata"
+    ):
+        load_run(second)
+    assert load_run(tmp_path / "d").step == 1
+    resumed = Trainer(cfg.replace(steps=3), tmp_path / "d", make_task("lm"), resume=True, progress=False)
+    assert resumed.state.step == 1
+    resumed.close()

@@ -50,6 +50,8 @@ from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.train.checkpoint import (
     CHECKPOINTS_DIR,
+    DCP_FORMAT,
+    DCP_METADATA,
     FORMAT_VERSION,
     MARKER,
     CheckpointError,
@@ -70,11 +72,10 @@ from tformer.train.config import ParallelConfig, TrainConfig
 from tformer.train.optim import make_optimizer, make_scheduler
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-DCP_FORMAT = "dcp"
 
 
 def is_dcp_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / ".metadata").is_file()
+    return (Path(path) / DCP_METADATA).is_file()
 
 
 def _dcp_call(what: str, path: Path, fn, *args, **kwargs):

@@ -42,10 +42,11 @@ class ProcessCollectives:
         dist.all_reduce(t)
         return t.item()
 
-    def any(self, flag: bool) -> bool:
-        t = torch.tensor(int(flag), device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def ranks_where(self, flag: bool) -> tuple[int, ...]:
+        flags = torch.zeros(self.env.world_size, dtype=torch.int64, device=self.device)
+        flags[self.env.rank] = int(flag)
+        dist.all_reduce(flags)  # one slot per rank: the sum is every rank's flag
+        return tuple(int(r) for r in flags.nonzero().flatten().tolist())
 
     def all_reduce(self, t: Tensor) -> None:
         dist.all_reduce(t)

@@ -34,6 +34,33 @@ def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tenso
     return tokens
 
 
+def check_targets(
+    targets: Tensor, n_classes: int, name: str = "targets", ignore_index: int | None = None
+) -> Tensor:
+    """targets: integer class ids in [0, n_classes), or ignore_index (checked before the loss: torch's
+    cross-entropy says only "Target 64 is out of bounds" on the CPU and asserts on a GPU)."""
+    if targets.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (torch.long), got dtype {targets.dtype}")
+    if targets.numel() == 0:
+        return targets
+    valid = targets if ignore_index is None else targets[targets != ignore_index]
+    if valid.numel() == 0:
+        return targets
+    lo, hi = torch.aminmax(valid)
+    if lo.item() < 0 or hi.item() >= n_classes:
+        bad_mask = (targets < 0) | (targets >= n_classes)
+        if ignore_index is not None:
+            bad_mask &= targets != ignore_index
+        bad = bad_mask.nonzero()[0].tolist()
+        where = ", ".join(f"{axis} {i}" for axis, i in zip(("batch", "position"), bad))
+        also = f" or {ignore_index} (ignored)" if ignore_index is not None else ""
+        raise ValueError(
+            f"{name} contains id {targets[tuple(bad)].item()} at ({where}); allowed ids are "
+            f"0..{n_classes - 1}{also} (the model has {n_classes} outputs)"
+        )
+    return targets
+
+
 def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int, scheme: str) -> Tensor:
     """positions: (T,) or (B, T) integer positions in [0, max_seq_len)."""
     if not isinstance(positions, Tensor) or positions.dtype not in _INT_DTYPES:

@@ -30,6 +30,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
+from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream
 from tformer.tasks.translation import DATA_MANIFEST, load_task_corpus, run_dir_of, write_manifest
 from tformer.train.config import TrainConfig
@@ -83,9 +84,7 @@ class Classifier:
 def classification_loss_sum(
     model: nn.Module, batch: ClassificationBatch, label_smoothing: float = 0.0
 ) -> tuple[Tensor, int]:
-    logits = model(batch.ids, batch.mask)  # (B, C)
-    loss = F.cross_entropy(logits.float(), batch.labels, reduction="sum", label_smoothing=label_smoothing)
-    return loss, batch.labels.numel()
+    return cross_entropy_sum(model(batch.ids, batch.mask), batch.labels, label_smoothing, "labels")  # (B, C)
 
 
 class ClassificationTask:

@@ -10,32 +10,23 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.data.corpora import load_corpus
-from tformer.data.datasets import LMBatch, PackedLMDataset, collate_lm
+from tformer.data.datasets import IGNORE_INDEX, LMBatch, PackedLMDataset, collate_lm
 from tformer.data.loader import make_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
+from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
 
-IGNORE_INDEX = -100
 SAMPLE_PROMPT = "ROMEO.\n"
 
 
 def lm_loss_sum(model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
-    logits = model(batch.ids)  # (B, T, V)
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        batch.targets.flatten(),
-        reduction="sum",
-        ignore_index=IGNORE_INDEX,
-        label_smoothing=label_smoothing,
-    )
-    return loss, int((batch.targets != IGNORE_INDEX).sum())
+    return cross_entropy_sum(model(batch.ids), batch.targets, label_smoothing)  # logits (B, T, V)
 
 
 def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) -> Tokenizer:

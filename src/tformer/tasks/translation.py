@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.data.corpora import Corpus, Pair, corpus_task, load_corpus
@@ -29,6 +28,7 @@ from tformer.eval.bleu import copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
+from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream
 from tformer.train.config import DataConfig, TrainConfig
 
@@ -126,14 +126,7 @@ def seq2seq_loss_sum(
 ) -> tuple[Tensor, int]:
     # Right-padded targets need no key mask: causal attention never reaches the padding after a token.
     logits = model(batch.src, batch.tgt_in, batch.src_mask, None)  # (B, T, V)
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        batch.tgt_out.flatten(),
-        reduction="sum",
-        ignore_index=IGNORE_INDEX,
-        label_smoothing=label_smoothing,
-    )
-    return loss, int((batch.tgt_out != IGNORE_INDEX).sum())
+    return cross_entropy_sum(logits, batch.tgt_out, label_smoothing, "target tokens")
 
 
 class TranslationTask:

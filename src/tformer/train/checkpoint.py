@@ -40,6 +40,8 @@ from torch import nn
 
 FORMAT_VERSION = 1
 MARKER = "COMMITTED"
+DCP_FORMAT = "dcp"  # the "format" a COMMITTED manifest of a torch.distributed.checkpoint directory names
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by a DCP save
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIXES = (".tmp-", ".trash-")
@@ -350,7 +352,25 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if (p / MARKER).is_file()]
+    return [p for _, p in sorted(found) if _is_complete(p)]
+
+
+def _is_complete(path: Path) -> bool:
+    """Committed, and a distributed (DCP) checkpoint still holds its .metadata index."""
+    try:
+        commit = json.loads((path / MARKER).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return (
+        not (isinstance(commit, dict) and commit.get("format") == DCP_FORMAT)
+        or (path / DCP_METADATA).is_file()
+    )
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """ "dcp" (torch.distributed.checkpoint, written under torchrun) or "safetensors" (one process), from
+    the directory's COMMITTED manifest; CheckpointError if it is missing, unreadable or incomplete."""
+    return _Reader(Path(path), verify=False).format
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -464,6 +484,12 @@ class _Reader:
         if commit.get("format_version", 0) > FORMAT_VERSION:
             raise CheckpointError(f"{path}: format_version {commit['format_version']} > {FORMAT_VERSION}")
         self.files: dict[str, Any] = commit["files"]
+        self.format = commit.get("format", "safetensors")
+        if self.format == DCP_FORMAT and not (path / DCP_METADATA).is_file():
+            raise CheckpointError(
+                f"{path}: distributed (DCP) checkpoint without its {DCP_METADATA} index: the save did not "
+                "finish or the directory was damaged; resume from an earlier checkpoint"
+            )
 
     def has(self, name: str) -> bool:
         return name in self.files

@@ -137,6 +137,7 @@ class TrainConfig(Config):
     compile: bool = False
     device: str = "auto"
     max_nonfinite: int = 3
+    spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
     label_smoothing: float = 0.0
     sample_every: int = 0
     sample_tokens: int = 200
@@ -155,6 +156,9 @@ class TrainConfig(Config):
             "max_nonfinite",
         ):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(
+            self.spike_factor == 0 or self.spike_factor > 1, "spike_factor", "must be 0 (off) or > 1"
+        )
         self._require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self._require(self.sample_every >= 0, "sample_every", "must be >= 0 (0 = never)")
         self._require(

@@ -43,6 +43,8 @@ class TrainState:
     skipped_steps: int = 0
     nonfinite_in_a_row: int = 0
     best_eval: float = math.inf
+    loss_mean: float = 0.0  # running mean (EMA) of the finite step losses, for the spike detector
+    loss_steps: int = 0  # finite steps folded into loss_mean
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -106,6 +108,8 @@ class Trainer:
                 "skipped_steps": s.skipped_steps,
                 "nonfinite_in_a_row": s.nonfinite_in_a_row,
                 "best_eval": s.best_eval,
+                "loss_mean": s.loss_mean,
+                "loss_steps": s.loss_steps,
                 "loader": self.loader.state_dict(),
             },
             meta={
@@ -122,7 +126,13 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
         self.state = TrainState(
-            t["step"], t["tokens_seen"], t["skipped_steps"], t["nonfinite_in_a_row"], t["best_eval"]
+            t["step"],
+            t["tokens_seen"],
+            t["skipped_steps"],
+            t["nonfinite_in_a_row"],
+            t["best_eval"],
+            t.get("loss_mean", 0.0),  # checkpoints written before the spike detector lack these two
+            t.get("loss_steps", 0),
         )
         self.loader.load_state_dict(t["loader"])
         self.metrics.truncate_after(self.state.step)
@@ -167,6 +177,7 @@ class Trainer:
                 s.step += 1
                 s.tokens_seen += int(self.parallel.comm.sum(sum(self.task.count_inputs(b) for b in micro)))
                 self._guard(result)
+                self._watch_spikes(result, bar)
                 rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
                 if s.step % cfg.log_every == 0 or s.step == cfg.steps:
                     self._log_train(result, rate)
@@ -203,16 +214,48 @@ class Trainer:
             s.skipped_steps += 1
             s.nonfinite_in_a_row += 1
             self.metrics.write(
-                {"kind": "skip", "step": s.step, "loss": result.loss, "grad_norm": result.grad_norm}
+                {
+                    "kind": "skip",
+                    "step": s.step,
+                    "loss": result.loss,
+                    "grad_norm": result.grad_norm,
+                    "nonfinite_ranks": list(result.nonfinite_ranks),
+                }
             )
             if s.nonfinite_in_a_row >= self.cfg.max_nonfinite:
+                where = (
+                    f" (non-finite loss on rank {', '.join(map(str, result.nonfinite_ranks))})"
+                    if result.nonfinite_ranks and self.env.world_size > 1
+                    else ""
+                )
                 raise NonFiniteError(
                     f"step {s.step}: {s.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
-                    f"norm (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the learning "
-                    f"rate or check the data; the last checkpoint is intact."
+                    f"norm{where} (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the "
+                    f"learning rate or check the data; the last checkpoint is intact."
                 )
         else:
             s.nonfinite_in_a_row = 0
+
+    SPIKE_WARMUP = 20  # finite steps before the running mean is trusted
+    SPIKE_DECAY = 0.95  # EMA decay: the mean follows the last ~20 steps
+
+    def _watch_spikes(self, result, bar) -> None:
+        """A step whose loss exceeds cfg.spike_factor x the running mean of the previous steps' losses is
+        logged as a "spike" record (and shown above the progress bar); training goes on."""
+        s, factor = self.state, self.cfg.spike_factor
+        if result.skipped:
+            return
+        if factor > 0 and s.loss_steps >= self.SPIKE_WARMUP and result.loss > factor * s.loss_mean:
+            record = {"kind": "spike", "step": s.step, "loss": result.loss, "running_mean": s.loss_mean}
+            self.metrics.write(record | {"factor": factor})
+            if bar is not None:
+                bar.write(
+                    f"step {s.step}: loss {result.loss:.4g} is {result.loss / s.loss_mean:.1f}x the running "
+                    f"mean {s.loss_mean:.4g} (spike_factor {factor})"
+                )
+        d = self.SPIKE_DECAY if s.loss_steps else 0.0
+        s.loss_mean = d * s.loss_mean + (1 - d) * result.loss
+        s.loss_steps += 1
 
     def _log_train(self, result, rate: float) -> None:
         record = {

@@ -38,6 +38,7 @@ class StepResult:
     grad_norm: float  # before clipping
     targets: int
     skipped: bool
+    nonfinite_ranks: tuple[int, ...] = ()  # ranks whose own loss was not finite (skipped steps)
 
 
 class Collectives(Protocol):
@@ -46,8 +47,8 @@ class Collectives(Protocol):
     def sum(self, value: float) -> float:
         """The value summed over processes."""
 
-    def any(self, flag: bool) -> bool:
-        """True on every process if it is true on one."""
+    def ranks_where(self, flag: bool) -> tuple[int, ...]:
+        """The ranks on which `flag` is true, the same tuple on every process."""
 
     def all_reduce(self, t: Tensor) -> None:
         """Sum `t` in place over processes."""
@@ -70,8 +71,8 @@ class LocalCollectives:
     def sum(self, value: float) -> float:
         return value
 
-    def any(self, flag: bool) -> bool:
-        return flag
+    def ranks_where(self, flag: bool) -> tuple[int, ...]:
+        return (0,) if flag else ()
 
     def all_reduce(self, t: Tensor) -> None:
         pass
@@ -135,12 +136,18 @@ def train_step(
         loss.backward()
         loss_sum += task_loss.item()
         aux_sum += float(aux.detach())
+    # the guard runs before optimizer.step(): clip_grad_norm_ of an inf gradient returns inf and turns
+    # the gradients into NaN, which must never reach the weights. The decision is the same on every rank
+    # (a rank's own loss tells where a non-finite value came from; the global norm catches the rest).
+    bad_ranks = comm.ranks_where(not (math.isfinite(loss_sum) and math.isfinite(aux_sum)))
     loss_sum, aux_sum = comm.sum(loss_sum), comm.sum(aux_sum) / comm.loss_scale  # aux: mean over ranks
     grad_norm = comm.grad_norm([p for p in model.parameters() if p.grad is not None], grad_clip)
-    skipped = comm.any(not (math.isfinite(loss_sum) and math.isfinite(grad_norm)))
+    skipped = bool(bad_ranks) or not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step()
         update_expert_biases(model, all_reduce=comm.all_reduce)
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return StepResult(loss_sum / total, aux_sum, grad_norm, total, skipped)
+    with warnings.catch_warnings():  # a skipped first step: the schedule still counts it, on purpose
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
+    return StepResult(loss_sum / total, aux_sum, grad_norm, total, skipped, bad_ranks)

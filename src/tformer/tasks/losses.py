@@ -1,0 +1,32 @@
+"""The loss every task minimises: summed cross-entropy over the targets that count.
+
+Targets are checked on the host first (`check_targets`): an id outside the model's outputs gets a
+ValueError naming it, where torch's cross-entropy says only "Target 64 is out of bounds" on the CPU
+and asserts on a GPU. Positions holding IGNORE_INDEX add nothing; a batch where every target is
+ignored sums to 0 over 0 targets (the trainer divides by max(1, count), so its loss is 0, not NaN).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from tformer.data.datasets import IGNORE_INDEX
+from tformer.model.checks import check_targets
+
+
+def cross_entropy_sum(
+    logits: Tensor, targets: Tensor, label_smoothing: float = 0.0, name: str = "targets"
+) -> tuple[Tensor, int]:
+    """(sum of the cross-entropy over the targets that are not IGNORE_INDEX, their count).
+
+    logits (..., C) and targets (...) of the same leading shape; computed in fp32."""
+    check_targets(targets, logits.shape[-1], name, ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
+    return loss, int((targets != IGNORE_INDEX).sum())
