@@ -93,8 +93,8 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 
 def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
-    """A2, A3, A8: save at step 4 and resume in a new process group gives bit-identical losses and
-    weights (DDP dense with a sync save; EP+FSDP2 MoE with dropout and an async save); a 1-process DCP
+    """A2, A3, A8, B8: save at step 4 and resume in a new process group gives bit-identical losses, grad
+    norms and weights (DDP and FSDP2, dense and MoE, sync and async saves, dropout on); a 1-process DCP
     checkpoint loads into 2 ranks and a 2-rank one into 1 process with identical model + optimizer."""
     sys.path.insert(0, str(HERE))
     from worker import lm_config
@@ -114,7 +114,12 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     assert is_dcp_checkpoint(tmp_path / "one_proc" / "checkpoints" / "step_000004")
 
     first, resumed = launch("resume1", tmp_path), launch("resume2", tmp_path)
-    for name in ("ddp_dense_sync", "ep_fsdp_moe_async"):
+    for rank, r in enumerate(first):  # B8: ranks asked to save different steps
+        assert r["disagree"]["written"] == []
+        assert r["disagree"]["error"].startswith(
+            f"ranks disagree on the checkpoint step (this rank {5 + rank}"
+        )
+    for name in ("ddp_dense_sync", "fsdp_dense_async", "ddp_moe_sync", "ep_fsdp_moe_async"):
         assert len(resumed[0][name]["losses_a"]) == 8
         assert resumed[0][name]["losses_a"] == resumed[0][name]["losses_b"], name
         for a, b in zip(first, resumed):  # every rank's weights (its shards) at step 8

@@ -311,16 +311,22 @@ def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
 
 def losses(run_dir: Path) -> list[str]:
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [float(r["loss"]).hex() for r in records if r["kind"] == "train"]
+    return [
+        f"{float(r['loss']).hex()} {float(r['grad_norm']).hex()}" for r in records if r["kind"] == "train"
+    ]
 
 
-VARIANTS = ("ddp_dense_sync", "ep_fsdp_moe_async")
+VARIANTS = ("ddp_dense_sync", "fsdp_dense_async", "ddp_moe_sync", "ep_fsdp_moe_async")
 
 
 def variant(name: str, corpus: Path):
     moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01, bias_update_rate=0.01)
     if name == "ddp_dense_sync":
         return lm_config(corpus, data="ddp")
+    if name == "fsdp_dense_async":
+        return lm_config(corpus, data="fsdp", async_save=True)
+    if name == "ddp_moe_sync":
+        return lm_config(corpus, data="ddp", moe=moe)
     return lm_config(corpus, data="fsdp", experts="shard", async_save=True, moe=moe)
 
 
@@ -333,6 +339,29 @@ def resume1(env, out_dir: Path, out: dict) -> None:
     # 1 -> 2: the pytest side saved a 1-process DCP checkpoint at step 4; resume it on 2 ranks (EP+FSDP2)
     cfg = variant("ep_fsdp_moe_async", corpus).replace(steps=5)  # and train one step on
     run(cfg, out_dir / "one_proc", resume=True, dump=out_dir / "from_one.safetensors")
+    out["disagree"] = step_disagreement(env, out_dir / "disagree")
+
+
+def step_disagreement(env, run_dir: Path) -> dict:
+    """B8: rank r asks to save step 5 + r: every rank raises before anything is written."""
+    from tformer.distributed.checkpoint import DCPCheckpointer
+    from tformer.train.checkpoint import CheckpointError
+
+    torch.manual_seed(0)
+    model = build_model(moe_model_cfg().replace(moe=None))
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpointer = DCPCheckpointer(env, 0)
+    try:
+        checkpointer.save(run_dir, 5 + env.rank, model, opt, sched, {}, {}, None)
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    env.barrier()
+    written = sorted(p.name for p in run_dir.rglob("*")) if run_dir.exists() else []
+    checkpointer.close()
+    del model, opt, sched, checkpointer
+    return {"error": error, "written": written}
 
 
 def copy_run(src: Path, dst: Path, step_dir: str) -> None:

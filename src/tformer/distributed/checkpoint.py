@@ -178,6 +178,7 @@ class DCPCheckpointer:
     # ------------------------------------------------------------------ save
     def save(self, run_dir: Path, step: int, model, optimizer, scheduler, trainer_state, meta, keep_last):
         self.wait()
+        self._agree_on_step(step)
         root = Path(run_dir) / CHECKPOINTS_DIR
         final = root / step_dir_name(step)
         if final.exists():
@@ -212,6 +213,20 @@ class DCPCheckpointer:
             _dcp_call("save", tmp, dcp.save, state, checkpoint_id=tmp, process_group=self.group)
             self._commit(tmp, final, step, keep_last)
         return final
+
+    def _agree_on_step(self, step: int) -> None:
+        """Every rank must save the same step: checked (one all-reduce) before anything is written, so
+        ranks that drifted apart raise the same error instead of writing a mixed checkpoint or hanging."""
+        if self.group is None:
+            return
+        t = torch.tensor([step, -step], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        highest, lowest = int(t[0]), -int(t[1])
+        if highest != lowest:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint step (this rank {step}, others from {lowest} to {highest}); "
+                "nothing was written"
+            )
 
     def wait(self) -> None:
         """Finish the async save in flight, if any, and commit it (call before the next save / exit)."""
