@@ -146,6 +146,36 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     assert "lower max_new_tokens" in capsys.readouterr().err
 
 
+def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
+    long_prompt = " ".join(["to be"] * 100)
+    argv = [
+        "generate",
+        "--run",
+        str(trained_run),
+        "--prompt",
+        long_prompt,
+        "--max-new-tokens",
+        "8",
+        "--greedy",
+    ]
+    assert main([*argv, "--truncate-prompt", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "warning: prompt 1 is longer than the context allows (64 tokens with max_new_tokens=8): only its last 56"
+        in err
+    )
+    assert out.startswith(long_prompt) and "Traceback" not in err
+
+
+def test_truncate_prompts_keeps_the_tail() -> None:
+    from tformer.generate.engine import truncate_prompts
+
+    kept, cut = truncate_prompts([[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=6, max_seq_len=9)
+    assert kept == [[3, 4, 5], [6, 7]] and cut == [0]
+    with pytest.raises(ValueError, match="max_new_tokens=9 leaves no room"):
+        truncate_prompts([[1]], max_new_tokens=9, max_seq_len=9)
+
+
 def test_corrupt_checkpoint_is_one_line_and_keeps_files(trained_run: Path, capsys, tmp_path: Path) -> None:
     import shutil
 

@@ -334,6 +334,24 @@ def test_pickle_payload_is_rejected(tmp_path):
     assert not target.exists()
 
 
+class LegacyArgs:
+    """Stands for the training-arguments object old scripts pickled next to their weights."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_trusted_legacy_pickle_needs_the_opt_in(tmp_path, trained):
+    model = trained[0]
+    torch.save({"model": model.state_dict(), "args": LegacyArgs(3e-4)}, tmp_path / "legacy.pt")
+    with pytest.raises(CheckpointError, match="refused.*pass trust_pickle=True"):
+        load_weights(TinyLM(), tmp_path / "legacy.pt", key="model")
+    fresh = TinyLM()
+    with pytest.warns(UserWarning, match="trust_pickle=True"):
+        load_weights(fresh, tmp_path / "legacy.pt", key="model", trust_pickle=True)
+    assert same(params(fresh), params(model))
+
+
 def test_plain_torch_weights_import(tmp_path, trained):
     model = trained[0]
     torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ok.pt")

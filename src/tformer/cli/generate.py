@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.generate.engine import generate, truncate_at_stop
+from tformer.generate.engine import generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
 
@@ -45,6 +45,16 @@ def run(args: argparse.Namespace) -> int:
     run_ = load_run(args.run)
     tok = run_.tokenizer
     encoded = [tok.encode(p) for p in prompts]
+    if args.truncate_prompt:
+        context = run_.model.cfg.max_seq_len
+        encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)
+        for i in cut:
+            print(
+                f"tformer generate: warning: prompt {i + 1} is longer than the context allows "
+                f"({context} tokens with max_new_tokens={sampling.max_new_tokens}): only its last "
+                f"{len(encoded[i])} tokens are used",
+                file=sys.stderr,
+            )
     stream = args.stream and len(prompts) == 1 and not sampling.stop_strings
     printed: list[int] = []
 

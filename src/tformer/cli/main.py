@@ -52,6 +52,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
+    p.add_argument(
+        "--truncate-prompt",
+        action="store_true",
+        help="keep the last tokens of a prompt longer than the context allows (with a warning) instead of "
+        "stopping with an error",
+    )
 
 
 @register(

@@ -47,6 +47,21 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq
         )
 
 
+def truncate_prompts(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int
+) -> tuple[list[list[int]], list[int]]:
+    """(prompts cut to their last max_seq_len - max_new_tokens tokens, indices of those that were cut):
+    the opt-in alternative to check_prompts' error for prompts longer than the context allows."""
+    keep = max_seq_len - max_new_tokens
+    if keep < 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of "
+            f"{max_seq_len} tokens; lower it to at most {max_seq_len - 1}"
+        )
+    cut = [i for i, p in enumerate(prompts) if len(p) > keep]
+    return [list(p[-keep:]) if len(p) > keep else list(p) for p in prompts], cut
+
+
 @torch.inference_mode()  # no_grad without version counting: every small op of a decoding step is cheaper
 def generate(
     model: nn.Module,

@@ -270,11 +270,20 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     _fsync_dir(path.parent)
 
 
-def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> LoadResult:
-    """Import weights from a safetensors file (or a tensors-only .pt/.pth/.bin, see import_torch_weights)."""
+def load_weights(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    key: str | None = None,
+    trust_pickle: bool = False,
+) -> LoadResult:
+    """Import weights from a safetensors file (or a tensors-only .pt/.pth/.bin, see import_torch_weights,
+    which `key` and `trust_pickle` are passed to)."""
     path = Path(path)
     if path.suffix in (".pt", ".pth", ".bin"):
-        return load_state_dict_checked(model, import_torch_weights(path), strict=strict, source=str(path))
+        state = import_torch_weights(path, key=key, trust_pickle=trust_pickle)
+        return load_state_dict_checked(model, state, strict=strict, source=str(path))
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -284,19 +293,28 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     )
 
 
-def import_torch_weights(path: str | Path, *, key: str | None = None) -> dict[str, torch.Tensor]:
+def import_torch_weights(
+    path: str | Path, *, key: str | None = None, trust_pickle: bool = False
+) -> dict[str, torch.Tensor]:
     """Read a torch.save'd dict of tensors with torch.load(weights_only=True); anything else is refused.
 
     `key` picks a nested dict (e.g. "model" in {"model": state_dict, "step": 3}). Pickled objects other
-    than tensors and plain containers are rejected before they can run.
+    than tensors and plain containers are rejected before they can run. trust_pickle=True (opt-in, for a
+    legacy file you made yourself) unpickles everything, which runs whatever code the file names; the
+    weights must still be a dict of tensors.
     """
     path = Path(path)
+    if trust_pickle:
+        warnings.warn(
+            f"{path}: unpickling with trust_pickle=True (runs code the file contains)", stacklevel=2
+        )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as e:
         lines = [ln for ln in str(e).splitlines() if "Unsupported global" in ln] or [str(e).splitlines()[0]]
         raise CheckpointError(
-            f"{path}: refused, the file holds pickled objects, not only tensors ({lines[0].strip()})"
+            f"{path}: refused, the file holds pickled objects, not only tensors ({lines[0].strip()}); for a "
+            "legacy file from a source you trust, pass trust_pickle=True"
         ) from None
     except Exception as e:  # truncated zip, missing file, not a torch file: all one clean error
         raise CheckpointError(f"{path}: cannot be read as torch weights ({str(e).splitlines()[0]})") from None
