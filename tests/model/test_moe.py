@@ -423,6 +423,25 @@ def test_routing_stats_entropy_and_window() -> None:
     assert stats[""]["window_tokens"] == 12 and moe.router.window_tokens.sum() == 0
 
 
+def test_dead_experts_are_counted_over_the_whole_window() -> None:
+    """RELIABILITY E4: an expert is dead only if it got no token in any step since the last report."""
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+
+    def step(bias: list[float]) -> None:
+        with torch.no_grad():
+            moe.router.expert_bias.copy_(torch.tensor(bias))
+        moe(torch.randn(2, 8, 16))
+
+    step([10.0, 10.0, 0.0, 0.0])  # experts 0, 1
+    step([0.0, 0.0, 10.0, 10.0])  # experts 2, 3
+    stats = moe_routing_stats(moe)[""]
+    assert stats["dead_experts"] == [] and stats["window_tokens"] == 2 * 16 * 2
+    step([10.0, 10.0, 0.0, 0.0])
+    step([10.0, 0.0, 10.0, 0.0])
+    stats = moe_routing_stats(moe)[""]
+    assert stats["dead_experts"] == [3] and stats["window_tokens"] == 2 * 16 * 2
+
+
 # ----------------------------------------------------------------------------- sizes
 def test_total_and_active_params() -> None:
     cfg = tiny().replace(moe=MoEConfig(n_experts=8, top_k=2, first_dense=1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,3 +53,32 @@ def test_every_target_ignored_sums_to_zero_not_nan() -> None:
     assert (loss.item(), n) == (0.0, 0)
     loss.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_an_all_padding_pair_adds_nothing_to_the_translation_loss() -> None:
+    """RELIABILITY D6: a fully padded sample (source mask all False, every target ignored) gives finite
+    outputs and contributes 0: the batch's loss and gradients equal those of the real pair alone."""
+    from tformer.data.datasets import Seq2SeqBatch
+    from tformer.model import build_model
+    from tformer.presets import tiny
+    from tformer.tasks.translation import seq2seq_loss_sum
+
+    torch.manual_seed(0)
+    model = build_model(tiny("encoder_decoder"))
+    src = torch.tensor([[5, 6, 7, 2], [0, 0, 0, 0]])
+    src_mask = src != 0
+    tgt_in = torch.tensor([[1, 8, 9], [0, 0, 0]])
+    tgt_out = torch.tensor([[8, 9, 2], [IGNORE_INDEX] * 3])
+    both = Seq2SeqBatch(src, src_mask, tgt_in, tgt_out, tgt_out != IGNORE_INDEX)
+    one = Seq2SeqBatch(*(t[:1] for t in both))
+    losses, grads = [], []
+    for batch in (both, one):
+        model.zero_grad()
+        loss, n = seq2seq_loss_sum(model, batch)
+        loss.backward()
+        losses.append((loss.item(), n))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert math.isfinite(losses[0][0]) and losses[0][1] == losses[1][1] == 3
+    assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)  # batched sums: rounding only
+    assert torch.isfinite(model(src, tgt_in, src_mask, None)).all()

@@ -291,3 +291,30 @@ def test_distributed_checkpoint_without_its_index_is_skipped_and_refused(
     resumed = Trainer(cfg.replace(steps=3), tmp_path / "d", make_task("lm"), resume=True, progress=False)
     assert resumed.state.step == 1
     resumed.close()
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+def test_moe_aux_loss_is_logged_and_part_of_the_objective(
+    corpus_dir: Path, tmp_path: Path, coef: float
+) -> None:
+    """RELIABILITY E9: coefficient 0 -> the aux term is exactly 0; > 0 -> finite, logged, and it alone
+    moves the router (the task loss is zeroed here)."""
+    from tformer.config import MoEConfig
+
+    base = small_config(corpus_dir)
+    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=coef, bias_update_rate=0.0)
+    cfg = base.replace(model=base.model.replace(moe=moe, dropout=0.0), steps=2, eval_every=2, save_every=2)
+    Trainer(cfg, tmp_path / "m", make_task("lm"), progress=False).fit()
+    records = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["aux_loss"] for r in records if r["kind"] == "train"]
+    assert len(aux) == 2 and all(math.isfinite(a) for a in aux)
+    assert all(a == 0.0 for a in aux) if coef == 0 else all(a > 0 for a in aux)
+
+    trainer = Trainer(cfg, tmp_path / "z", make_task("lm"), progress=False)
+
+    def no_task_loss(model, batch):
+        loss, n = trainer.task.loss(model, batch)
+        return loss * 0, n
+
+    r = one_step(trainer, no_task_loss)  # the only gradient left is the aux loss's
+    assert (r.grad_norm > 0) == (coef > 0), r.grad_norm
