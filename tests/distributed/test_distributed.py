@@ -155,6 +155,16 @@ def test_failing_rank_fails_fast() -> None:
     assert time.monotonic() - start < 45  # the collective timeout is 60 s
 
 
+def test_repeated_launches_exit_cleanly(tmp_path: Path) -> None:
+    """F2: 20 launches of a short EP + FSDP2 job with an async DCP save: every one exits 0 and no worker
+    aborts at exit (`terminate called ...`: objects outliving the process group)."""
+    for i in range(20):
+        proc = torchrun(str(HERE / "repeat.py"), str(tmp_path / f"launch{i}"), timeout=120)
+        assert proc.returncode == 0, f"launch {i}: " + proc.stderr[-4000:]
+        assert "terminate called" not in proc.stderr, f"launch {i}: " + proc.stderr[-4000:]
+        assert is_dcp_checkpoint(tmp_path / f"launch{i}" / "checkpoints" / "step_000001")
+
+
 def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     """`torchrun -m tformer train` with FSDP2: exit 0, one metrics file written once (rank 0), DCP
     checkpoints, the report."""
