@@ -30,18 +30,26 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def launch(scenario: str, out: Path, timeout: float = 240) -> list[dict]:
-    proc = torchrun(str(HERE / "worker.py"), scenario, str(out), timeout=timeout)
+def launch(scenario: str, out: Path, timeout: float = 240, nproc: int = 2) -> list[dict]:
+    proc = torchrun(str(HERE / "worker.py"), scenario, str(out), timeout=timeout, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "terminate called" not in proc.stderr  # every worker released its objects before exiting
-    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +87,30 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
         }
 
 
+def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
+    """F1, C4 for tensor parallelism (2 ranks, one group): a GQA decoder LM's gradients, two clipped AdamW
+    steps (losses, pre-clip norms, weights) and an encoder-decoder's gradients vs one process."""
+    for r in launch("tensor", tmp_path):
+        d = r["decoder"]
+        assert d["sharded"] and d["clipped"] and d["targets"] == [16, 16]  # not doubled: one data rank
+        assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, d
+        assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, d
+        e = r["encoder_decoder"]
+        assert e["sharded"] and e["grad_diff"] <= 1e-6, e
+
+
+def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> None:
+    """F1 on a 2-D mesh: 4 ranks, tensor parallel in pairs, FSDP2 over the two pairs, each pair on its
+    part of the batch: gradients, two clipped steps and weights vs one process on the whole batch."""
+    results = launch("tensor2d", tmp_path, nproc=4)
+    assert [r["fsdp_tp"]["data_rank"] for r in results] == [0, 0, 1, 1]
+    for r in results:
+        d = r["fsdp_tp"]
+        assert d["mesh"] == [2, 2] and d["clipped"], d
+        assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, d
+        assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, d
+
+
 def full_state(trainer) -> dict[str, torch.Tensor]:
     options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=options)
@@ -94,7 +126,7 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     """A2, A3, A8, B8: save at step 4 and resume in a new process group gives bit-identical losses, grad
-    norms and weights (DDP and FSDP2, dense and MoE, sync and async saves, dropout on); a 1-process DCP
+    norms and weights (DDP, FSDP2 and tensor parallel, dense and MoE, sync and async saves, dropout on); a 1-process DCP
     checkpoint loads into 2 ranks and a 2-rank one into 1 process with identical model + optimizer."""
     sys.path.insert(0, str(HERE))
     from worker import lm_config
@@ -119,12 +151,16 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert r["disagree"]["error"].startswith(
             f"ranks disagree on the checkpoint step (this rank {5 + rank}"
         )
-    for name in ("ddp_dense_sync", "fsdp_dense_async", "ddp_moe_sync", "ep_fsdp_moe_async"):
+    for name in ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async"):
         assert len(resumed[0][name]["losses_a"]) == 8
         assert resumed[0][name]["losses_a"] == resumed[0][name]["losses_b"], name
         for a, b in zip(first, resumed):  # every rank's weights (its shards) at step 8
             assert a[name]["param_sums"] == b[name]["param_sums"], name
     assert_same_state(load_file(tmp_path / "from_one.safetensors"), saved_one)  # 1 -> 2
+    tp = load_run(tmp_path / "tp_dense_sync_a")  # a tensor-parallel DCP run opened in one process
+    assert tp.step == 8
+    sums = [float(p.detach().double().sum()).hex() for p in tp.model.parameters()]
+    assert sums == first[0]["tp_dense_sync"]["param_sums"]
 
     cfg = lm_config(corpus, moe=moe).replace(steps=5)
     two = Trainer(cfg, tmp_path / "ep_fsdp_moe_async_two_proc", make_task("lm"), resume=True, progress=False)

@@ -70,6 +70,39 @@ def test_plan_and_config() -> None:
     assert rescale_loader_state({"epoch": 1, "index_in_epoch": 3, "seed": 0}, 2, 1)["index_in_epoch"] == 6
 
 
+def test_tensor_parallel_plan_and_its_limits() -> None:
+    from tformer.distributed.parallelize import check_tensor_parallel
+
+    plan = make_plan(ParallelConfig(tensor=2), 2)
+    assert plan.tensor == 2 and plan.data == "none"  # one tensor-parallel group: no data parallelism
+    names = {
+        "blocks.0.attn.q_proj": "colwise",
+        "decoder.blocks.1.cross_attn.v_proj": "colwise",
+        "encoder.blocks.0.attn.o_proj": "rowwise",
+        "blocks.2.ffn.gate_proj": "colwise",
+        "blocks.2.ffn.up_proj": "colwise",
+        "blocks.2.ffn.down_proj": "rowwise",
+        "lm_head": None,
+        "blocks.2.ffn.experts": None,
+        "blocks.0.attn": None,
+    }
+    assert {n: plan.tp_style(n) for n in names} == names
+    assert make_plan(ParallelConfig(tensor=2, data="fsdp"), 4).data == "fsdp"
+    with pytest.raises(ConfigError, match="needs parallel.data='fsdp'"):
+        make_plan(ParallelConfig(tensor=2, data="ddp"), 4)
+    with pytest.raises(ConfigError, match="must divide the world size 3"):
+        make_plan(ParallelConfig(tensor=2), 3)
+    with pytest.raises(ConfigError, match="does not combine with experts='shard'"):
+        ParallelConfig(tensor=2, experts="shard")
+    with pytest.raises(ConfigError, match="tensor"):
+        ParallelConfig(tensor=0)
+    with pytest.raises(ConfigError, match="MoE layers are not split"):
+        check_tensor_parallel(moe_model(), 2)
+    with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):
+        check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=2, d_ff=64)), 4)
+    check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64)), 2)
+
+
 def test_dcp_round_trip_in_one_process(tmp_path) -> None:
     """A DCP checkpoint written by one process restores model, optimizer, scheduler, RNG and the MoE
     counters exactly (the format distributed runs write; here without a process group)."""

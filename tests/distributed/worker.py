@@ -270,6 +270,120 @@ def nan_agreement(env, cfg, ocfg) -> dict:
             "global_window_tokens": window, "nonfinite_ranks": list(r.nonfinite_ranks)}  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------- tensor parallel
+def tensor(env, out_dir: Path, out: dict) -> None:
+    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
+    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients)."""
+    from tformer.distributed.env import ProcessGroup
+    from tformer.tasks.translation import seq2seq_loss_sum
+
+    tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
+    plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
+    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
+    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build_model(cfg))
+    ref, model = models
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    q = model.blocks[0].attn.q_proj.weight
+    ref_args = step_args(ref, make_optimizer(ref, ocfg))
+    args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
+    batch0 = global_batch(1, 0)
+    for m in (ref, model):
+        loss, n = lm_loss_sum(m, batch0)
+        (loss / n).backward()
+    grad_diff = max_diff(model, ref, set(), "grad")
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    results = []
+    for step in range(2):
+        for a in (ref_args, args):
+            a[2] = [global_batch(1, step)]
+        results.append((train_step(*ref_args), train_step(*args)))
+    out["decoder"] = {
+        "sharded": isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32),
+        "grad_diff": grad_diff,
+        "param_diff": max_diff(model, ref, set(), "param"),
+        "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
+        "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
+        "clipped": results[0][0].grad_norm > 0.05,
+        "targets": [b.targets for _, b in results],
+    }
+    del par, model, ref, args, ref_args
+    ecfg = tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build_model(ecfg))
+    ref, model = models
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    src, tgt = torch.randint(3, 64, (4, 9), generator=g), torch.randint(3, 64, (4, 7), generator=g)
+    src_mask = torch.ones_like(src, dtype=torch.bool)
+    src_mask[1, 6:] = False
+    from tformer.data.datasets import Seq2SeqBatch
+
+    batch = Seq2SeqBatch(
+        src, src_mask, tgt[:, :-1], tgt[:, 1:], torch.ones_like(tgt[:, 1:], dtype=torch.bool)
+    )
+    for m in (ref, par.model):
+        loss, n = seq2seq_loss_sum(m, batch)
+        (loss / n).backward()
+    out["encoder_decoder"] = {
+        "sharded": isinstance(model.decoder.blocks[0].cross_attn.k_proj.weight, DTensor),
+        "grad_diff": max_diff(model, ref, set(), "grad"),
+    }
+    del par, model, ref
+    gc.collect()
+
+
+def tensor2d(env, out_dir: Path, out: dict) -> None:
+    """4 ranks as a (2 data x 2 tensor) mesh, FSDP2 over the data dimension: each data rank takes its
+    part of the batch; gradients, two clipped AdamW steps and the weights vs one process on the union."""
+    from tformer.distributed.env import ProcessGroup
+
+    tp_env = ProcessGroup(owns_group=False, tensor=2)
+    plan = make_plan(ParallelConfig(tensor=2, data="fsdp"), env.world_size)
+    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
+    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build_model(cfg))
+    ref, model = models
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    dp = tp_env.data_world_size
+    ref_args = step_args(ref, make_optimizer(ref, ocfg))
+    args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
+    batch0 = global_batch(dp, 0)
+    loss, n = lm_loss_sum(ref, batch0)
+    (loss / n).backward()
+    loss, n = lm_loss_sum(par.model, rank_part(batch0, tp_env.data_rank))
+    (loss * dp / batch0.targets.numel()).backward()
+    grad_diff = max_diff(model, ref, set(), "grad")
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    results = []
+    for step in range(2):
+        ref_args[2] = [global_batch(dp, step)]
+        args[2] = [rank_part(global_batch(dp, step), tp_env.data_rank)]
+        results.append((train_step(*ref_args), train_step(*args)))
+    q = model.blocks[0].attn.q_proj.weight
+    out["fsdp_tp"] = {
+        "mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
+        "data_rank": tp_env.data_rank,
+        "grad_diff": grad_diff,
+        "param_diff": max_diff(model, ref, set(), "param"),
+        "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
+        "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
+        "clipped": results[0][0].grad_norm > 0.05,
+    }
+    del par, model, ref, args, ref_args
+    gc.collect()
+
+
 # ------------------------------------------------------------------------------------- resume
 def lm_config(corpus: Path, **parallel):
     from tformer.train.config import DataConfig, OptimConfig
@@ -316,7 +430,7 @@ def losses(run_dir: Path) -> list[str]:
     ]
 
 
-VARIANTS = ("ddp_dense_sync", "fsdp_dense_async", "ddp_moe_sync", "ep_fsdp_moe_async")
+VARIANTS = ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async")
 
 
 def variant(name: str, corpus: Path):
@@ -325,6 +439,8 @@ def variant(name: str, corpus: Path):
         return lm_config(corpus, data="ddp")
     if name == "fsdp_dense_async":
         return lm_config(corpus, data="fsdp", async_save=True)
+    if name == "tp_dense_sync":
+        return lm_config(corpus, tensor=2)
     if name == "ddp_moe_sync":
         return lm_config(corpus, data="ddp", moe=moe)
     return lm_config(corpus, data="fsdp", experts="shard", async_save=True, moe=moe)
@@ -404,7 +520,14 @@ def main() -> int:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     env = init_distributed(ParallelConfig(timeout_s=60), "cpu")  # one process group per launch
     out: dict = {}
-    {"parity": parity, "resume1": resume1, "resume2": resume2}[scenario](env, out_dir, out)
+    scenarios = {
+        "parity": parity,
+        "tensor": tensor,
+        "tensor2d": tensor2d,
+        "resume1": resume1,
+        "resume2": resume2,
+    }
+    scenarios[scenario](env, out_dir, out)
     env.barrier()
     env.shutdown()
     (out_dir / f"{scenario}.rank{env.rank}.json").write_text(json.dumps(out, indent=1))

@@ -193,6 +193,7 @@ class DCPCheckpointer:
             trainer = {
                 "step": step,
                 "world_size": self.env.world_size,
+                "data_world_size": self.env.data_world_size,  # world_size / tensor-parallel degree
                 "scheduler": scheduler.state_dict(),
                 "optim_extra": extra,
                 "trainer_state": trainer_state,
@@ -294,13 +295,17 @@ class DCPCheckpointer:
         _dcp_call("load", path, set_state_dict, model, optimizer, model_state_dict=model_state,
                   optim_state_dict=optim_state, options=OPTIONS)  # fmt: skip
         scheduler.load_state_dict(scheduler_state)
-        if own["rng"] is not None:
+        saved_data_world = int(trainer.get("data_world_size", saved_world))
+        same_tensor = saved_world // saved_data_world == self.env.world_size // self.env.data_world_size
+        if own["rng"] is not None and same_tensor:
             restore_rng_state(own["rng"])
-        else:  # a rank the saving run did not have: a fresh stream of its own
-            torch.manual_seed(rank_seed(self.seed * 1_000_003 + int(trainer["step"]), self.env.rank))
+        else:  # a rank the saving run did not have, or new tensor-parallel groups: fresh per-data-rank streams
+            torch.manual_seed(rank_seed(self.seed * 1_000_003 + int(trainer["step"]), self.env.data_rank))
         state = trainer["trainer_state"]
-        if saved_world != self.env.world_size and "loader" in state:
-            state["loader"] = rescale_loader_state(state["loader"], saved_world, self.env.world_size)
+        if saved_data_world != self.env.data_world_size and "loader" in state:
+            state["loader"] = rescale_loader_state(
+                state["loader"], saved_data_world, self.env.data_world_size
+            )
         return state
 
     def _rank_state(self, reader: _Reader, saved_world: int, local: dict[str, torch.Tensor]) -> dict:

@@ -42,6 +42,9 @@ class Local:
     """World size 1: no process group. Every collective is the identity."""
 
     rank, local_rank, world_size, is_main = 0, 0, 1, True
+    # the data-parallel coordinates: ranks of one tensor-parallel group share a data rank (same batches,
+    # same dropout stream); without tensor parallelism they are rank and world_size
+    data_rank, data_world_size = 0, 1
 
     def device(self, name: str) -> torch.device:
         return resolve_device(name)
@@ -67,11 +70,17 @@ class Local:
 class ProcessGroup(Local):
     """Several processes on the default process group (gloo on CPU, nccl on CUDA)."""
 
-    def __init__(self, owns_group: bool) -> None:
+    def __init__(self, owns_group: bool, tensor: int = 1) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.is_main = self.rank == 0
         self.owns_group = owns_group
+        if self.world_size % tensor:
+            raise ValueError(
+                f"parallel.tensor={tensor} must divide the world size {self.world_size} (the number of processes)"
+            )
+        # the device mesh is (data, tensor), row-major: ranks r*T .. r*T + T-1 form tensor-parallel group r
+        self.data_rank, self.data_world_size = self.rank // tensor, self.world_size // tensor
 
     def device(self, name: str) -> torch.device:
         device = resolve_device(name, self.local_rank)
@@ -80,8 +89,9 @@ class ProcessGroup(Local):
         return device
 
     def seed_rank(self, seed: int) -> None:
-        """Different dropout / jitter streams per rank (the model was initialised identically before)."""
-        torch.manual_seed(rank_seed(seed, self.rank))
+        """Different dropout / jitter streams per data rank (the model was initialised identically before);
+        the ranks of one tensor-parallel group hold the same activations, so they draw the same stream."""
+        torch.manual_seed(rank_seed(seed, self.data_rank))
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
@@ -111,7 +121,7 @@ def world_size_from_env() -> int:
 def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     """`Local()` for one process; else join the default process group (creating it if needed)."""
     if dist.is_available() and dist.is_initialized():
-        return ProcessGroup(owns_group=False) if dist.get_world_size() > 1 else Local()
+        return ProcessGroup(False, parallel.tensor) if dist.get_world_size() > 1 else Local()
     if world_size_from_env() <= 1:
         return Local()
     backend = parallel.backend
@@ -120,7 +130,7 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     if backend == "nccl":  # bind this process to its GPU before NCCL sees it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))
-    return ProcessGroup(owns_group=True)
+    return ProcessGroup(True, parallel.tensor)
 
 
 # ---------------------------------------------------------------------------- per-rank roles
@@ -138,9 +148,10 @@ class NullMetrics:
 
 
 def train_loader(task, cfg, env: Local):
-    """The task's training batches; under torchrun each rank takes every W-th batch of one list."""
-    if env.world_size == 1:
+    """The task's training batches; under torchrun each data rank takes every W-th batch of one list (the
+    ranks of a tensor-parallel group read the same batches)."""
+    if env.data_world_size == 1:
         return task.train_loader(cfg)
     if "world_size" not in inspect.signature(task.train_loader).parameters:
         raise ValueError(f"task {cfg.task!r} cannot split its batches over ranks yet (run it in one process)")
-    return task.train_loader(cfg, rank=env.rank, world_size=env.world_size)
+    return task.train_loader(cfg, rank=env.data_rank, world_size=env.data_world_size)

@@ -1,11 +1,13 @@
-"""Apply a ParallelPlan to a built model: expert parallelism, then DDP or FSDP2; and the collectives
-one training step needs at that world size.
+"""Apply a ParallelPlan to a built model: tensor or expert parallelism, then DDP or FSDP2; and the
+collectives one training step needs at that world size.
 
 Gradient convention (the same at every world size): each rank's task loss is scaled by W / (global
 target count), DDP and FSDP2 average over the W ranks, so every gradient is that of the summed loss
 of all ranks' targets over their count, the gradient a single process would get on the union of the
 ranks' batches. Expert-parallel weights get their gradient summed over ranks by the all-to-all's
-backward, so a hook divides it by W.
+backward, so a hook divides it by W. With tensor parallelism of degree T the ranks form a
+(W / T, T) mesh: the T ranks of a group see the same batch and compute one model between them, so W
+above becomes the data-parallel size W / T (targets and losses are summed over the data dimension).
 """
 
 from __future__ import annotations
@@ -25,21 +27,25 @@ from tformer.distributed.env import Local
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.plans import ParallelPlan
 from tformer.model.moe import moe_layers, moe_routing_stats
+from tformer.schema import ConfigError
 from tformer.train.step import LOCAL, Collectives
 
 
 class ProcessCollectives:
     """Collectives of one step over the default process group."""
 
-    def __init__(self, env: Local, device: torch.device, rank_local: set[int]) -> None:
+    def __init__(self, env: Local, device: torch.device, rank_local: set[int], data_group=None) -> None:
         self.env, self.device, self.rank_local = env, device, rank_local
-        self.loss_scale = float(env.world_size)
+        self.data_group = data_group  # sums over the data-parallel ranks (None: all ranks)
+        self.loss_scale = float(env.data_world_size)
 
     def sum(self, value: float) -> float:
+        if self.env.data_world_size == 1:  # one tensor-parallel group: every rank holds the whole sum
+            return value
         t = torch.tensor(
             value, dtype=torch.float64 if isinstance(value, float) else torch.int64, device=self.device
         )
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.data_group)
         return t.item()
 
     def ranks_where(self, flag: bool) -> tuple[int, ...]:
@@ -52,20 +58,23 @@ class ProcessCollectives:
         dist.all_reduce(t)
 
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
-        """Global L2 norm over replicated (DDP), sharded (FSDP2 DTensor) and expert-parallel gradients,
-        with one all-reduce; then clip every gradient by the same factor. (torch's clip_grad_norm_
-        cannot mix DTensor and plain-tensor parameters.)"""
+        """Global L2 norm over replicated (DDP, tensor-parallel groups), sharded (FSDP2 / tensor-parallel
+        DTensor) and expert-parallel gradients, with one all-reduce; then clip every gradient by the same
+        factor. (torch's clip_grad_norm_ cannot mix DTensor and plain-tensor parameters.) Each gradient
+        element is counted once: a DTensor's local square sum is divided by the number of ranks holding
+        the same piece (its replicated mesh dimensions, and the ranks outside its mesh)."""
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             g = p.grad
             if isinstance(g, DTensor):
-                is_shard = any(placement.is_shard() for placement in g.placements)
-                g = g.to_local()
-            else:
-                is_shard = id(p) in self.rank_local
+                copies = self.env.world_size // g.device_mesh.size()
+                for dim, placement in enumerate(g.placements):
+                    copies *= g.device_mesh.size(dim) if placement.is_replicate() else 1
+                sharded += g.to_local().detach().double().square().sum() / copies
+                continue
             sq = g.detach().double().square().sum()
-            if is_shard:
+            if id(p) in self.rank_local:
                 sharded += sq
             else:
                 replicated += sq
@@ -97,6 +106,8 @@ class Parallelized:
 
 def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.device) -> Parallelized:
     """Apply `plan` to `model` in place; return the module to call and the step's collectives."""
+    if plan.tensor > 1:
+        return parallelize_tensor(model, plan, env, device)
     if plan.data == "none":
         return Parallelized(model)
     rank_local: dict[str, nn.Parameter] = {}
@@ -114,6 +125,48 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
     mesh = init_device_mesh(device.type, (env.world_size,))
     apply_fsdp(model, plan, mesh, set(rank_local.values()))
     return Parallelized(model, comm, mesh, rank_local)
+
+
+def parallelize_tensor(
+    model: nn.Module, plan: ParallelPlan, env: Local, device: torch.device
+) -> Parallelized:
+    """Tensor parallelism over groups of plan.tensor ranks, then FSDP2 over the data dimension (if any)."""
+    check_tensor_parallel(model, plan.tensor)
+    mesh = init_device_mesh(
+        device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
+    )
+    apply_tensor_parallel(model, plan, mesh["tensor"])
+    data_group = None
+    if plan.data == "fsdp":
+        apply_fsdp(model, plan, mesh["data"], set())
+        data_group = mesh["data"].get_group()
+    return Parallelized(model, ProcessCollectives(env, device, set(), data_group), mesh)
+
+
+def check_tensor_parallel(model: nn.Module, degree: int) -> None:
+    """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split (yet)."""
+    if any(True for _ in moe_layers(model)):
+        raise ConfigError(f"parallel.tensor={degree}: MoE layers are not split by tensor parallelism yet")
+    cfg = model.cfg
+    for name, value in (
+        ("model.n_heads", cfg.n_heads),
+        ("model.n_kv_heads", cfg.resolved_n_kv_heads),
+        ("model.d_ff", cfg.d_ff),
+    ):
+        if value % degree:
+            raise ConfigError(f"parallel.tensor={degree} must divide {name}={value}")
+
+
+def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> None:
+    """Column-split q/k/v and the FFN's input layers, row-split o and the FFN's output layer (activations
+    between them stay local to each rank; one all-reduce after each pair)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layout = {name: styles[style]() for name, _ in model.named_modules() if (style := plan.tp_style(name))}
+    if not layout:
+        raise ConfigError("parallel.tensor > 1, but the model has no layer that tensor parallelism splits")
+    parallelize_module(model, mesh, layout)
 
 
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:

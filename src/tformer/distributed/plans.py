@@ -6,6 +6,9 @@ The model code stays single-device. A plan names module paths and buffers; `para
                 unit (`fully_shard`), the root takes what is left (embeddings, final norm, head)
   expert_parallel  split every MoE layer's experts over all ranks (tformer.distributed.expert_parallel)
   param_dtype   FSDP2 mixed precision: the dtype units compute in (None: the parameters' own)
+  tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" (Megatron:
+                q/k/v and the FFN's input layers split by output features, o and the FFN's output layer
+                by input features, so a block needs one all-reduce after attention and one after the FFN)
 Rank-local state (never averaged, never broadcast, saved per rank): buffers named by RANK_LOCAL.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.schema import ConfigError
 from tformer.train.config import ParallelConfig
 
 # every transformer block (decoder, encoder, encoder-decoder stacks) is one FSDP2 unit
@@ -26,6 +30,14 @@ RANK_LOCAL: tuple[str, ...] = ("router.tokens_per_expert", "router.window_tokens
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
+# tensor parallelism: which linear layers are split, and how (self- and cross-attention, dense FFNs)
+TP_STYLES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(attn|cross_attn)\.(q_proj|k_proj|v_proj)$", "colwise"),
+    (r"(^|\.)(attn|cross_attn)\.o_proj$", "rowwise"),
+    (r"(^|\.)ffn\.(gate_proj|up_proj)$", "colwise"),
+    (r"(^|\.)ffn\.down_proj$", "rowwise"),
+)
+
 
 @dataclass(frozen=True)
 class ParallelPlan:
@@ -34,20 +46,38 @@ class ParallelPlan:
     fsdp_units: tuple[str, ...] = FSDP_UNITS
     param_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
+    tensor: int = 1
+    tp_styles: tuple[tuple[str, str], ...] = TP_STYLES
 
     def is_fsdp_unit(self, module_name: str) -> bool:
         return any(re.search(pattern, module_name) for pattern in self.fsdp_units)
+
+    def tp_style(self, module_name: str) -> str | None:
+        return next((style for pattern, style in self.tp_styles if re.search(pattern, module_name)), None)
 
 
 def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
     """The plan for a ParallelConfig at a world size (nothing to do for one process)."""
     if world_size == 1:
         return ParallelPlan()
+    if world_size % cfg.tensor:
+        raise ConfigError(f"parallel.tensor={cfg.tensor} must divide the world size {world_size}")
+    data = cfg.data
+    if cfg.tensor > 1:
+        if world_size // cfg.tensor == 1:
+            data = "none"  # every rank is in the one tensor-parallel group: no data parallelism
+        elif data != "fsdp":
+            raise ConfigError(
+                f"parallel.tensor={cfg.tensor} with {world_size // cfg.tensor} data-parallel groups needs "
+                "parallel.data='fsdp' (FSDP2 over the data dimension of the mesh; DDP does not take "
+                "tensor-parallel parameters)"
+            )
     return ParallelPlan(
-        data=cfg.data,
+        data=data,
         expert_parallel=cfg.experts == "shard",
         param_dtype=DTYPES[cfg.param_dtype],
         reshard_after_forward=cfg.reshard_after_forward,
+        tensor=cfg.tensor,
     )
 
 

@@ -114,13 +114,15 @@ class Attention(nn.Module):
         self.kernel = ATTENTION_KERNELS[cfg.attn_kernel](cfg.attn_dropout, self.n_heads // self.n_kv_heads)
 
     def split_heads(self, x: Tensor, n: int) -> Tensor:
+        """(B, T, n*E) -> (B, n, T, E); n is read from the width, so a tensor-parallel rank holding
+        n / T of the heads (its column slice of the projection) splits its own share."""
         b, t, _ = x.shape
-        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (B, n, T, E)
+        return x.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n, T, E)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
         y = self.kernel(q, k, v, mask)  # (B, H, T, E)
-        b, _, t, _ = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, D)
+        b, h, t, e = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))  # (B, T, D)
 
 
 class SelfAttention(Attention):

@@ -35,7 +35,9 @@ def stacked_linear(
 ) -> tuple[Tensor, ...]:
     """(linear(x) for linear in linears); one GEMM over the stacked weights when x has >= min_rows rows
     (default FUSE_MIN_ROWS, read at call time)."""
-    if x.numel() < (FUSE_MIN_ROWS if min_rows is None else min_rows) * x.shape[-1]:
+    if x.numel() < (FUSE_MIN_ROWS if min_rows is None else min_rows) * x.shape[-1] or not all(
+        type(linear.weight) is nn.Parameter for linear in linears
+    ):  # few rows, or weights that are not plain tensors (tensor-parallel shards): the separate layers
         return tuple(linear(x) for linear in linears)
     weight = torch.cat([linear.weight for linear in linears])  # (sum D_out_i, D_in)
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])

@@ -97,6 +97,9 @@ class ParallelConfig(Config):
     checkpoint: "auto" (single-process safetensors format at world size 1, DCP above), "safetensors"
         (world size 1 only) or "dcp" (torch.distributed.checkpoint, loadable at any world size).
     async_save: DCP saves continue in a background thread while training goes on.
+    tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
+        `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism
+        (FSDP2 when world / T > 1) runs over the first dimension. Dense models only; 1 = off.
     backend: process-group backend; "auto" = nccl with CUDA, gloo on CPU.
     timeout_s: how long a collective may wait for a peer before the job fails.
     """
@@ -109,9 +112,13 @@ class ParallelConfig(Config):
     async_save: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: int = 600
+    tensor: int = 1
 
     def check(self) -> None:
         self._require(self.timeout_s >= 1, "timeout_s", "must be >= 1")
+        self._require(self.tensor >= 1, "tensor", "must be >= 1 (1 = no tensor parallelism)")
+        if self.tensor > 1:
+            self._require(self.experts == "replicate", "tensor", "does not combine with experts='shard' yet")
         if self.param_dtype != "float32":
             self._require(self.data == "fsdp", "param_dtype", "needs data='fsdp' (FSDP2 mixed precision)")
 
