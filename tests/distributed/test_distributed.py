@@ -151,6 +151,8 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert r["disagree"]["error"].startswith(
             f"ranks disagree on the checkpoint step (this rank {5 + rank}"
         )
+    # a tensor-parallel group's ranks draw one dropout stream: their replicated weights stay bit-equal
+    assert first[0]["tp_dense_sync"]["param_sums"] == first[1]["tp_dense_sync"]["param_sums"]
     for name in ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async"):
         assert len(resumed[0][name]["losses_a"]) == 8
         assert resumed[0][name]["losses_a"] == resumed[0][name]["losses_b"], name
@@ -227,6 +229,39 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
     assert json.loads((out / "report.json").read_text())["step"] == 2
+
+
+def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, capsys) -> None:
+    """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with FSDP2 over the pairs:
+    exit 0, metrics once, a DCP checkpoint that `tformer eval` opens in one process."""
+    out = tmp_path / "run"
+    sets = [
+        f"data.corpus=text:{corpus}",
+        "data.vocab_size=300",
+        "data.seq_len=32",
+        "model.max_seq_len=32",
+        "steps=2",
+        "batch_size=2",
+        "eval_every=2",
+        "eval_batches=1",
+        "save_every=2",
+        "log_every=1",
+        "optim.fused=false",
+        "parallel.data=fsdp",
+        "parallel.tensor=2",
+    ]
+    args = ["-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
+    proc = torchrun(*args, *[a for s in sets for a in ("--set", s)], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "terminate called" not in proc.stderr
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert train[-1]["tokens_seen"] == 2 * 2 * 2 * 32  # 2 steps x 2 data ranks x batch 2 x 32 tokens
+    assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(out), "--max-batches", "1", "--json"]) == 0
+    assert "eval_loss" in json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("task", ["translation", "classification"])

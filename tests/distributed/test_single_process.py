@@ -96,6 +96,12 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         ParallelConfig(tensor=2, experts="shard")
     with pytest.raises(ConfigError, match="tensor"):
         ParallelConfig(tensor=0)
+    with pytest.raises(ConfigError, match="param_dtype=bfloat16 is FSDP2 mixed precision"):
+        make_plan(ParallelConfig(tensor=2, data="fsdp", param_dtype="bfloat16"), 2)
+    with pytest.raises(ConfigError, match="attention dropout is not supported"):
+        check_tensor_parallel(
+            build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64, attn_dropout=0.1)), 2
+        )
     with pytest.raises(ConfigError, match="MoE layers are not split"):
         check_tensor_parallel(moe_model(), 2)
     with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):

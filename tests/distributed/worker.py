@@ -273,14 +273,18 @@ def nan_agreement(env, cfg, ocfg) -> dict:
 # ------------------------------------------------------------------------------------- tensor parallel
 def tensor(env, out_dir: Path, out: dict) -> None:
     """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
-    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients)."""
+    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients). Every
+    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0): the sharded layers must refuse it."""
     from tformer.distributed.env import ProcessGroup
+    from tformer.model import linear
     from tformer.tasks.translation import seq2seq_loss_sum
+
+    linear.FUSE_MIN_ROWS = 0
 
     tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
     plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
     ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
-    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
+    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, bias=True)
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -336,6 +340,7 @@ def tensor(env, out_dir: Path, out: dict) -> None:
         "grad_diff": max_diff(model, ref, set(), "grad"),
     }
     del par, model, ref
+    linear.FUSE_MIN_ROWS = 1024
     gc.collect()
 
 

@@ -43,8 +43,10 @@ def test_target_outside_the_outputs_is_named(bad: int) -> None:
 def test_class_labels_are_checked_too() -> None:
     with pytest.raises(ValueError, match=r"labels contains id 5 at \(batch 2\); allowed ids are 0\.\.4"):
         cross_entropy_sum(torch.zeros(3, 5), torch.tensor([0, 4, 5]), name="labels")
-    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+    with pytest.raises(TypeError, match="labels must be a torch.long tensor"):
         cross_entropy_sum(torch.zeros(3, 5), torch.tensor([0.0, 1.0, 2.0]), name="labels")
+    with pytest.raises(TypeError, match="got dtype torch.int32"):  # -100 and cross-entropy need int64
+        cross_entropy_sum(torch.zeros(3, 5), torch.tensor([0, 1, 2], dtype=torch.int32), name="labels")
 
 
 def test_every_target_ignored_sums_to_zero_not_nan() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from tformer.schema import ConfigError
 from tformer.train.config import ParallelConfig
 
 
@@ -76,7 +77,7 @@ class ProcessGroup(Local):
         self.is_main = self.rank == 0
         self.owns_group = owns_group
         if self.world_size % tensor:
-            raise ValueError(
+            raise ConfigError(
                 f"parallel.tensor={tensor} must divide the world size {self.world_size} (the number of processes)"
             )
         # the device mesh is (data, tensor), row-major: ranks r*T .. r*T + T-1 form tensor-parallel group r

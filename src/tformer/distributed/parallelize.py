@@ -148,6 +148,11 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     if any(True for _ in moe_layers(model)):
         raise ConfigError(f"parallel.tensor={degree}: MoE layers are not split by tensor parallelism yet")
     cfg = model.cfg
+    if cfg.attn_dropout > 0:  # the ranks of a group share one RNG stream: their heads would drop alike
+        raise ConfigError(
+            f"parallel.tensor={degree} with model.attn_dropout={cfg.attn_dropout}: attention dropout is not "
+            "supported with tensor parallelism yet (set model.attn_dropout=0; residual dropout is fine)"
+        )
     for name, value in (
         ("model.n_heads", cfg.n_heads),
         ("model.n_kv_heads", cfg.resolved_n_kv_heads),

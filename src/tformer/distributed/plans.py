@@ -65,6 +65,12 @@ def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
     data = cfg.data
     if cfg.tensor > 1:
         if world_size // cfg.tensor == 1:
+            if cfg.param_dtype != "float32":
+                raise ConfigError(
+                    f"parallel.param_dtype={cfg.param_dtype} is FSDP2 mixed precision over the data dimension, "
+                    f"which parallel.tensor={cfg.tensor} on {world_size} processes leaves empty; use bf16 "
+                    "autocast (dtype=bfloat16) instead"
+                )
             data = "none"  # every rank is in the one tensor-parallel group: no data parallelism
         elif data != "fsdp":
             raise ConfigError(

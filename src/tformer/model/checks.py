@@ -39,18 +39,12 @@ def check_targets(
 ) -> Tensor:
     """targets: integer class ids in [0, n_classes), or ignore_index (checked before the loss: torch's
     cross-entropy says only "Target 64 is out of bounds" on the CPU and asserts on a GPU)."""
-    if targets.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must be an integer tensor (torch.long), got dtype {targets.dtype}")
-    if targets.numel() == 0:
-        return targets
-    valid = targets if ignore_index is None else targets[targets != ignore_index]
-    if valid.numel() == 0:
-        return targets
-    lo, hi = torch.aminmax(valid)
-    if lo.item() < 0 or hi.item() >= n_classes:
-        bad_mask = (targets < 0) | (targets >= n_classes)
-        if ignore_index is not None:
-            bad_mask &= targets != ignore_index
+    if targets.dtype != torch.long:  # cross-entropy takes int64 class ids (and -100 needs a signed type)
+        raise TypeError(f"{name} must be a torch.long tensor of class ids, got dtype {targets.dtype}")
+    bad_mask = (targets < 0) | (targets >= n_classes)
+    if ignore_index is not None:
+        bad_mask &= targets != ignore_index
+    if bool(bad_mask.any()):  # one host sync; the rest only on the error path
         bad = bad_mask.nonzero()[0].tolist()
         where = ", ".join(f"{axis} {i}" for axis, i in zip(("batch", "position"), bad))
         also = f" or {ignore_index} (ignored)" if ignore_index is not None else ""

@@ -245,7 +245,12 @@ class Trainer:
         s, factor = self.state, self.cfg.spike_factor
         if result.skipped:
             return
-        if factor > 0 and s.loss_steps >= self.SPIKE_WARMUP and result.loss > factor * s.loss_mean:
+        if (
+            factor > 0
+            and s.loss_steps >= self.SPIKE_WARMUP
+            and s.loss_mean > 0
+            and result.loss > factor * s.loss_mean
+        ):
             record = {"kind": "spike", "step": s.step, "loss": result.loss, "running_mean": s.loss_mean}
             self.metrics.write(record | {"factor": factor})
             if bar is not None:

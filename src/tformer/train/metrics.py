@@ -23,9 +23,11 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None and "step" in record:
+            kind = record.get("kind")  # skip / spike records get tags of their own, off the loss curve
+            prefix = "" if kind in ("train", "eval", None) else f"{kind}/"
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, record["step"])
+                    self.tb.add_scalar(prefix + key, value, record["step"])
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records written after the checkpoint's step (they will be written again)."""
