@@ -318,3 +318,26 @@ def test_moe_aux_loss_is_logged_and_part_of_the_objective(
 
     r = one_step(trainer, no_task_loss)  # the only gradient left is the aux loss's
     assert (r.grad_norm > 0) == (coef > 0), r.grad_norm
+
+
+def test_distributed_checkpoint_retention_keeps_the_newest(corpus_dir: Path, tmp_path: Path) -> None:
+    """B4 for the DCP format: keep_last=2 after 5 saves leaves the 2 newest committed directories."""
+    from tformer.train.checkpoint import list_checkpoints
+    from tformer.train.config import ParallelConfig
+
+    cfg = small_config(
+        corpus_dir,
+        steps=5,
+        save_every=1,
+        eval_every=5,
+        keep_last=2,
+        parallel=ParallelConfig(checkpoint="dcp"),
+    )
+    Trainer(cfg, tmp_path / "k", make_task("lm"), progress=False).fit()
+    kept = list_checkpoints(tmp_path / "k")
+    assert [p.name for p in kept] == ["step_000004", "step_000005"]
+    assert all((p / ".metadata").is_file() for p in kept)
+    assert sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir()) == [
+        "step_000004",
+        "step_000005",
+    ]
