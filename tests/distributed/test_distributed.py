@@ -208,26 +208,20 @@ def test_repeated_launches_exit_cleanly(tmp_path: Path) -> None:
         assert is_dcp_checkpoint(tmp_path / f"launch{i}" / "checkpoints" / "step_000001")
 
 
+def torchrun_train(out: Path, corpus: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun -m tformer train --preset tiny-lm`, 2 short steps on the test corpus, plus `extra` sets."""
+    sets = [f"data.corpus=text:{corpus}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=32",
+            "steps=2", "batch_size=2", "eval_every=2", "eval_batches=1", "save_every=2", "log_every=1",
+            "optim.fused=false", *extra]  # fmt: skip
+    args = ["-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
+    return torchrun(*args, *[a for s in sets for a in ("--set", s)], nproc=nproc)
+
+
 def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     """`torchrun -m tformer train` with FSDP2: exit 0, one metrics file written once (rank 0), DCP
     checkpoints, the report."""
     out = tmp_path / "run"
-    sets = [
-        f"data.corpus=text:{corpus}",
-        "data.vocab_size=300",
-        "data.seq_len=32",
-        "model.max_seq_len=32",
-        "steps=2",
-        "batch_size=2",
-        "eval_every=2",
-        "eval_batches=1",
-        "save_every=2",
-        "log_every=1",
-        "optim.fused=false",
-        "parallel.data=fsdp",
-    ]
-    args = ["-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
-    proc = torchrun(*args, *[a for s in sets for a in ("--set", s)])
+    proc = torchrun_train(out, corpus, "parallel.data=fsdp")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("run directory:") == 1  # rank 0 prints
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -240,23 +234,7 @@ def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, cap
     """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with FSDP2 over the pairs:
     exit 0, metrics once, a DCP checkpoint that `tformer eval` opens in one process."""
     out = tmp_path / "run"
-    sets = [
-        f"data.corpus=text:{corpus}",
-        "data.vocab_size=300",
-        "data.seq_len=32",
-        "model.max_seq_len=32",
-        "steps=2",
-        "batch_size=2",
-        "eval_every=2",
-        "eval_batches=1",
-        "save_every=2",
-        "log_every=1",
-        "optim.fused=false",
-        "parallel.data=fsdp",
-        "parallel.tensor=2",
-    ]
-    args = ["-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
-    proc = torchrun(*args, *[a for s in sets for a in ("--set", s)], nproc=4)
+    proc = torchrun_train(out, corpus, "parallel.data=fsdp", "parallel.tensor=2", nproc=4)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "terminate called" not in proc.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

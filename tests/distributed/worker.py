@@ -23,6 +23,7 @@ import math
 import shutil
 import sys
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -271,43 +272,34 @@ def nan_agreement(env, cfg, ocfg) -> dict:
 
 
 # ------------------------------------------------------------------------------------- tensor parallel
-def tensor(env, out_dir: Path, out: dict) -> None:
-    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
-    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients). Every
-    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0): the sharded layers must refuse it."""
-    from tformer.distributed.env import ProcessGroup
-    from tformer.model import linear
-    from tformer.tasks.translation import seq2seq_loss_sum
-
-    linear.FUSE_MIN_ROWS = 0
-
-    tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
-    plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
-    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
-    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, bias=True)
+def twins(cfg) -> list:
+    """Two models from the same seed: the one-process reference and the one to parallelize."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
         models.append(build_model(cfg))
-    ref, model = models
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    q = model.blocks[0].attn.q_proj.weight
+    return models
+
+
+def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> dict:
+    """Gradients on batch 0, then two clipped AdamW steps, parallel vs reference. ref_batch(step): the
+    whole batch; own_batch(step): this rank's part, whose summed loss times own_scale is the gradient
+    of the whole batch's mean loss."""
+    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
     ref_args = step_args(ref, make_optimizer(ref, ocfg))
     args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
-    batch0 = global_batch(1, 0)
-    for m in (ref, model):
-        loss, n = lm_loss_sum(m, batch0)
-        (loss / n).backward()
+    loss, n = lm_loss_sum(ref, ref_batch(0))
+    (loss / n).backward()
+    loss, _ = lm_loss_sum(par.model, own_batch(0))
+    (loss * own_scale).backward()
     grad_diff = max_diff(model, ref, set(), "grad")
     ref.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     results = []
     for step in range(2):
-        for a in (ref_args, args):
-            a[2] = [global_batch(1, step)]
+        ref_args[2], args[2] = [ref_batch(step)], [own_batch(step)]
         results.append((train_step(*ref_args), train_step(*args)))
-    out["decoder"] = {
-        "sharded": isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32),
+    return {
         "grad_diff": grad_diff,
         "param_diff": max_diff(model, ref, set(), "param"),
         "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
@@ -315,20 +307,39 @@ def tensor(env, out_dir: Path, out: dict) -> None:
         "clipped": results[0][0].grad_norm > 0.05,
         "targets": [b.targets for _, b in results],
     }
-    del par, model, ref, args, ref_args
-    ecfg = tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(build_model(ecfg))
-    ref, model = models
+
+
+TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
+
+
+def tensor(env, out_dir: Path, out: dict) -> None:
+    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
+    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients). Every
+    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0): the sharded layers must refuse it."""
+    from tformer.data.datasets import Seq2SeqBatch
+    from tformer.distributed.env import ProcessGroup
+    from tformer.model import linear
+    from tformer.tasks.translation import seq2seq_loss_sum
+
+    linear.FUSE_MIN_ROWS = 0
+    tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
+    plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
+    ref, model = twins(tiny().replace(bias=True, **TP_CFG))
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    q = model.blocks[0].attn.q_proj.weight
+    whole = partial(global_batch, 1)
+    out["decoder"] = compare_steps(ref, model, par, whole, whole, 1 / whole(0).targets.numel())
+    out["decoder"]["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (
+        32 // env.world_size,
+        32,
+    )
+    del par, model, ref
+    ref, model = twins(tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
     src, tgt = torch.randint(3, 64, (4, 9), generator=g), torch.randint(3, 64, (4, 7), generator=g)
     src_mask = torch.ones_like(src, dtype=torch.bool)
     src_mask[1, 6:] = False
-    from tformer.data.datasets import Seq2SeqBatch
-
     batch = Seq2SeqBatch(
         src, src_mask, tgt[:, :-1], tgt[:, 1:], torch.ones_like(tgt[:, 1:], dtype=torch.bool)
     )
@@ -351,41 +362,22 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
 
     tp_env = ProcessGroup(owns_group=False, tensor=2)
     plan = make_plan(ParallelConfig(tensor=2, data="fsdp"), env.world_size)
-    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
-    cfg = tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(build_model(cfg))
-    ref, model = models
+    ref, model = twins(tiny().replace(**TP_CFG))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
     dp = tp_env.data_world_size
-    ref_args = step_args(ref, make_optimizer(ref, ocfg))
-    args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
-    batch0 = global_batch(dp, 0)
-    loss, n = lm_loss_sum(ref, batch0)
-    (loss / n).backward()
-    loss, n = lm_loss_sum(par.model, rank_part(batch0, tp_env.data_rank))
-    (loss * dp / batch0.targets.numel()).backward()
-    grad_diff = max_diff(model, ref, set(), "grad")
-    ref.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    results = []
-    for step in range(2):
-        ref_args[2] = [global_batch(dp, step)]
-        args[2] = [rank_part(global_batch(dp, step), tp_env.data_rank)]
-        results.append((train_step(*ref_args), train_step(*args)))
+    whole = partial(global_batch, dp)
+    out["fsdp_tp"] = compare_steps(
+        ref,
+        model,
+        par,
+        whole,
+        lambda step: rank_part(whole(step), tp_env.data_rank),
+        dp / whole(0).targets.numel(),
+    )
     q = model.blocks[0].attn.q_proj.weight
-    out["fsdp_tp"] = {
-        "mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
-        "data_rank": tp_env.data_rank,
-        "grad_diff": grad_diff,
-        "param_diff": max_diff(model, ref, set(), "param"),
-        "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
-        "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
-        "clipped": results[0][0].grad_norm > 0.05,
-    }
-    del par, model, ref, args, ref_args
+    out["fsdp_tp"] |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
+                       "data_rank": tp_env.data_rank}  # fmt: skip
+    del par, model, ref
     gc.collect()
 
 
