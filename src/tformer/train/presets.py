@@ -117,26 +117,28 @@ def translation() -> TrainConfig:
     """German -> English on the trans-de-en sentence pairs, about 30 minutes on 2 quiet CPU cores.
 
     Joint 4k BPE (small data wants a small vocabulary; it also keeps the output layer cheap), length-
-    bucketed batches of at most 2048 padded tokens (~110 pairs), label smoothing 0.1 (as in the paper),
-    AdamW with warm-up and cosine decay: 1400 steps of ~1,700 target tokens, about 14 epochs (30.5
-    minutes measured on 2 quiet cores, ~1,330 target tokens/s; test BLEU 4.6, see README).
+    bucketed batches of at most 1024 padded tokens (~55 pairs), label smoothing 0.1 (as in the paper),
+    AdamW with warm-up and cosine decay: 2800 steps of ~870 target tokens, about 14 epochs (29 min 54 s
+    measured on 2 quiet cores, ~1,380 target tokens/s; test BLEU 5.1 and 6.1 for seeds 0 and 1, see
+    README). Twice as many steps of half the batch as the first version of this preset (1400 x 2048
+    tokens): the same tokens, lower validation loss and higher test BLEU with both seeds.
     `--set data.direction=en-de` for the other direction.
     """
     return TrainConfig(
         task="translation",
         model=translation_model(),
         data=DataConfig(
-            corpus="trans-de-en", direction="de-en", vocab_size=4000, seq_len=64, max_tokens=2048
+            corpus="trans-de-en", direction="de-en", vocab_size=4000, seq_len=64, max_tokens=1024
         ),
         optim=OptimConfig(
-            lr=2e-3, beta2=0.98, weight_decay=0.1, warmup_steps=200, schedule="cosine", min_lr_ratio=0.05
+            lr=2e-3, beta2=0.98, weight_decay=0.1, warmup_steps=400, schedule="cosine", min_lr_ratio=0.05
         ),
-        steps=1400,
+        steps=2800,
         batch_size=64,
-        eval_every=350,
+        eval_every=700,
         eval_batches=20,
-        save_every=350,
-        log_every=25,
+        save_every=700,
+        log_every=50,
         label_smoothing=0.1,
         dtype="float32",
     )
