@@ -15,15 +15,13 @@ from tformer.train import checkpoint as ckpt
 from tformer.train.checkpoint import (
     CheckpointError,
     capture_rng_state,
-    import_torch_weights,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    load_weights,
     restore_rng_state,
     save_checkpoint,
-    save_weights,
 )
+from tformer.train.weights import import_torch_weights, load_weights, save_weights
 
 V, D = 16, 8
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class TrainState:
     best_eval: float = math.inf
     loss_mean: float = 0.0  # running mean (EMA) of the finite step losses, for the spike detector
     loss_steps: int = 0  # finite steps folded into loss_mean
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Trainer:
@@ -102,16 +101,7 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            trainer_state={
-                "step": s.step,
-                "tokens_seen": s.tokens_seen,
-                "skipped_steps": s.skipped_steps,
-                "nonfinite_in_a_row": s.nonfinite_in_a_row,
-                "best_eval": s.best_eval,
-                "loss_mean": s.loss_mean,
-                "loss_steps": s.loss_steps,
-                "loader": self.loader.state_dict(),
-            },
+            trainer_state={**asdict(s), "loader": self.loader.state_dict()},
             meta={
                 "train_config": self.cfg.replace(model=self.model_cfg).to_dict(),
                 "model_config": self.model_cfg.to_dict(),
@@ -125,15 +115,8 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
-        self.state = TrainState(
-            t["step"],
-            t["tokens_seen"],
-            t["skipped_steps"],
-            t["nonfinite_in_a_row"],
-            t["best_eval"],
-            t.get("loss_mean", 0.0),  # checkpoints written before the spike detector lack these two
-            t.get("loss_steps", 0),
-        )
+        # fields a checkpoint predates (e.g. the spike detector's) keep their defaults
+        self.state = TrainState(**{f.name: t[f.name] for f in fields(TrainState) if f.name in t})
         self.loader.load_state_dict(t["loader"])
         self.metrics.truncate_after(self.state.step)
         self._saved = (self.state.step, path)  # resuming a finished run must not save its step again
