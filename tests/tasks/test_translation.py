@@ -15,7 +15,7 @@ from tformer import build_model
 from tformer.cli.main import main
 from tformer.data import load_corpus
 from tformer.data.datasets import IGNORE_INDEX
-from tformer.eval.bleu import copy_baseline, score_translations
+from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import SearchConfig, sample_search
 from tformer.presets import tiny
 from tformer.runs import load_run
@@ -39,6 +39,14 @@ def test_bleu_and_chrf_of_identical_text_are_100() -> None:
     assert copy_baseline(refs, refs).bleu == pytest.approx(100.0)
     with pytest.raises(ValueError, match="hypotheses"):
         score_translations(refs[:1], refs)
+
+
+def test_chinese_references_are_scored_with_sacrebleus_zh_tokenizer() -> None:
+    assert [bleu_tokenizer(d) for d in ("en-zh", "zh-en", "de-en", "en-fr")] == ["zh", "13a", "13a", "13a"]
+    ref, hyp = ["点击此处打开宏管理器对话框。"], ["点击此处打开对话框。"]
+    zh, plain = score_translations(hyp, ref, "zh"), score_translations(hyp, ref)
+    assert "tok:zh" in zh.bleu_signature
+    assert plain.bleu == 0.0 < zh.bleu  # without word boundaries 13a sees one "word" per sentence
 
 
 # ----------------------------------------------------------------------------- learning
@@ -135,6 +143,20 @@ def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_pat
     assert "2 of 3 dictionary terms" in manifest["split_rule"]
     with pytest.raises(ConfigError, match="dictionary_terms"):
         DataConfig(corpus="shakespeare", dictionary_terms=10)
+
+
+def test_libreoffice_english_to_chinese_trains_and_scores_with_zh_bleu(tmp_path: Path, capsys) -> None:
+    out = str(tmp_path / "lo")
+    overrides = ["data.corpus=libreoffice", "data.direction=en-zh", "data.vocab_size=400", "steps=2"]
+    argv = ["train", "--preset", "tiny-translation", "--out", out, "--no-progress"]
+    assert main([*argv, *(x for o in overrides for x in ("--set", o))]) == 0
+    manifest = json.loads((tmp_path / "lo" / "data.json").read_text())
+    assert manifest["name"] == "libreoffice" and manifest["direction"] == "en-zh"
+    capsys.readouterr()
+    assert main(["eval", "--run", out, "--max-batches", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["data"] == "libreoffice en-zh test split" and result["sentences"] == 32
+    assert "tok:zh" in result["bleu_signature"]
 
 
 @pytest.fixture(scope="module")

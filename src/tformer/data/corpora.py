@@ -6,6 +6,7 @@ is what a run records). Parsed corpora are cached in-process, so repeated loads 
 
     corpus = load_corpus("shakespeare")          # LM: whole works held out
     corpus = load_corpus("trans-de-en", direction="en-de")
+    corpus = load_corpus("libreoffice", direction="en-fr")  # help pages + UI strings, EN <-> DE/FR/ZH
     corpus = load_corpus("bbc-news")             # classification, labels sorted
     corpus = load_corpus("text:notes/")          # the user's own text files
 """
@@ -412,16 +413,27 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
 
 # ---------------------------------------------------------------- registry
 
+
+def load_libreoffice(**options: Hashable) -> Corpus:
+    """LibreOffice help and UI strings, English to or from German, French or Chinese (see
+    tformer.data.libreoffice; imported on first use, it builds on this module)."""
+    from tformer.data.libreoffice import load_libreoffice as load
+
+    return load(**options)
+
+
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "shakespeare": load_shakespeare,
     "pydoc": load_pydoc,
     "trans-de-en": load_trans_de_en,
+    "libreoffice": load_libreoffice,
     "bbc-news": load_bbc_news,
 }
 CORPUS_TASKS = {
     "shakespeare": "lm",
     "pydoc": "lm",
     "trans-de-en": "translation",
+    "libreoffice": "translation",
     "bbc-news": "classification",
     "text": "lm",
 }

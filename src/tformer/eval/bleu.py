@@ -1,7 +1,7 @@
 """Corpus BLEU and chrF with sacrebleu's reference implementation, plus the copy-the-source baseline.
 
-Scores are on detokenized text, as sacrebleu intends: BLEU with its default 13a tokenizer, mixed case,
-exponential smoothing; chrF with character 6-grams (chrF2). The signature strings say exactly which
+Scores are on detokenized text, as sacrebleu intends: BLEU with its default 13a tokenizer (its "zh"
+tokenizer for Chinese references, which have no spaces between words), mixed case, exponential smoothing; chrF with character 6-grams (chrF2). The signature strings say exactly which
 settings produced a number, so scores from different runs can be compared (or not).
 """
 
@@ -27,23 +27,32 @@ class TranslationScores:
         return asdict(self)
 
 
-def _metrics():
+def bleu_tokenizer(direction: str) -> str:
+    """sacrebleu's tokenizer for the target language of a direction such as "en-zh": "zh" for Chinese,
+    else "13a"."""
+    return "zh" if direction.rpartition("-")[2] == "zh" else "13a"
+
+
+def _metrics(tokenize: str):
     try:
         from sacrebleu.metrics import BLEU, CHRF
     except ImportError:
         raise MissingDataError(
             "sacrebleu (BLEU and chrF)", "python package 'sacrebleu'", SACREBLEU_INSTALL
         ) from None
-    return BLEU(), CHRF()
+    return BLEU(tokenize=tokenize), CHRF()
 
 
-def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> TranslationScores:
-    """Corpus-level BLEU and chrF of `hypotheses` against one reference each."""
+def score_translations(
+    hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
+) -> TranslationScores:
+    """Corpus-level BLEU (with sacrebleu's `tokenize`, see `bleu_tokenizer`) and chrF of `hypotheses`
+    against one reference each."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not references:
         raise ValueError("nothing to score: no references")
-    bleu, chrf = _metrics()
+    bleu, chrf = _metrics(tokenize)
     hyps, refs = list(hypotheses), [list(references)]
     return TranslationScores(
         bleu=bleu.corpus_score(hyps, refs).score,
@@ -54,7 +63,9 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
     )
 
 
-def copy_baseline(sources: Sequence[str], references: Sequence[str]) -> TranslationScores:
+def copy_baseline(
+    sources: Sequence[str], references: Sequence[str], tokenize: str = "13a"
+) -> TranslationScores:
     """The scores of a "translation" that copies the source unchanged: names, numbers and cognates
     already overlap, so this is the floor a trained model has to clear."""
-    return score_translations(sources, references)
+    return score_translations(sources, references, tokenize)

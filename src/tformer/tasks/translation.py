@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tformer.data.corpora import Corpus, Pair, corpus_task, load_corpus
 from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
-from tformer.eval.bleu import copy_baseline, score_translations
+from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
@@ -198,7 +198,7 @@ class TranslationTask:
         result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
         pairs = list(self.corpus[split])[: max_batches * self.cfg.batch_size]
         hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH)
-        scores = score_translations(hyps, [p.tgt for p in pairs])
+        scores = score_translations(hyps, [p.tgt for p in pairs], bleu_tokenizer(self.cfg.data.direction))
         return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
 
     def tokenizer_json(self) -> str:
@@ -273,7 +273,9 @@ def evaluate_run(
     hyps = [translator.tgt_tok.decode(h.tokens) for h in translator.hypotheses(sources, search_cfg)]
     seconds = time.perf_counter() - t0
     refs = [p.tgt for p in pairs]
-    scores, copy = score_translations(hyps, refs), copy_baseline([p.src for p in pairs], refs)
+    tokenize = bleu_tokenizer(cfg.data.direction)
+    scores = score_translations(hyps, refs, tokenize)
+    copy = copy_baseline([p.src for p in pairs], refs, tokenize)
     ds = Seq2SeqDataset.from_texts(
         pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
     )

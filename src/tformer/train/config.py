@@ -15,7 +15,8 @@ class DataConfig(Config):
     on the training split; seq_len: tokens per training sequence (LM) or max length (seq2seq: source and
     target; classification: tokens kept per text).
 
-    Translation: direction "en-de" / "de-en"; tokenizer "joint" (one BPE over both languages, shared
+    Translation: direction "en-de" / "de-en" (trans-de-en; libreoffice also "en-fr", "fr-en", "en-zh",
+    "zh-en"); tokenizer "joint" (one BPE over both languages, shared
     embeddings) or "separate" (one per side; src_vocab_size for the source, default vocab_size).
     max_tokens: length-bucketed batches of at most this many padded tokens instead of batch_size
     sequences (translation, classification). path: where the corpus files are when not where their
