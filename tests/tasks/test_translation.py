@@ -148,10 +148,12 @@ def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_pat
 def test_libreoffice_english_to_chinese_trains_and_scores_with_zh_bleu(tmp_path: Path, capsys) -> None:
     out = str(tmp_path / "lo")
     overrides = ["data.corpus=libreoffice", "data.direction=en-zh", "data.vocab_size=400", "steps=2"]
+    overrides.append("data.max_train_docs=500")
     argv = ["train", "--preset", "tiny-translation", "--out", out, "--no-progress"]
     assert main([*argv, *(x for o in overrides for x in ("--set", o))]) == 0
     manifest = json.loads((tmp_path / "lo" / "data.json").read_text())
     assert manifest["name"] == "libreoffice" and manifest["direction"] == "en-zh"
+    assert manifest["train_pairs_used"] == 500
     capsys.readouterr()
     assert main(["eval", "--run", out, "--max-batches", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -78,7 +78,7 @@ class Corpus:
     split_rule: str
     source: str
     labels: tuple[str, ...] = ()
-    direction: str = ""  # translation only: "en-de" or "de-en"
+    direction: str = ""  # translation only: "<source>-<target>", e.g. "de-en", "en-zh"
 
     def __post_init__(self) -> None:  # loaders cache corpora: make the split table read-only
         object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))

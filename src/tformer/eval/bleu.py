@@ -1,8 +1,9 @@
 """Corpus BLEU and chrF with sacrebleu's reference implementation, plus the copy-the-source baseline.
 
 Scores are on detokenized text, as sacrebleu intends: BLEU with its default 13a tokenizer (its "zh"
-tokenizer for Chinese references, which have no spaces between words), mixed case, exponential smoothing; chrF with character 6-grams (chrF2). The signature strings say exactly which
-settings produced a number, so scores from different runs can be compared (or not).
+tokenizer for Chinese references, which have no spaces between words), mixed case, exponential
+smoothing; chrF with character 6-grams (chrF2). The signature strings say exactly which settings
+produced a number, so scores from different runs can be compared (or not).
 """
 
 from __future__ import annotations
