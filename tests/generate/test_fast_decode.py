@@ -12,7 +12,7 @@ from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import linear as linear_module
 from tformer.model import moe as moe_module
-from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears
+from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears, stacked_linear
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.presets import llama_like
 
@@ -76,6 +76,28 @@ def test_few_rows_take_the_blocked_path_many_rows_f_linear(model) -> None:
     assert not any("forward" in m.__dict__ for m in linears(model))  # restored on exit
 
 
+def test_layers_reading_one_input_share_one_stacked_product_per_context(model) -> None:
+    attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
+    groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (ffn.gate_proj, ffn.up_proj)]
+    x = torch.randn(2, 1, 32)
+    with torch.no_grad():
+        slow = [tuple(layer(x) for layer in group) for group in groups]
+        with row_blocked_linears(model):
+            state = linear_module._DECODING.get()
+            fast = [stacked_linear(x, group) for group in groups]
+            again = [stacked_linear(x, group) for group in groups]
+            assert len(state.stacks) == 2  # built once per group and context
+            weight, bias, blocks = state.stacks[tuple(id(layer) for layer in groups[0])]
+            assert weight.shape == (32 + 16 + 16, 32) and bias.shape == (64,) and blocks == 4
+            assert stacked_linear(torch.randn(2, DECODE_MAX_ROWS, 32), groups[1])[0].shape == (2, 64, 64)
+        assert linear_module._DECODING.get() is None  # the copies go with the context
+    for got, repeat, want in zip(fast, again, slow):
+        assert [t.shape for t in got] == [t.shape for t in want]
+        for g, r, w in zip(got, repeat, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+            assert torch.equal(g, r)
+
+
 def test_block_count_divides_the_width_and_errors_restore() -> None:
     prime, six, twelve = nn.Linear(8, 7), nn.Linear(8, 6), nn.Linear(8, 12)
     wrapper = nn.Sequential(prime, six, twelve)
@@ -106,7 +128,7 @@ def test_generate_fast_equals_slow_twin(model, n_prompts: int, count_calls) -> N
     assert not calls
     fast = generate(model, prompts, cfg)
     assert fast == slow and all(len(row) == 24 for row in fast)
-    assert len(calls) >= 23 * 7 * 2  # every decoding step ran its 2 x 7 blocked layers
+    assert len(calls) >= 23 * 4 * 2  # every decoding step, 2 layers: stacked q/k/v, o, stacked gate/up, down
 
 
 def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:
