@@ -79,23 +79,46 @@ def test_few_rows_take_the_blocked_path_many_rows_f_linear(model) -> None:
 def test_layers_reading_one_input_share_one_stacked_product_per_context(model) -> None:
     attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
     groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (ffn.gate_proj, ffn.up_proj)]
-    x = torch.randn(2, 1, 32)
+    inputs = [torch.randn(2, 1, 32), torch.randn(2, DECODE_MAX_ROWS // 2, 32)]  # one step; 64 rows
     with torch.no_grad():
-        slow = [tuple(layer(x) for layer in group) for group in groups]
+        slow = [[tuple(layer(x) for layer in group) for group in groups] for x in inputs]
         with row_blocked_linears(model):
             state = linear_module._DECODING.get()
-            fast = [stacked_linear(x, group) for group in groups]
-            again = [stacked_linear(x, group) for group in groups]
-            assert len(state.stacks) == 2  # built once per group and context
-            weight, bias, blocks = state.stacks[tuple(id(layer) for layer in groups[0])]
+            fast = [[stacked_linear(x, group) for group in groups] for x in inputs]
+            keys = [tuple(id(layer) for layer in group) for group in groups]
+            assert set(state.stacks) == set(keys)  # one stack per group ...
+            built = [state.stacks[k][0] for k in keys]
+            stacked_linear(inputs[0], groups[0])
+            assert all(state.stacks[k][0] is w for k, w in zip(keys, built))  # ... built once
+            weight, bias, blocks, _ = state.stacks[keys[0]]
             assert weight.shape == (32 + 16 + 16, 32) and bias.shape == (64,) and blocks == 4
-            assert stacked_linear(torch.randn(2, DECODE_MAX_ROWS, 32), groups[1])[0].shape == (2, 64, 64)
-        assert linear_module._DECODING.get() is None  # the copies go with the context
-    for got, repeat, want in zip(fast, again, slow):
-        assert [t.shape for t in got] == [t.shape for t in want]
-        for g, r, w in zip(got, repeat, want):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-            assert torch.equal(g, r)
+            attn.k_proj.weight.add_(1.0)  # a weight changed in place: the stack is rebuilt
+            changed = stacked_linear(inputs[0], groups[0])[1]
+            torch.testing.assert_close(changed, attn.k_proj(inputs[0]), atol=1e-5, rtol=1e-5)
+            attn.k_proj.weight.sub_(1.0)
+            other = nn.Linear(32, 32), nn.Linear(32, 32)  # not this context's layers: the separate path
+            assert stacked_linear(inputs[0], other)[0].shape == (2, 1, 32) and len(state.stacks) == 2
+        assert linear_module._DECODING.get() is None and not state.stacks  # the copies go with the context
+    for got_x, want_x in zip(fast, slow):
+        for got, want in zip(got_x, want_x):
+            assert [t.shape for t in got] == [t.shape for t in want]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    with row_blocked_linears(model):  # under autograd: the separate layers, gradients reach them
+        stacked_linear(inputs[0], groups[0])[1].sum().backward()
+        assert not linear_module._DECODING.get().stacks and attn.k_proj.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_stacked_product_without_biases() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 8, bias=False), nn.Linear(16, 4, bias=False)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), row_blocked_linears(nn.Sequential(a, b), n_blocks=4):
+        got = stacked_linear(x, (a, b))
+        assert linear_module._DECODING.get().stacks[(id(a), id(b))][1] is None
+    torch.testing.assert_close(got[0], a(x).detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], b(x).detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_block_count_divides_the_width_and_errors_restore() -> None:
@@ -122,13 +145,18 @@ def test_small_layers_keep_f_linear_by_default(monkeypatch) -> None:
 @pytest.mark.parametrize("n_prompts", [1, 2])
 def test_generate_fast_equals_slow_twin(model, n_prompts: int, count_calls) -> None:
     calls = count_calls(linear_module, "row_blocked_linear")
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
     prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
     slow = generate(model, prompts, cfg, fast_decode=False)
-    assert not calls
+    assert not calls and len(forwards) == 24  # the prompt, then one step per token but the last
     fast = generate(model, prompts, cfg)
+    hook.remove()
     assert fast == slow and all(len(row) == 24 for row in fast)
-    assert len(calls) >= 23 * 4 * 2  # every decoding step, 2 layers: stacked q/k/v, o, stacked gate/up, down
+    assert (
+        len(calls) == 24 * 2 * 4
+    )  # each forward, each of 2 layers: q/k/v (stacked), o, gate/up (stacked), down
 
 
 def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:

@@ -79,7 +79,8 @@ def generate(
     on_step: called with the (B,) tokens of each step, for streaming.
     fast_decode: on the CPU, compute the linear layers' products of a few rows (each decoding step) as
         row-blocked products (`tformer.model.linear.row_blocked_linears`: 1.3-2.2x faster at 1 to 64
-        rows, nothing copied) and RMSNorm as one LayerNorm
+        rows; q/k/v and gate/up as one product each over their weights stacked once per call, a copy
+        held until the call returns) and RMSNorm as one LayerNorm
         (`tformer.model.norms.rms_norms_as_layer_norm`: fewer small ops per step).
         False: plain `F.linear` and `torch.rms_norm` throughout (the slow twins).
     """
@@ -107,7 +108,7 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list
     next_pos = real.sum(-1, keepdim=True)  # (B, 1)
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b  # host-side bookkeeping: one .tolist() per step instead of small tensor ops
-    for _ in range(sampling.max_new_tokens):
+    for step in range(sampling.max_new_tokens):
         if history is not None:
             logits = apply_repetition_penalty(
                 logits, history.clamp_min(0), sampling.repetition_penalty, mask=history >= 0
@@ -128,7 +129,7 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list
             if not finished:
                 row.append(tok)
         done = _finished(ids, done, out, eos_id, sampling.stop_strings, decode)
-        if all(done):
+        if all(done) or step == sampling.max_new_tokens - 1:  # no forward for a token never drawn
             break
         if history is not None:
             history = torch.cat([history, nxt[:, None]], dim=1)

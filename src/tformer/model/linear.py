@@ -14,8 +14,8 @@ experts' kernel, through `decoding_row_blocks`) compute x W^T as a batch of prod
 with x^T (`row_blocked_linear`), which CPU BLAS spreads over the cores and streams at about twice the
 rate of `F.linear` for one row. Layers that read the same input (q/k/v, gate/up) go through
 `stacked_linear`, which then runs one such product over their weights stacked once per context (a
-copy of those weights for the length of the context; 24 products per step instead of 48 in an
-8-layer SwiGLU model).
+copy of those weights for the length of the context; 32 products per step instead of 56 in the blocks
+of an 8-layer SwiGLU model).
 """
 
 from __future__ import annotations
@@ -38,14 +38,21 @@ def stacked_linear(
 ) -> tuple[Tensor, ...]:
     """(linear(x) for linear in linears); one GEMM over the stacked weights when x has >= min_rows rows
     (default FUSE_MIN_ROWS, read at call time). While `row_blocked_linears` is active, inputs of at
-    most its max_rows rows use one row-blocked product over weights stacked once for the context."""
+    most its max_rows rows use one row-blocked product over weights stacked once for the context
+    (without gradients: under autograd they take the separate layers)."""
     plain = all(type(linear.weight) is nn.Parameter for linear in linears)  # not tensor-parallel shards
     sizes = [linear.out_features for linear in linears]
     if x.numel() < (FUSE_MIN_ROWS if min_rows is None else min_rows) * x.shape[-1] or not plain:
         decoding = _DECODING.get()
-        if plain and decoding is not None and x.numel() <= decoding.max_rows * x.shape[-1]:
+        if (
+            plain
+            and decoding is not None
+            and x.numel() <= decoding.max_rows * x.shape[-1]
+            and not torch.is_grad_enabled()  # the stack is a copy: gradients would not reach the layers
+            and not torch.is_autocast_enabled("cpu")
+        ):
             stacked = decoding.stacked(linears)
-            if stacked is not None and not torch.is_autocast_enabled("cpu"):
+            if stacked is not None:
                 return row_blocked_linear(x, *stacked).split(sizes, dim=-1)
         return tuple(linear(x) for linear in linears)  # few rows: the separate layers
     weight = torch.cat([linear.weight for linear in linears])  # (sum D_out_i, D_in)
@@ -97,19 +104,30 @@ class _Decoding:
     max_rows: int
     n_blocks: int
     min_weight: int | None
-    stacks: dict = field(default_factory=dict, compare=False)  # id(linears) -> (weight, bias, blocks)
+    patched: dict = field(default_factory=dict, compare=False)  # id -> the nn.Linear this context patched
+    stacks: dict = field(default_factory=dict, compare=False)  # ids -> (weight, bias, blocks, versions)
 
     def stacked(self, linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None, int] | None:
-        """[W_1; W_2; ...] (and biases) of layers that read the same input, copied once per context, with
-        its row-block count; None where `row_blocks` prefers F.linear."""
+        """[W_1; W_2; ...] (and biases) of layers that read the same input, with its row-block count,
+        copied once per context and again only if a weight changes in place; None unless this context
+        patched every layer (so each is a CPU fp32 layer `row_blocks` accepts, its forward not someone
+        else's) and a block count divides the stacked width."""
+        if not all(self.patched.get(id(linear)) is linear for linear in linears):
+            return None
         key = tuple(id(linear) for linear in linears)
-        if key not in self.stacks:
+        params = [p for linear in linears for p in (linear.weight, linear.bias) if p is not None]
+        versions = tuple((p.data_ptr(), p._version) for p in params)
+        entry = self.stacks.get(key)
+        if entry is None or entry[3] != versions:
+            rows = sum(linear.out_features for linear in linears)
+            blocks = next((n for n in range(self.n_blocks, 1, -1) if rows % n == 0), None)
+            if blocks is None:
+                return None
             with torch.no_grad():
                 weight = torch.cat([linear.weight for linear in linears])  # (sum D_out_i, D_in)
                 bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
-            blocks = row_blocks(weight, self.n_blocks, self.min_weight)
-            self.stacks[key] = None if blocks is None else (weight, bias, blocks)
-        return self.stacks[key]
+            entry = self.stacks[key] = (weight, bias, blocks, versions)
+        return entry[:3]
 
 
 _DECODING: ContextVar[_Decoding | None] = ContextVar("tformer_row_blocked_decoding", default=None)
@@ -145,21 +163,25 @@ def row_blocked_linears(
     `min_weight` weights (default `DECODE_MIN_WEIGHT`, read at call time): there, and wherever the
     weights sit in the cache anyway, bmm's fixed cost of ~15 us a call outweighs the faster streaming
     (a d_model 64 model decoded 0.83x as fast with every layer blocked). The layers' own weights are
-    not copied; `stacked_linear` copies the weights of each group it is called with (q/k/v, gate/up)
-    into one stacked tensor, once per context, and frees them when the context ends.
+    not copied; without autograd, `stacked_linear` copies the weights of each group of patched layers
+    it is called with (q/k/v, gate/up) into one stacked tensor, once per context (again if a weight
+    changes in place), and frees them when the context ends: for a dense SwiGLU model that is about
+    60% of its matrix weights held twice for the length of the context.
 
     Why: one decoding step is a matrix-vector product per layer (a matrix-matrix product with a few
     rows at batch > 1), bound by reading the weights. For such shapes MKL runs `F.linear`'s
     x @ W^T on one core at ~5 GB/s here, and the batch of row-block products on both cores at ~11 GB/s
     (every layer shape of an 8-layer d_model 512 model, cold weights, 2 threads, this project's 2-core
     machine): the matrix products of one step of one sequence take 10 ms instead of 18; at 2 to 64 rows
-    the gain is 1.3-2.2x (docs/performance.md). Autograd works through it, but it is meant for inference.
+    the gain is 1.3-2.2x (docs/performance.md). Autograd works through the per-layer products (the
+    stacked ones are used only without it), but the context is meant for inference.
 
     The layers are patched in place (an instance `forward`), so use one such context per model at a time
     and from one thread; a layer whose `forward` is already patched is left alone.
     """
     patched: list[tuple[nn.Linear, partial]] = []
-    token = _DECODING.set(_Decoding(max_rows, n_blocks, min_weight))
+    decoding = _Decoding(max_rows, n_blocks, min_weight)
+    token = _DECODING.set(decoding)
     try:
         for m in model.modules():
             if type(m) is not nn.Linear or "forward" in m.__dict__:
@@ -169,9 +191,12 @@ def row_blocked_linears(
                 continue
             m.forward = partial(_decode_forward, m, max_rows, blocks)
             patched.append((m, m.forward))
+            decoding.patched[id(m)] = m
         yield
     finally:
         _DECODING.reset(token)
+        decoding.patched.clear()
+        decoding.stacks.clear()  # the copies go with the context (even where a task still holds it)
         for m, ours in patched:
             if m.__dict__.get("forward") is ours:  # only what this context set
                 del m.forward
