@@ -90,7 +90,7 @@ def test_layers_reading_one_input_share_one_stacked_product_per_context(model) -
             built = [state.stacks[k][0] for k in keys]
             stacked_linear(inputs[0], groups[0])
             assert all(state.stacks[k][0] is w for k, w in zip(keys, built))  # ... built once
-            weight, bias, blocks, _ = state.stacks[keys[0]]
+            weight, bias, blocks = state.stacks[keys[0]][:3]
             assert weight.shape == (32 + 16 + 16, 32) and bias.shape == (64,) and blocks == 4
             attn.k_proj.weight.add_(1.0)  # a weight changed in place: the stack is rebuilt
             changed = stacked_linear(inputs[0], groups[0])[1]

@@ -177,11 +177,12 @@ def groups(pairs: list[tuple[str, str, str]]) -> list[str]:
             x = parent[x]
         return x
 
-    for _, en, xx in pairs:
-        a, b = find("en:" + normalized(en)), find("xx:" + normalized(xx))
+    english = ["en:" + normalized(en) for _, en, _ in pairs]
+    for key, (_, _, xx) in zip(english, pairs):
+        a, b = find(key), find("xx:" + normalized(xx))
         if a != b:
             parent[max(a, b)] = min(a, b)
-    return [find("en:" + normalized(en)) for _, en, _ in pairs]
+    return [find(key) for key in english]
 
 
 def load_libreoffice(
