@@ -10,6 +10,7 @@ from torch import nn
 from tformer import MoEConfig, build_model
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
+from tformer.model import decode_step as decode_step_module
 from tformer.model import linear as linear_module
 from tformer.model import moe as moe_module
 from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears, stacked_linear
@@ -144,19 +145,21 @@ def test_small_layers_keep_f_linear_by_default(monkeypatch) -> None:
 
 @pytest.mark.parametrize("n_prompts", [1, 2])
 def test_generate_fast_equals_slow_twin(model, n_prompts: int, count_calls) -> None:
-    calls = count_calls(linear_module, "row_blocked_linear")
+    calls = count_calls(linear_module, "row_blocked_linear")  # the prompt's forward
+    step_calls = count_calls(decode_step_module, "row_blocked_linear")  # the flat decoding steps
     forwards = []
     hook = model.register_forward_hook(lambda *args: forwards.append(1))
     prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
     slow = generate(model, prompts, cfg, fast_decode=False)
-    assert not calls and len(forwards) == 24  # the prompt, then one step per token but the last
+    assert (
+        not calls and not step_calls and len(forwards) == 24
+    )  # the prompt, then a step per token but the last
     fast = generate(model, prompts, cfg)
     hook.remove()
     assert fast == slow and all(len(row) == 24 for row in fast)
-    assert (
-        len(calls) == 24 * 2 * 4
-    )  # each forward, each of 2 layers: q/k/v (stacked), o, gate/up (stacked), down
+    # the prompt and each of 23 steps, each of 2 layers: q/k/v (stacked), o, gate/up (stacked), down
+    assert len(calls) == 2 * 4 and len(step_calls) == 23 * 2 * 4
 
 
 def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:

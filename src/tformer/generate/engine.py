@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
+from tformer.model.decode_step import DecodeStep
 from tformer.model.linear import row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
 
@@ -89,10 +90,10 @@ def generate(
         if fast_decode:
             layout.enter_context(row_blocked_linears(model))
             layout.enter_context(rms_norms_as_layer_norm(model))
-        return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step)
+        return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode)
 
 
-def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list[list[int]]:
+def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode) -> list[list[int]]:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -103,6 +104,7 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list
     key_padding = real if padded else None
     cache = model.new_cache(length + sampling.max_new_tokens)
     logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+    step_fn = DecodeStep.build(model, b) if fast_decode else None  # after the prefill: it fills the cache
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     history = tokens.masked_fill(~real, -1) if sampling.repetition_penalty != 1.0 else None
     next_pos = real.sum(-1, keepdim=True)  # (B, 1)
@@ -137,7 +139,12 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step) -> list
             key_padding = torch.cat([key_padding, torch.ones(b, 1, dtype=torch.bool, device=device)], dim=1)
             positions = next_pos
             next_pos = next_pos + 1
-        logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+        if step_fn is not None:
+            logits = step_fn(nxt, positions, key_padding, cache)
+        else:
+            logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=cache)[
+                :, -1
+            ]
     model.train(was_training)
     return [_strip(row, eos_id) for row in out]
 

@@ -1,0 +1,213 @@
+"""One cached decoding step of a `DecoderLM`, read from the model once: the fast twin of
+`model(tokens[:, None], positions, key_padding_mask, cache)[:, -1]` for one new token per row.
+
+Shapes: tokens (B,); positions (B, 1) or None (then every row is at the cache's next slot); key_padding
+(B, S) bool over every key slot (cache included) or None; logits (B, V). Hidden states stay (B, D).
+
+Why: a decoding step is a handful of matrix-vector products and ~60 small ops per layer. On a CPU the
+ops' Python and dispatch cost (module calls, argument checks, mask objects, a RoPE table lookup per
+layer, head reshapes) adds ~5 ms to each step of an 8-layer model: a third of a 15 ms step of
+`benchmarks/bench_generate.py`'s d_model 512 model. `DecodeStep.build` decides everything once per
+`generate` call (build time decides, run time computes): each block's norms as plain functions, q/k/v
+and gate/up as one product each (the stacked, row-blocked products of `row_blocked_linears` when that
+context is active), the RoPE table, the cache slot to write; the step then runs only the ops of the
+paper's block. Slots it does not know (an MoE FFN, a norm of another kind) are called as the modules
+they are; models it does not know (other block or attention kernels, interleaved or partial RoPE, GQA
+without SDPA's `enable_gqa`, sharded weights, training mode) get no step and decode through
+`model(...)`, the slow twin. tests/generate/test_decode_step.py holds the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.model.attention import SDPA_HAS_GQA, GqaSdpaAttention, SdpaAttention
+from tformer.model.blocks import PostNormBlock, PreNormBlock
+from tformer.model.cache import KVCache
+from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
+from tformer.model.linear import _DECODING, decoding_row_blocks, row_blocked_linear
+from tformer.model.positions import HalfRotaryEmbedding, NoPositions, NoRotary, rotate_whole_half_layout
+from tformer.model.transformer import DecoderLM
+
+Fn = Callable[[Tensor], Tensor]
+
+
+def _product(linears: Sequence[nn.Linear], rows: int) -> Fn:
+    """x (R, D_in) -> [linear(x) for linear in linears] joined on the last dim, as few products as the
+    decoding context allows: one row-blocked product over the context's stacked weights (layers it
+    patched), the row-blocked product of one patched layer, else F.linear per layer."""
+    decoding = _DECODING.get()
+    if decoding is not None and rows <= decoding.max_rows:
+        if len(linears) > 1:
+            stacked = decoding.stacked(linears)
+            if stacked is not None:
+                weight, bias, blocks = stacked
+                return partial(row_blocked_linear, weight=weight, bias=bias, n_blocks=blocks)
+        elif decoding.patched.get(id(linears[0])) is linears[0]:
+            (linear,) = linears
+            blocks = decoding_row_blocks(linear.weight, rows)
+            if blocks is not None:
+                return partial(row_blocked_linear, weight=linear.weight, bias=linear.bias, n_blocks=blocks)
+    if len(linears) == 1:
+        return partial(F.linear, weight=linears[0].weight, bias=linears[0].bias)
+    return lambda x: torch.cat([F.linear(x, linear.weight, linear.bias) for linear in linears], dim=-1)
+
+
+def _norm(norm: nn.Module) -> Fn | None:
+    """The norm as a plain function (no module call): the decoding context's patched forward (RMSNorm
+    as LayerNorm), F.layer_norm / F.rms_norm with the module's parameters, None for the identity, the
+    module itself for any other norm."""
+    if type(norm) is nn.Identity:
+        return None
+    if "forward" in norm.__dict__:  # patched by rms_norms_as_layer_norm
+        return norm.forward
+    if type(norm) is nn.LayerNorm:
+        return partial(F.layer_norm, normalized_shape=norm.normalized_shape, weight=norm.weight,
+                       bias=norm.bias, eps=norm.eps)  # fmt: skip
+    if type(norm) is nn.RMSNorm:
+        return partial(F.rms_norm, normalized_shape=norm.normalized_shape, weight=norm.weight, eps=norm.eps)
+    return norm
+
+
+def _ffn(ffn: nn.Module, rows: int) -> Fn:
+    """The FFN slot on (B, D): the dense FFNs as their products and activation, any other (MoE) as the
+    module on (B, 1, D)."""
+    if type(ffn) is SwiGLU:
+        gate_up, down = _product((ffn.gate_proj, ffn.up_proj), rows), _product((ffn.down_proj,), rows)
+        width = ffn.up_proj.out_features
+
+        def swiglu(x: Tensor) -> Tensor:
+            gate, up = gate_up(x).split(width, dim=-1)
+            return down(F.silu(gate) * up)
+
+        return swiglu
+    if type(ffn) in (ReluFFN, GeluFFN):
+        up, down, act = _product((ffn.up_proj,), rows), _product((ffn.down_proj,), rows), ffn.activation
+        return lambda x: down(act(up(x)))
+    return lambda x: ffn(x[:, None]).squeeze(1)
+
+
+class _Attention:
+    """Self-attention of one new token per row over the cache: q/k/v as one product, q and k rotated
+    together, k and v written into the cache's slot, SDPA over the filled slots, the output product."""
+
+    def __init__(self, attn: nn.Module, rows: int) -> None:
+        self.qkv = _product((attn.q_proj, attn.k_proj, attn.v_proj), rows)
+        self.o = _product((attn.o_proj,), rows)
+        self.layer = attn.layer_idx
+        self.h, self.hkv, self.e = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.gqa = {"enable_gqa": True} if self.h != self.hkv else {}
+
+    def __call__(
+        self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, mask: Tensor | None
+    ) -> Tensor:
+        b, h, hkv = x.shape[0], self.h, self.hkv
+        qkv = self.qkv(x).view(b, h + 2 * hkv, self.e)  # (B, H + 2 Hkv, E): heads of q, k, v
+        qk = qkv[:, : h + hkv] if rotate is None else rotate(qkv[:, : h + hkv])
+        k_buf, v_buf = cache.k[self.layer], cache.v[self.layer]  # (B, Hkv, capacity, E)
+        k_buf[:, :, slot] = qk[:, h:]
+        v_buf[:, :, slot] = qkv[:, h + hkv :]
+        q = qk[:, :h, None]  # (B, H, 1, E)
+        y = F.scaled_dot_product_attention(
+            q, k_buf[:, :, : slot + 1], v_buf[:, :, : slot + 1], attn_mask=mask, **self.gqa
+        )  # (B, H, 1, E)
+        return self.o(y.view(b, h * self.e))
+
+
+class _Block:
+    """One block's slots as functions; `pre` says where the norms sit (decided at build)."""
+
+    def __init__(self, block: nn.Module, rows: int) -> None:
+        self.pre = type(block) is PreNormBlock
+        self.attn_norm, self.ffn_norm = _norm(block.attn_norm), _norm(block.ffn_norm)
+        self.attn = _Attention(block.attn, rows)
+        self.ffn = _ffn(block.ffn, rows)
+
+    def __call__(
+        self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, mask: Tensor | None
+    ) -> Tensor:
+        if self.pre:  # x = x + Attn(norm(x)); x = x + FFN(norm(x))
+            x = x + self.attn(self.attn_norm(x), rotate, cache, slot, mask)
+            return x + self.ffn(self.ffn_norm(x))
+        x = self.attn_norm(x + self.attn(x, rotate, cache, slot, mask))  # x = norm(x + Attn(x)) ...
+        return self.ffn_norm(x + self.ffn(x))
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `DecodeStep.build` gives no step for `model` (None: it gives one)."""
+    if type(model) is not DecoderLM:
+        return f"{type(model).__name__} is not a DecoderLM"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    if torch.is_autocast_enabled(model.lm_head.weight.device.type):
+        return "autocast is on"
+    if type(model.rotary) not in (HalfRotaryEmbedding, NoRotary):
+        return f"rotary embedding {type(model.rotary).__name__} (only the half layout over whole heads)"
+    if any(type(p) is not nn.Parameter for p in model.parameters()):
+        return "sharded or wrapped parameters"
+    for block in model.blocks:
+        if type(block) not in (PreNormBlock, PostNormBlock):
+            return f"block {type(block).__name__}"
+        attn = block.attn
+        if type(attn.kernel) not in (GqaSdpaAttention, SdpaAttention):
+            return f"attention kernel {type(attn.kernel).__name__}"
+        if attn.n_heads != attn.n_kv_heads and not SDPA_HAS_GQA:
+            return "grouped K/V heads need torch >= 2.5 (SDPA enable_gqa)"
+    return None
+
+
+class DecodeStep:
+    """`step(tokens, positions, key_padding, cache)` -> logits (B, V) of one new token per row, writing
+    its keys/values into `cache` (a `KVCache` the model's prefill filled) like `model(...)` does."""
+
+    def __init__(self, model: DecoderLM, rows: int) -> None:
+        self.rows = rows
+        self.model = model
+        self.embed_weight = model.tok_embed.weight
+        self.plain_embed = type(model.input_positions) is NoPositions and model.embed_scale == 1.0
+        self.table = model.rotary.cos_sin if type(model.rotary) is HalfRotaryEmbedding else None  # (2, P, E)
+        if self.table is not None:
+            self.table = self.table.to(self.embed_weight.dtype)
+        self.blocks = [_Block(block, rows) for block in model.blocks]
+        self.final_norm = _norm(model.final_norm)
+        self.head = _product((model.lm_head,), rows)
+
+    @classmethod
+    def build(cls, model: nn.Module, rows: int) -> DecodeStep | None:
+        """The step for `model` decoding `rows` rows (read once: call it inside the decoding contexts
+        `generate` opens, after the model's last weight change), or None where `unsupported(model)`."""
+        return None if unsupported(model) else cls(model, rows)
+
+    def __call__(
+        self, tokens: Tensor, positions: Tensor | None, key_padding: Tensor | None, cache: KVCache
+    ) -> Tensor:
+        b = tokens.shape[0]
+        slot = cache.seq_len
+        if b != self.rows:
+            raise ValueError(f"this decoding step was built for {self.rows} rows, got {b}")
+        if slot >= cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot add 1 after {slot}")
+        if self.plain_embed:
+            x = F.embedding(tokens, self.embed_weight)  # (B, D)
+        else:
+            pos = torch.arange(slot, slot + 1, device=tokens.device) if positions is None else positions
+            x = self.model.embed(tokens[:, None], pos).squeeze(1)
+        rotate = None
+        if self.table is not None:
+            if positions is None:
+                cos, sin = self.table[:, slot]  # (E,) each: one position for every row
+            else:
+                cos, sin = self.table.index_select(1, positions.view(-1))[:, :, None]  # (B, 1, E) each
+            rotate = partial(rotate_whole_half_layout, cos=cos, sin=sin)
+        mask = None if key_padding is None else key_padding[:, None, None, :]  # (B, 1, 1, S)
+        for block in self.blocks:
+            x = block(x, rotate, cache, slot, mask)
+        cache.lengths = [slot + 1] * len(cache.lengths)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x)

@@ -1,0 +1,158 @@
+"""The flat decoding step (`tformer.model.decode_step.DecodeStep`) against its slow twin, the model's
+own forward over the KV cache: same logits, same cache, same tokens from `generate`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from tformer import MoEConfig, build_model
+from tformer.config import RopeConfig
+from tformer.generate.engine import _left_pad, generate
+from tformer.generate.sampling import SamplingConfig
+from tformer.model import decode_step as decode_step_module
+from tformer.model import linear as linear_module
+from tformer.model.decode_step import DecodeStep, unsupported
+from tformer.model.linear import row_blocked_linears
+from tformer.model.norms import rms_norms_as_layer_norm
+from tformer.presets import llama_like, tiny
+
+BASE = llama_like(97, 32, 2, 4, 2, 64, 64)  # GQA: 4 query heads over 2 K/V heads
+CONFIGS = {
+    "llama_gqa_bias_tied": BASE.replace(bias=True, tie_embeddings=True),
+    "llama_mha": BASE.replace(n_kv_heads=None),
+    "post_layernorm_sinusoidal_relu": tiny().replace(
+        norm_placement="post", norm="layernorm", positions="sinusoidal", ffn="relu", embed_scale=True
+    ),
+    "pre_layernorm_nobias_learned_gelu": tiny().replace(
+        norm="layernorm_nobias", positions="learned", ffn="gelu"
+    ),
+    "no_positions": tiny().replace(positions="none"),
+    "deepseek_moe": BASE.replace(
+        moe=MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def block_every_layer(monkeypatch) -> None:
+    """The test models are tiny; let the decoding context block their layers too."""
+    monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)
+
+
+def make(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(CONFIGS[name]).eval()
+
+
+def decoding_contexts(model: nn.Module, on: bool) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if on:
+        stack.enter_context(row_blocked_linears(model))
+        stack.enter_context(rms_norms_as_layer_norm(model))
+    return stack
+
+
+@pytest.mark.parametrize("contexts", [True, False], ids=["fast_products", "plain_products"])
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [10, 11]]], ids=["one", "padded"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_step_equals_the_model_forward(name: str, prompts, contexts: bool) -> None:
+    """Feed the same tokens to the model (cache a) and to the step (cache b) for 6 steps, left-padded
+    rows included: logits and both caches agree."""
+    model = make(name)
+    tokens, real = _left_pad(prompts, 0, torch.device("cpu"))
+    padded = not bool(real.all())
+    b, length = tokens.shape
+    with torch.inference_mode(), decoding_contexts(model, contexts):
+        caches = model.new_cache(length + 8), model.new_cache(length + 8)
+        positions = (real.cumsum(-1) - 1).clamp_min(0) if padded else None
+        key_padding = real if padded else None
+        for cache in caches:
+            logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+        step = DecodeStep.build(model, b)
+        assert step is not None
+        next_pos = real.sum(-1, keepdim=True)
+        for _ in range(6):
+            nxt = logits.argmax(-1)
+            if padded:
+                key_padding = torch.cat([key_padding, torch.ones(b, 1, dtype=torch.bool)], dim=1)
+                positions, next_pos = next_pos, next_pos + 1
+            logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=caches[0])[
+                :, -1
+            ]
+            got = step(nxt, positions, key_padding, caches[1])
+            torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5)
+    a, c = caches
+    assert a.lengths == c.lengths == [length + 6] * len(a.lengths)
+    for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
+        n = length + 6
+        torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_prompts", [1, 2])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_generate_with_the_step_equals_the_slow_twin(name: str, n_prompts: int, count_calls) -> None:
+    model = make(name)
+    calls = count_calls(decode_step_module._Block, "__call__")
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    slow = generate(model, prompts, cfg, fast_decode=False)
+    assert len(forwards) == 20 and not calls  # the prompt, then a forward per token but the last
+    fast = generate(model, prompts, cfg)
+    hook.remove()
+    assert fast == slow and all(len(row) == 20 for row in fast)
+    assert len(forwards) == 21  # the fast run's prompt only: its 19 steps ran in the flat step
+    assert len(calls) == 19 * model.cfg.n_layers
+
+
+def test_seeded_sampling_with_the_step_equals_the_slow_twin() -> None:
+    model = make("llama_gqa_bias_tied")
+    cfg = SamplingConfig(
+        temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, max_new_tokens=16, seed=3
+    )
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    assert generate(model, prompts, cfg) == generate(model, prompts, cfg, fast_decode=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(rope=RopeConfig(layout="interleaved")), "rotary embedding"),
+        (dict(rope=RopeConfig(fraction=0.5)), "rotary embedding"),
+        (dict(attn_kernel="eager"), "attention kernel"),
+    ],
+)
+def test_models_it_does_not_know_decode_through_the_model(change: dict, reason: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(BASE.replace(**change)).eval()
+    assert reason in unsupported(model)
+    assert DecodeStep.build(model, 1) is None
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    assert generate(model, [[5, 6, 7]], cfg) == generate(model, [[5, 6, 7]], cfg, fast_decode=False)
+
+
+def test_no_step_in_training_mode_or_under_autocast() -> None:
+    model = make("llama_mha").train()
+    assert "training" in unsupported(model)
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "autocast" in unsupported(model)
+    assert unsupported(model) is None
+
+
+def test_step_refuses_a_full_cache_and_another_batch_size() -> None:
+    model = make("llama_mha")
+    with torch.inference_mode():
+        cache = model.new_cache(4)
+        model(torch.tensor([[5, 6, 7, 8]]), cache=cache)
+        step = DecodeStep.build(model, 1)
+        with pytest.raises(ValueError, match="holds 4 positions"):
+            step(torch.tensor([3]), None, None, cache)
+        with pytest.raises(ValueError, match="built for 1 rows, got 2"):
+            step(torch.tensor([3, 4]), None, None, cache)
