@@ -18,6 +18,7 @@ from tformer.model import linear as linear_module
 from tformer.model.decode_step import DecodeStep, unsupported
 from tformer.model.linear import row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
+from tformer.model.transformer import DecoderLM
 from tformer.presets import llama_like, tiny
 
 BASE = llama_like(97, 32, 2, 4, 2, 64, 64)  # GQA: 4 query heads over 2 K/V heads
@@ -56,13 +57,26 @@ def decoding_contexts(model: nn.Module, on: bool) -> contextlib.ExitStack:
     return stack
 
 
-@pytest.mark.parametrize("contexts", [True, False], ids=["fast_products", "plain_products"])
-@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [10, 11]]], ids=["one", "padded"])
+PROMPTS = {
+    "one": [[5, 6, 7, 8, 9]],
+    "two": [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]],
+    "padded": [[5, 6, 7, 8, 9], [10, 11]],
+}
+
+
+@pytest.mark.parametrize(
+    "products",
+    ["blocked", "partly_blocked", "plain"],  # every layer row-blocked; q, o, FFN but not k/v (GQA); none
+)
+@pytest.mark.parametrize("prompts", sorted(PROMPTS))
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_step_equals_the_model_forward(name: str, prompts, contexts: bool) -> None:
-    """Feed the same tokens to the model (cache a) and to the step (cache b) for 6 steps, left-padded
-    rows included: logits and both caches agree."""
+def test_step_equals_the_model_forward(name: str, prompts: str, products: str, monkeypatch) -> None:
+    """Feed the same tokens to the model (cache a) and to the step (cache b) for 6 steps: logits and
+    both caches are bit-identical (the step runs the model's ops on the model's weights)."""
+    if products == "partly_blocked":
+        monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 1000)  # q: 32 x 32, k/v: 16 x 32
     model = make(name)
+    contexts, prompts = products != "plain", PROMPTS[prompts]
     tokens, real = _left_pad(prompts, 0, torch.device("cpu"))
     padded = not bool(real.all())
     b, length = tokens.shape
@@ -84,13 +98,12 @@ def test_step_equals_the_model_forward(name: str, prompts, contexts: bool) -> No
                 :, -1
             ]
             got = step(nxt, positions, key_padding, caches[1])
-            torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5)
+            assert torch.equal(got, logits)
     a, c = caches
     assert a.lengths == c.lengths == [length + 6] * len(a.lengths)
+    n = length + 6
     for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
-        n = length + 6
-        torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-5, rtol=1e-5)
+        assert torch.equal(kc[:, :, :n], ka[:, :, :n]) and torch.equal(vc[:, :, :n], va[:, :, :n])
 
 
 @pytest.mark.parametrize("n_prompts", [1, 2])
@@ -98,14 +111,12 @@ def test_step_equals_the_model_forward(name: str, prompts, contexts: bool) -> No
 def test_generate_with_the_step_equals_the_slow_twin(name: str, n_prompts: int, count_calls) -> None:
     model = make(name)
     calls = count_calls(decode_step_module._Block, "__call__")
-    forwards = []
-    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    forwards = count_calls(DecoderLM, "forward")
     prompts = [[5, 6, 7, 8], [9, 10]][:n_prompts]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
     slow = generate(model, prompts, cfg, fast_decode=False)
     assert len(forwards) == 20 and not calls  # the prompt, then a forward per token but the last
     fast = generate(model, prompts, cfg)
-    hook.remove()
     assert fast == slow and all(len(row) == 20 for row in fast)
     assert len(forwards) == 21  # the fast run's prompt only: its 19 steps ran in the flat step
     assert len(calls) == 19 * model.cfg.n_layers
@@ -131,19 +142,21 @@ def test_seeded_sampling_with_the_step_equals_the_slow_twin() -> None:
 def test_models_it_does_not_know_decode_through_the_model(change: dict, reason: str) -> None:
     torch.manual_seed(0)
     model = build_model(BASE.replace(**change)).eval()
-    assert reason in unsupported(model)
-    assert DecodeStep.build(model, 1) is None
+    with torch.inference_mode():
+        assert reason in unsupported(model)
+        assert DecodeStep.build(model, 1) is None
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=8)
     assert generate(model, [[5, 6, 7]], cfg) == generate(model, [[5, 6, 7]], cfg, fast_decode=False)
 
 
 def test_no_step_in_training_mode_or_under_autocast() -> None:
     model = make("llama_mha").train()
-    assert "training" in unsupported(model)
-    model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "autocast" in unsupported(model)
-    assert unsupported(model) is None
+    with torch.inference_mode():
+        assert "training" in unsupported(model)
+        model.eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert "autocast" in unsupported(model)
+        assert unsupported(model) is None
 
 
 def test_step_refuses_a_full_cache_and_another_batch_size() -> None:
@@ -156,3 +169,75 @@ def test_step_refuses_a_full_cache_and_another_batch_size() -> None:
             step(torch.tensor([3]), None, None, cache)
         with pytest.raises(ValueError, match="built for 1 rows, got 2"):
             step(torch.tensor([3, 4]), None, None, cache)
+
+
+def test_half_precision_model_step_equals_the_model_forward() -> None:
+    model = make("llama_gqa_bias_tied").to(torch.bfloat16)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    with torch.inference_mode():
+        assert DecodeStep.build(model, 2) is not None
+    assert generate(model, prompts, cfg) == generate(model, prompts, cfg, fast_decode=False)
+
+
+class Tripled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 3
+
+
+def _hooked(model: nn.Module) -> str:
+    model.blocks[1].ffn.register_forward_hook(lambda module, args, out: out * 2)
+    return "forward hooks"
+
+
+def _replaced_forward(model: nn.Module) -> str:
+    block = model.blocks[0]
+    block.forward = lambda *args: type(block).forward(block, *args) * 0.5
+    return "replaced forward"
+
+
+def _subclassed_linear(model: nn.Module) -> str:
+    attn = model.blocks[0].attn
+    tripled = Tripled(attn.v_proj.in_features, attn.v_proj.out_features, bias=attn.v_proj.bias is not None)
+    tripled.load_state_dict(attn.v_proj.state_dict())
+    attn.v_proj = tripled
+    return "linear layer Tripled"
+
+
+def _quantized(model: nn.Module) -> nn.Module:
+    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+@pytest.mark.parametrize("change", [_hooked, _replaced_forward, _subclassed_linear])
+def test_models_changed_by_the_user_decode_through_their_modules(change) -> None:
+    """Hooks, a forward set on an instance, a subclass of nn.Linear: the step would skip them."""
+    model = make("llama_mha")
+    reason = change(model)
+    with torch.inference_mode():
+        assert reason in unsupported(model)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    assert generate(model, [[5, 6, 7]], cfg) == generate(model, [[5, 6, 7]], cfg, fast_decode=False)
+
+
+@pytest.mark.filterwarnings("ignore:.*quantiz")  # torch deprecates eager quantization for torchao
+def test_global_hooks_and_quantized_models_decode_through_their_modules() -> None:
+    model = make("llama_mha")
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with torch.inference_mode():
+            assert "global" in unsupported(model)
+    finally:
+        handle.remove()
+    quantized = _quantized(make("llama_mha"))
+    with torch.inference_mode():
+        assert "linear layer" in unsupported(quantized)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    assert generate(quantized, [[5, 6, 7]], cfg) == generate(quantized, [[5, 6, 7]], cfg, fast_decode=False)
+
+
+def test_no_step_for_other_spines_or_with_gradients() -> None:
+    torch.manual_seed(0)
+    encoder_decoder = build_model(tiny("encoder_decoder")).eval()
+    with torch.inference_mode():
+        assert "not a DecoderLM" in unsupported(encoder_decoder)
+    assert "gradients" in unsupported(make("llama_mha"))

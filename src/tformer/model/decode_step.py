@@ -12,9 +12,13 @@ layer, head reshapes) adds ~5 ms to each step of an 8-layer model: a third of a 
 and gate/up as one product each (the stacked, row-blocked products of `row_blocked_linears` when that
 context is active), the RoPE table, the cache slot to write; the step then runs only the ops of the
 paper's block. Slots it does not know (an MoE FFN, a norm of another kind) are called as the modules
-they are; models it does not know (other block or attention kernels, interleaved or partial RoPE, GQA
-without SDPA's `enable_gqa`, sharded weights, training mode) get no step and decode through
-`model(...)`, the slow twin. tests/generate/test_decode_step.py holds the two equal.
+they are. The step reads weights where the model calls modules, so it takes only the classes it
+knows, as they are: models with other classes (blocks, attention or its kernel, a subclass of
+`nn.Linear`, interleaved or partial RoPE), forward hooks, a forward replaced on an instance (other than
+by the two decoding contexts), sharded weights, training mode, autograd or autocast get no step
+(`unsupported` says why) and decode through `model(...)`, the slow twin. The step runs the model's
+ops in the model's order on the same tensors (down to which products are row-blocked and which
+tensors are contiguous), so tests/generate/test_decode_step.py holds logits and caches bit-identical.
 """
 
 from __future__ import annotations
@@ -25,37 +29,48 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
 
-from tformer.model.attention import SDPA_HAS_GQA, GqaSdpaAttention, SdpaAttention
+from tformer.model import linear as linear_module
+from tformer.model.attention import SDPA_HAS_GQA, GqaSdpaAttention, SdpaAttention, SelfAttention
 from tformer.model.blocks import PostNormBlock, PreNormBlock
 from tformer.model.cache import KVCache
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
-from tformer.model.linear import _DECODING, decoding_row_blocks, row_blocked_linear
+from tformer.model.linear import _DECODING, row_blocked_linear
+from tformer.model.norms import rms_norm_as_layer_norm
 from tformer.model.positions import HalfRotaryEmbedding, NoPositions, NoRotary, rotate_whole_half_layout
 from tformer.model.transformer import DecoderLM
 
 Fn = Callable[[Tensor], Tensor]
 
 
+def _layer(linear: nn.Linear) -> Fn:
+    """The layer's own product without the module call: the forward the decoding context set on it
+    (row-blocked, `row_blocked_linears`), else F.linear."""
+    if "forward" in linear.__dict__:  # `unsupported` admits only the context's own
+        return linear.forward
+    return partial(F.linear, weight=linear.weight, bias=linear.bias)
+
+
 def _product(linears: Sequence[nn.Linear], rows: int) -> Fn:
-    """x (R, D_in) -> [linear(x) for linear in linears] joined on the last dim, as few products as the
-    decoding context allows: one row-blocked product over the context's stacked weights (layers it
-    patched), the row-blocked product of one patched layer, else F.linear per layer."""
+    """x (R, D_in) -> [linear(x) for linear in linears] joined on the last dim, computed as the model
+    computes it at R rows (`stacked_linear`): one GEMM over stacked weights from FUSE_MIN_ROWS rows,
+    else one row-blocked product over the decoding context's stacked copy where it has one, else each
+    layer's own product."""
+    if len(linears) == 1:
+        return _layer(linears[0])
+    if rows >= linear_module.FUSE_MIN_ROWS:
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+        return partial(F.linear, weight=weight, bias=bias)
     decoding = _DECODING.get()
     if decoding is not None and rows <= decoding.max_rows:
-        if len(linears) > 1:
-            stacked = decoding.stacked(linears)
-            if stacked is not None:
-                weight, bias, blocks = stacked
-                return partial(row_blocked_linear, weight=weight, bias=bias, n_blocks=blocks)
-        elif decoding.patched.get(id(linears[0])) is linears[0]:
-            (linear,) = linears
-            blocks = decoding_row_blocks(linear.weight, rows)
-            if blocks is not None:
-                return partial(row_blocked_linear, weight=linear.weight, bias=linear.bias, n_blocks=blocks)
-    if len(linears) == 1:
-        return partial(F.linear, weight=linears[0].weight, bias=linears[0].bias)
-    return lambda x: torch.cat([F.linear(x, linear.weight, linear.bias) for linear in linears], dim=-1)
+        stacked = decoding.stacked(linears)
+        if stacked is not None:
+            weight, bias, blocks = stacked
+            return partial(row_blocked_linear, weight=weight, bias=bias, n_blocks=blocks)
+    layers = [_layer(linear) for linear in linears]
+    return lambda x: torch.cat([layer(x) for layer in layers], dim=-1)
 
 
 def _norm(norm: nn.Module) -> Fn | None:
@@ -107,8 +122,10 @@ class _Attention:
         self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, mask: Tensor | None
     ) -> Tensor:
         b, h, hkv = x.shape[0], self.h, self.hkv
-        qkv = self.qkv(x).view(b, h + 2 * hkv, self.e)  # (B, H + 2 Hkv, E): heads of q, k, v
-        qk = qkv[:, : h + hkv] if rotate is None else rotate(qkv[:, : h + hkv])
+        qkv = self.qkv(x).view(b, h + 2 * hkv, self.e)  # (B, H + 2 Hkv, E): q, k, v heads
+        qk = qkv[:, : h + hkv]
+        if rotate is not None:  # q and k rotated as one contiguous tensor, as the model's joint rotation
+            qk = rotate(qk.contiguous())
         k_buf, v_buf = cache.k[self.layer], cache.v[self.layer]  # (B, Hkv, capacity, E)
         k_buf[:, :, slot] = qk[:, h:]
         v_buf[:, :, slot] = qkv[:, h + hkv :]
@@ -138,26 +155,59 @@ class _Block:
         return self.ffn_norm(x + self.ffn(x))
 
 
+def _own_forward(module: nn.Module) -> bool:
+    """Whether `module` computes what its class says: no forward set on the instance except by the
+    decoding contexts (`row_blocked_linears`, `rms_norms_as_layer_norm`), no forward hooks."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return True
+    decoding = _DECODING.get()
+    if type(module) is nn.Linear:
+        return decoding is not None and decoding.patched.get(id(module)) is module
+    return type(module) is nn.RMSNorm and getattr(forward, "func", None) is rms_norm_as_layer_norm
+
+
 def unsupported(model: nn.Module) -> str | None:
-    """Why `DecodeStep.build` gives no step for `model` (None: it gives one)."""
+    """Why `DecodeStep.build` gives no step for `model` (None: it gives one). The step reads weights and
+    calls functions where the model calls modules, so it takes only the classes it knows, unchanged."""
     if type(model) is not DecoderLM:
         return f"{type(model).__name__} is not a DecoderLM"
     if model.training:
         return "the model is in training mode (dropout)"
-    if torch.is_autocast_enabled(model.lm_head.weight.device.type):
+    if torch.is_grad_enabled():
+        return "gradients are enabled (the step is for inference: no_grad or inference_mode)"
+    if torch.is_autocast_enabled(next((p.device for p in model.parameters()), torch.device("cpu")).type):
         return "autocast is on"
-    if type(model.rotary) not in (HalfRotaryEmbedding, NoRotary):
-        return f"rotary embedding {type(model.rotary).__name__} (only the half layout over whole heads)"
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return "global module forward hooks"
+    for name, module in model.named_modules():
+        if not _own_forward(module):
+            return f"module {name or 'model'} has forward hooks or a replaced forward"
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         return "sharded or wrapped parameters"
+    if type(model.tok_embed) is not nn.Embedding or model.tok_embed.max_norm is not None:
+        return f"token embedding {type(model.tok_embed).__name__}"
+    if type(model.rotary) not in (HalfRotaryEmbedding, NoRotary):
+        return f"rotary embedding {type(model.rotary).__name__} (only the half layout over whole heads)"
+    linears = [model.lm_head]
     for block in model.blocks:
         if type(block) not in (PreNormBlock, PostNormBlock):
             return f"block {type(block).__name__}"
         attn = block.attn
+        if type(attn) is not SelfAttention:
+            return f"attention {type(attn).__name__}"
         if type(attn.kernel) not in (GqaSdpaAttention, SdpaAttention):
             return f"attention kernel {type(attn.kernel).__name__}"
         if attn.n_heads != attn.n_kv_heads and not SDPA_HAS_GQA:
             return "grouped K/V heads need torch >= 2.5 (SDPA enable_gqa)"
+        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if type(block.ffn) in (SwiGLU, ReluFFN, GeluFFN):  # read as products; others run as modules
+            linears += [m for m in block.ffn.children()]
+    for linear in linears:
+        if type(linear) is not nn.Linear:
+            return f"linear layer {type(linear).__name__}"
     return None
 
 
