@@ -147,6 +147,27 @@ def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, count_calls
             torch.testing.assert_close(a, ref)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_loop_kernel_without_autograd_skips_the_function_and_equals_its_autograd_twin(
+    bias: bool, count_calls
+) -> None:
+    """Inference (no_grad / inference_mode) runs the loop kernel's products without the autograd
+    Function (its per-call cost shows in decoding): same values, no graph."""
+    applied = count_calls(moe_module.LoopGroupedLinear, "apply")
+    torch.manual_seed(0)
+    counts = [0, 2, 0, 0, 1, 0, 3]
+    w = torch.randn(7, 8, 12, requires_grad=True)
+    b = torch.randn(7, 8, requires_grad=True) if bias else None
+    x = torch.randn(sum(counts), 12)
+    with_graph = loop_grouped_linear(x, w, b, counts)
+    assert with_graph.grad_fn is not None
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            without = loop_grouped_linear(x, w, b, counts)
+        assert without.grad_fn is None and torch.equal(without, with_graph.detach())
+    assert len(applied) == 1  # the call with gradients only
+
+
 def test_shared_experts_reach_every_token_independent_of_routing() -> None:
     moe = MoE(moe_cfg(n_experts=4, top_k=2, n_shared=2, d_shared=8), 0).train()
     assert moe.shared.up_proj.out_features == 16  # 2 shared experts fused into one FFN

@@ -150,6 +150,13 @@ def decoding_row_blocks(weight: Tensor, rows: int) -> int | None:
     return row_blocks(weight, d.n_blocks, d.min_weight)
 
 
+def decoding_max_rows() -> int:
+    """Rows up to which the active `row_blocked_linears` context takes row-blocked products (0: none
+    active)."""
+    d = _DECODING.get()
+    return 0 if d is None else d.max_rows
+
+
 def _decode_forward(linear: nn.Linear, max_rows: int, n_blocks: int, x: Tensor) -> Tensor:
     if x.numel() > max_rows * x.shape[-1] or torch.is_autocast_enabled("cpu"):
         return F.linear(x, linear.weight, linear.bias)  # the slow twin: many rows, or autocast's casts

@@ -24,11 +24,32 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig, MoEConfig
 from tformer.model.ffn import make_dense_ffn
-from tformer.model.linear import decoding_row_blocks, row_blocked_linear
+from tformer.model.linear import decoding_max_rows, decoding_row_blocks, row_blocked_linear
 from tformer.model.router import BalanceLoss, Routing, TopKRouter, probabilities
 
 
 # ----------------------------------------------------------------------------- grouped matmul kernels
+def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: Tensor) -> Tensor:
+    """y[rows of e] = x[rows of e] @ W[e]^T + b[e] for each expert e with rows (views of that expert
+    only: with 64 experts and 6 of them chosen, splitting and unbinding all 64 cost more than the
+    products of one decoding token). While decoding (`row_blocked_linears`) an expert with at most its
+    max_rows rows takes the row-blocked product, which streams the weights on every core."""
+    blocks, max_rows = decoding_row_blocks(w[0], 1), decoding_max_rows()
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        xe, ye, we, be = x[start : start + n], y[start : start + n], w[e], None if b is None else b[e]
+        start += n
+        if blocks and n <= max_rows:  # a few rows: a product bound by reading the weights
+            ye.copy_(row_blocked_linear(xe, we, be, blocks))
+        elif be is not None:
+            torch.addmm(be, xe, we.t(), out=ye)
+        else:
+            torch.mm(xe, we.t(), out=ye)
+    return y
+
+
 class LoopGroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W[e]^T + b[e], one matmul per expert that has rows, written into
     one preallocated output; backward writes each expert's weight gradient once into one (E, out, in)
@@ -39,17 +60,7 @@ class LoopGroupedLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.counts, ctx.has_bias = counts, b is not None
-        y = x.new_empty(x.shape[0], w.shape[1])  # (S, out)
-        biases = b.unbind(0) if b is not None else (None,) * len(counts)
-        for xe, ye, we, be, n in zip(x.split(counts), y.split(counts), w.unbind(0), biases, counts):
-            blocks = decoding_row_blocks(we, n) if n else None  # set while decoding (row_blocked_linears)
-            if blocks:  # a few rows: a product bound by reading the weights
-                ye.copy_(row_blocked_linear(xe, we, be, blocks))
-            elif n and be is not None:
-                torch.addmm(be, xe, we.t(), out=ye)
-            elif n:
-                torch.mm(xe, we.t(), out=ye)
-        return y
+        return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -72,7 +83,9 @@ class LoopGroupedLinear(torch.autograd.Function):
 
 
 def loop_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
-    return LoopGroupedLinear.apply(x, w, b, counts)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
+        return LoopGroupedLinear.apply(x, w, b, counts)
+    return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))  # no graph to record
 
 
 def torch_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
