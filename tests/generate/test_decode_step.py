@@ -4,6 +4,7 @@ own forward over the KV cache: same logits, same cache, same tokens from `genera
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import pytest
 import torch
@@ -11,11 +12,12 @@ from torch import nn
 
 from tformer import MoEConfig, build_model
 from tformer.config import RopeConfig
+from tformer.generate.beam import SearchConfig, beam_search, sample_search, search, select_memory
 from tformer.generate.engine import _left_pad, generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import decode_step as decode_step_module
 from tformer.model import linear as linear_module
-from tformer.model.decode_step import DecodeStep, unsupported
+from tformer.model.decode_step import DecodeStep, Seq2SeqDecodeStep, unsupported
 from tformer.model.linear import row_blocked_linears
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.model.transformer import DecoderLM
@@ -237,7 +239,121 @@ def test_global_hooks_and_quantized_models_decode_through_their_modules() -> Non
 
 def test_no_step_for_other_spines_or_with_gradients() -> None:
     torch.manual_seed(0)
-    encoder_decoder = build_model(tiny("encoder_decoder")).eval()
+    classifier = build_model(tiny("encoder").replace(n_classes=3)).eval()
     with torch.inference_mode():
-        assert "not a DecoderLM" in unsupported(encoder_decoder)
+        assert "neither a DecoderLM nor an EncoderDecoder" in unsupported(classifier)
+        assert DecodeStep.build(seq2seq("paper_like"), 1) is None  # each step takes its own spine
+        assert Seq2SeqDecodeStep.build(make("llama_mha")) is None
     assert "gradients" in unsupported(make("llama_mha"))
+
+
+# ----------------------------------------------------------------------------- encoder-decoder
+BOS, EOS, PAD = 1, 2, 0
+SEQ2SEQ = {
+    "paper_like": dict(norm="layernorm", positions="sinusoidal", ffn="relu", embed_scale=True),
+    "post_norm": dict(norm_placement="post", norm="layernorm", positions="sinusoidal", ffn="relu"),
+    "rope_self_only": dict(positions="rope"),
+    "rope_cross_too": dict(positions="rope", rope=RopeConfig(cross_attention=True)),
+    "gqa_swiglu_bias": dict(n_kv_heads=2, bias=True),
+    "moe_decoder": dict(moe=MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")),
+}
+
+
+def seq2seq(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(tiny("encoder_decoder").replace(vocab_size=40, max_seq_len=32, **SEQ2SEQ[name])).eval()
+
+
+def sources() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(3, 40, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:] = False  # one padded sentence
+    return src.masked_fill(~mask, PAD), mask
+
+
+@pytest.mark.parametrize("products", ["blocked", "plain"])
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+def test_seq2seq_step_equals_model_decode(name: str, products: str) -> None:
+    """The decoder fed the same tokens through `model.decode` (cache a) and the step (cache b), with
+    the rows reordered and cut halfway as beam search does: logits and caches bit-identical."""
+    model = seq2seq(name)
+    src, src_mask = sources()
+    with torch.inference_mode(), decoding_contexts(model, products == "blocked"):
+        memory = model.encode(src, src_mask)
+        caches = model.new_cache(12), model.new_cache(12)
+        step = Seq2SeqDecodeStep.build(model)
+        assert step is not None
+        nxt = torch.full((3,), BOS)
+        for cache in caches:  # the first step allocates the cache and projects the memory's K/V
+            logits = model.decode(nxt[:, None], memory, cache=cache)[:, -1]
+        for t in range(6):
+            if t == 3:  # rows follow beams: reorder and drop one, memory rows with them
+                index = torch.tensor([2, 0])
+                for cache in caches:
+                    cache.reorder(index)
+                memory, logits = select_memory(memory, index), logits.index_select(0, index)
+            nxt = logits.argmax(-1)
+            logits = model.decode(nxt[:, None], memory, cache=caches[0])[:, -1]
+            assert torch.equal(step(nxt, memory, caches[1]), logits)
+    a, c = caches
+    assert a.lengths == c.lengths == [7] * len(a.lengths)
+    for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
+        assert torch.equal(kc[:, :, :7], ka[:, :, :7]) and torch.equal(vc[:, :, :7], va[:, :, :7])
+    assert all(torch.equal(x, y) for ca, cc in zip(a.cross_kv, c.cross_kv) for x, y in zip(ca, cc))
+
+
+@pytest.mark.parametrize("products", ["blocked", "plain"])
+@pytest.mark.parametrize("method", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+def test_search_with_the_step_equals_search_through_model_decode(
+    name: str, method: str, products: str, count_calls
+) -> None:
+    """Beam, greedy and sampled search with the flat steps after the first: the same hypotheses, scores
+    and log-probabilities, bit for bit, as with `model.decode` every step (sentences finish and leave,
+    beams reorder the rows)."""
+    model = seq2seq(name)
+    src, src_mask = sources()
+    steps = count_calls(decode_step_module._CrossBlock, "__call__")
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=torch.tensor([9, 6, 11]), banned=(PAD, BOS))
+    if method == "beam":
+        run = partial(beam_search, model, src, src_mask, beam_size=3, alpha=0.6, **common)
+    else:
+        run = partial(
+            sample_search,
+            model,
+            src,
+            src_mask,
+            temperature=0.8 * (method == "sample"),
+            top_k=10,
+            seed=5,
+            **common,
+        )
+    with decoding_contexts(model, products == "blocked"):
+        slow = run(flat=False)
+        assert not steps
+        fast = run()
+    assert steps  # the steps after the first ran flat
+    assert [(h.tokens, h.score, h.log_prob, h.finished) for h in fast] == [
+        (h.tokens, h.score, h.log_prob, h.finished) for h in slow
+    ]
+
+
+def test_search_default_uses_the_flat_step_and_fast_decode_false_does_not(count_calls) -> None:
+    model = seq2seq("paper_like")
+    src, src_mask = sources()
+    steps = count_calls(decode_step_module._CrossBlock, "__call__")
+    cfg, common = SearchConfig(beam_size=2, max_len=6), dict(bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
+    slow = search(model, src, src_mask, cfg, fast_decode=False, **common)
+    assert not steps
+    fast = search(model, src, src_mask, cfg, **common)
+    assert steps and [h.tokens for h in fast] == [h.tokens for h in slow]
+
+
+def test_seq2seq_step_needs_a_started_cache() -> None:
+    model = seq2seq("paper_like")
+    src, src_mask = sources()
+    with torch.inference_mode():
+        step = Seq2SeqDecodeStep.build(model)
+        with pytest.raises(ValueError, match="first decoding step runs through model.decode"):
+            step(torch.full((3,), BOS), model.encode(src, src_mask), model.new_cache(8))

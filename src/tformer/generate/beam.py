@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
+from tformer.model.decode_step import Seq2SeqDecodeStep
 from tformer.model.linear import row_blocked_linears
 from tformer.model.masks import Mask
 from tformer.schema import Config
@@ -106,14 +107,18 @@ def select_memory(memory: Memory, rows: Tensor) -> Memory:
 class CachedSteps:
     """Feeds each row's newest token; self-attention K/V in a KVCache that follows the rows."""
 
-    def __init__(self, model: nn.Module, memory: Memory, capacity: int) -> None:
+    def __init__(self, model: nn.Module, memory: Memory, capacity: int, flat: bool = True) -> None:
         self.model, self.memory = model, memory
         self.rows = memory
         self.row_sentence = torch.arange(memory.states.shape[0], device=memory.states.device)  # (R,)
         self.cache = model.new_cache(capacity)
+        # after the first step: the flat decoding step where the model is one it knows
+        self.step = Seq2SeqDecodeStep.build(model) if flat else None
 
     def logits(self, prefix: Tensor) -> Tensor:
         """prefix (R, t + 1) starting with BOS -> next-token logits (R, V)."""
+        if self.step is not None and self.cache.seq_len:
+            return self.step(prefix[:, -1], self.rows, self.cache)
         return self.model.decode(prefix[:, -1:], self.rows, cache=self.cache)[:, -1]
 
     def select(self, index: Tensor, row_sentence: Tensor) -> None:
@@ -186,18 +191,20 @@ def beam_search(
     alpha: float = 0.6,
     banned: Sequence[int] = (),
     cached: bool = True,
+    flat: bool = True,
 ) -> list[Hypothesis]:
     """The best hypothesis per source sentence (see the module docstring for the rules).
 
     max_len: most generated tokens (EOS included), one int or (B,) per sentence. banned: token ids
-    never generated (pass the pad and BOS ids).
+    never generated (pass the pad and BOS ids). flat: run the cached steps after the first as the flat
+    `Seq2SeqDecodeStep` where the model is one it knows (False: `model.decode` every step).
     """
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
     k = beam_size
     memory = model.encode(src, src_mask)
-    steps = (CachedSteps if cached else FullPrefixSteps)(model, memory, int(max_lens.max()) + 1)
+    steps = (CachedSteps if cached else FullPrefixSteps)(model, memory, int(max_lens.max()) + 1, flat)
     alive = torch.arange(b, device=device)  # (N,) source sentence of each searching sentence
     scores = torch.zeros(b, 1, device=device)  # (N, beams) log-probabilities of the live beams
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (R, t + 1)
@@ -262,13 +269,15 @@ def sample_search(
     top_p: float = 1.0,
     seed: int = 0,
     banned: Sequence[int] = (),
+    flat: bool = True,
 ) -> list[Hypothesis]:
     """One token per step per sentence: argmax when temperature is 0 (greedy), else a seeded draw after
-    temperature / top-k / top-p. Sentences leave the batch when they emit EOS or reach their max length."""
+    temperature / top-k / top-p. Sentences leave the batch when they emit EOS or reach their max length.
+    flat: as in `beam_search`."""
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
-    steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1)
+    steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1, flat)
     generator = torch.Generator(device=device).manual_seed(seed)
     alive = torch.arange(b, device=device)  # (N,)
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (N, t + 1)
@@ -307,15 +316,19 @@ def search(
 
     fast_decode: on the CPU, compute the linear layers' products of a few rows as row-blocked products
     (`tformer.model.linear.row_blocked_linears`; one sentence with beam 4: 1.27x, greedy 1.14x on the
-    translation preset's model); False: `F.linear` throughout (the slow twin)."""
+    translation preset's model) and run each step after the first as the flat
+    `tformer.model.decode_step.Seq2SeqDecodeStep`; False: `model.decode` with `F.linear` throughout
+    (the slow twin)."""
     with row_blocked_linears(model) if fast_decode else contextlib.nullcontext():
-        return _search(model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned)
+        return _search(
+            model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned, flat=fast_decode
+        )
 
 
-def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned) -> list[Hypothesis]:
+def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat) -> list[Hypothesis]:
     src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
     max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
-    common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned)
+    common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned, flat=flat)
     if cfg.method == "beam":
         return beam_search(model, src, src_mask, beam_size=cfg.beam_size, alpha=cfg.length_penalty, **common)
     if cfg.method == "greedy":

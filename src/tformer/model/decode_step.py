@@ -32,14 +32,14 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from tformer.model import linear as linear_module
-from tformer.model.attention import SDPA_HAS_GQA, GqaSdpaAttention, SdpaAttention, SelfAttention
-from tformer.model.blocks import PostNormBlock, PreNormBlock
+from tformer.model.attention import CrossAttention, GqaSdpaAttention, Memory, SdpaAttention, SelfAttention
+from tformer.model.blocks import PostNormBlock, PostNormCrossBlock, PreNormBlock, PreNormCrossBlock
 from tformer.model.cache import KVCache
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
 from tformer.model.linear import _DECODING, row_blocked_linear
 from tformer.model.norms import rms_norm_as_layer_norm
 from tformer.model.positions import HalfRotaryEmbedding, NoPositions, NoRotary, rotate_whole_half_layout
-from tformer.model.transformer import DecoderLM
+from tformer.model.transformer import DecoderLM, EncoderDecoder
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -116,7 +116,9 @@ class _Attention:
         self.o = _product((attn.o_proj,), rows)
         self.layer = attn.layer_idx
         self.h, self.hkv, self.e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.gqa = {"enable_gqa": True} if self.h != self.hkv else {}
+        self.gqa = (
+            {"enable_gqa": True} if type(attn.kernel) is GqaSdpaAttention else {}
+        )  # as the kernel calls SDPA
 
     def __call__(
         self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, mask: Tensor | None
@@ -155,6 +157,47 @@ class _Block:
         return self.ffn_norm(x + self.ffn(x))
 
 
+class _CrossAttention:
+    """Attention of one new token per row over the encoder memory: the q product (rotated where the
+    model rotates cross-attention queries), the memory's K/V from the cache (projected once per source,
+    by the layer's own `memory_kv`), SDPA under the memory's mask, the output product."""
+
+    def __init__(self, attn: nn.Module, rows: int) -> None:
+        self.attn = attn
+        self.q, self.o = _product((attn.q_proj,), rows), _product((attn.o_proj,), rows)
+        self.layer, self.h, self.e = attn.layer_idx, attn.n_heads, attn.head_dim
+        self.rotates = type(attn.rotary) is HalfRotaryEmbedding
+        self.gqa = {"enable_gqa": True} if type(attn.kernel) is GqaSdpaAttention else {}
+
+    def __call__(self, x: Tensor, rotate: Fn | None, cache: KVCache, memory: Memory) -> Tensor:
+        b = x.shape[0]
+        q = self.q(x).view(b, self.h, 1, self.e)  # (B, H, 1, E)
+        if self.rotates:
+            q = rotate(q)
+        k, v = cache.cross(self.layer, lambda: self.attn.memory_kv(memory))  # (B, Hkv, S, E)
+        mask = None if memory.mask.is_full else memory.mask.allowed  # (B|1, 1, 1, S)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.gqa)  # (B, H, 1, E)
+        return self.o(y.view(b, self.h * self.e))
+
+
+class _CrossBlock(_Block):
+    """A decoder block of the encoder-decoder: self-attention, cross-attention, FFN."""
+
+    def __init__(self, block: nn.Module, rows: int) -> None:
+        super().__init__(block, rows)
+        self.pre = type(block) is PreNormCrossBlock
+        self.cross_norm, self.cross = _norm(block.cross_norm), _CrossAttention(block.cross_attn, rows)
+
+    def __call__(self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, memory: Memory) -> Tensor:
+        if self.pre:  # x += Attn(norm(x)); x += CrossAttn(norm(x), memory); x += FFN(norm(x))
+            x = x + self.attn(self.attn_norm(x), rotate, cache, slot, None)
+            x = x + self.cross(self.cross_norm(x), rotate, cache, memory)
+            return x + self.ffn(self.ffn_norm(x))
+        x = self.attn_norm(x + self.attn(x, rotate, cache, slot, None))  # x = norm(x + Attn(x)) ...
+        x = self.cross_norm(x + self.cross(x, rotate, cache, memory))
+        return self.ffn_norm(x + self.ffn(x))
+
+
 def _own_forward(module: nn.Module) -> bool:
     """Whether `module` computes what its class says: no forward set on the instance except by the
     decoding contexts (`row_blocked_linears`, `rms_norms_as_layer_norm`), no forward hooks."""
@@ -170,10 +213,11 @@ def _own_forward(module: nn.Module) -> bool:
 
 
 def unsupported(model: nn.Module) -> str | None:
-    """Why `DecodeStep.build` gives no step for `model` (None: it gives one). The step reads weights and
-    calls functions where the model calls modules, so it takes only the classes it knows, unchanged."""
-    if type(model) is not DecoderLM:
-        return f"{type(model).__name__} is not a DecoderLM"
+    """Why `DecodeStep.build` / `Seq2SeqDecodeStep.build` give no step for `model` (None: they give
+    one). The steps read weights and call functions where the model calls modules, so they take only
+    the classes they know, unchanged."""
+    if type(model) not in (DecoderLM, EncoderDecoder):
+        return f"{type(model).__name__} is neither a DecoderLM nor an EncoderDecoder"
     if model.training:
         return "the model is in training mode (dropout)"
     if torch.is_grad_enabled():
@@ -189,22 +233,28 @@ def unsupported(model: nn.Module) -> str | None:
         return "sharded or wrapped parameters"
     if type(model.tok_embed) is not nn.Embedding or model.tok_embed.max_norm is not None:
         return f"token embedding {type(model.tok_embed).__name__}"
-    if type(model.rotary) not in (HalfRotaryEmbedding, NoRotary):
-        return f"rotary embedding {type(model.rotary).__name__} (only the half layout over whole heads)"
+    lm = type(model) is DecoderLM
+    stack = model if lm else model.decoder
+    block_types = (PreNormBlock, PostNormBlock) if lm else (PreNormCrossBlock, PostNormCrossBlock)
     linears = [model.lm_head]
-    for block in model.blocks:
-        if type(block) not in (PreNormBlock, PostNormBlock):
+    for block in stack.blocks:
+        if type(block) not in block_types:
             return f"block {type(block).__name__}"
-        attn = block.attn
-        if type(attn) is not SelfAttention:
-            return f"attention {type(attn).__name__}"
-        if type(attn.kernel) not in (GqaSdpaAttention, SdpaAttention):
-            return f"attention kernel {type(attn.kernel).__name__}"
-        if attn.n_heads != attn.n_kv_heads and not SDPA_HAS_GQA:
-            return "grouped K/V heads need torch >= 2.5 (SDPA enable_gqa)"
-        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        attentions = [(block.attn, SelfAttention)] + ([] if lm else [(block.cross_attn, CrossAttention)])
+        for attn, kind in attentions:
+            if type(attn) is not kind:
+                return f"attention {type(attn).__name__}"
+            if type(attn.rotary) not in (HalfRotaryEmbedding, NoRotary):
+                return (
+                    f"rotary embedding {type(attn.rotary).__name__} (only the half layout over whole heads)"
+                )
+            if type(attn.kernel) not in (GqaSdpaAttention, SdpaAttention):
+                return f"attention kernel {type(attn.kernel).__name__}"
+            if attn.n_heads != attn.n_kv_heads and type(attn.kernel) is not GqaSdpaAttention:
+                return "grouped K/V heads need torch >= 2.5 (SDPA enable_gqa)"
+            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if type(block.ffn) in (SwiGLU, ReluFFN, GeluFFN):  # read as products; others run as modules
-            linears += [m for m in block.ffn.children()]
+            linears += list(block.ffn.children())
     for linear in linears:
         if type(linear) is not nn.Linear:
             return f"linear layer {type(linear).__name__}"
@@ -231,7 +281,7 @@ class DecodeStep:
     def build(cls, model: nn.Module, rows: int) -> DecodeStep | None:
         """The step for `model` decoding `rows` rows (read once: call it inside the decoding contexts
         `generate` opens, after the model's last weight change), or None where `unsupported(model)`."""
-        return None if unsupported(model) else cls(model, rows)
+        return None if type(model) is not DecoderLM or unsupported(model) else cls(model, rows)
 
     def __call__(
         self, tokens: Tensor, positions: Tensor | None, key_padding: Tensor | None, cache: KVCache
@@ -261,3 +311,54 @@ class DecodeStep:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.head(x)
+
+
+class Seq2SeqDecodeStep:
+    """`step(tokens, memory, cache)` -> logits (R, V) of one new target token per row of an
+    `EncoderDecoder`, over `memory` (the rows' encoder `Memory`) and `cache` (a `KVCache` that holds at
+    least one step: the first step, which allocates its buffers, runs through `model.decode`). Rows may
+    change between steps (beam search drops and reorders them); the products are chosen per row count,
+    once each."""
+
+    def __init__(self, model: EncoderDecoder) -> None:
+        self.model = model
+        decoder = model.decoder
+        self.plain_embed = type(decoder.input_positions) is NoPositions and decoder.embed_scale == 1.0
+        self.table = decoder.rotary.cos_sin if type(decoder.rotary) is HalfRotaryEmbedding else None
+        self.by_rows: dict[int, tuple[list[_CrossBlock], Fn | None, Fn]] = {}
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Seq2SeqDecodeStep | None:
+        """The step for `model` (call it inside the decoding context the search opens), or None where
+        `unsupported(model)`."""
+        return None if type(model) is not EncoderDecoder or unsupported(model) else cls(model)
+
+    def _program(self, rows: int) -> tuple[list[_CrossBlock], Fn | None, Fn]:
+        if rows not in self.by_rows:
+            blocks = [_CrossBlock(block, rows) for block in self.model.decoder.blocks]
+            final_norm, head = _norm(self.model.decoder.final_norm), _product((self.model.lm_head,), rows)
+            self.by_rows[rows] = blocks, final_norm, head
+        return self.by_rows[rows]
+
+    def __call__(self, tokens: Tensor, memory: Memory, cache: KVCache) -> Tensor:
+        slot = cache.seq_len
+        if slot == 0 or cache.k[0] is None:
+            raise ValueError("the first decoding step runs through model.decode (it allocates the cache)")
+        if slot >= cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot add 1 after {slot}")
+        blocks, final_norm, head = self._program(tokens.shape[0])
+        if self.plain_embed:
+            x = F.embedding(tokens, self.model.tok_embed.weight)  # (R, D)
+        else:
+            x = self.model.decoder.embed(tokens[:, None], torch.arange(slot, slot + 1, device=tokens.device))
+            x = x.squeeze(1)
+        rotate = None
+        if self.table is not None:
+            cos, sin = self.table[:, slot].to(x.dtype)  # (E,) each: one position for every row
+            rotate = partial(rotate_whole_half_layout, cos=cos, sin=sin)
+        for block in blocks:
+            x = block(x, rotate, cache, slot, memory)
+        cache.lengths = [slot + 1] * len(cache.lengths)
+        if final_norm is not None:
+            x = final_norm(x)
+        return head(x)
