@@ -204,7 +204,9 @@ def beam_search(
     _check(model, src, src_mask, max_lens)
     k = beam_size
     memory = model.encode(src, src_mask)
-    steps = (CachedSteps if cached else FullPrefixSteps)(model, memory, int(max_lens.max()) + 1, flat)
+    steps = (CachedSteps if cached else FullPrefixSteps)(
+        model, memory, int(max_lens.max()) + 1, flat and cached
+    )
     alive = torch.arange(b, device=device)  # (N,) source sentence of each searching sentence
     scores = torch.zeros(b, 1, device=device)  # (N, beams) log-probabilities of the live beams
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (R, t + 1)
@@ -214,8 +216,8 @@ def beam_search(
         logp = _next_log_probs(steps, prefix, banned)  # (R, V)
         n, nb, v = scores.shape[0], scores.shape[1], logp.shape[-1]
         cand = (scores[:, :, None] + logp.view(n, nb, v)).view(n, nb * v)  # (N, nb * V)
-        top, flat = cand.topk(min(2 * k, nb * v), dim=-1)  # (N, C), best first
-        token, row = flat % v, torch.arange(n, device=device)[:, None] * nb + flat // v  # (N, C)
+        top, pos = cand.topk(min(2 * k, nb * v), dim=-1)  # (N, C), best first; pos = beam * V + token
+        token, row = pos % v, torch.arange(n, device=device)[:, None] * nb + pos // v  # (N, C)
         valid, is_eos = torch.isfinite(top), token == eos_id
         last = (max_lens[alive] == t)[:, None]  # (N, 1): the live beams end here too
         in_top_k = torch.arange(top.shape[1], device=device)[None, :] < k

@@ -218,8 +218,8 @@ def unsupported(model: nn.Module) -> str | None:
     the classes they know, unchanged."""
     if type(model) not in (DecoderLM, EncoderDecoder):
         return f"{type(model).__name__} is neither a DecoderLM nor an EncoderDecoder"
-    if model.training:
-        return "the model is in training mode (dropout)"
+    if any(m.training for m in model.modules()):
+        return "the model or one of its modules is in training mode (dropout)"
     if torch.is_grad_enabled():
         return "gradients are enabled (the step is for inference: no_grad or inference_mode)"
     if torch.is_autocast_enabled(next((p.device for p in model.parameters()), torch.device("cpu")).type):
@@ -251,7 +251,7 @@ def unsupported(model: nn.Module) -> str | None:
             if type(attn.kernel) not in (GqaSdpaAttention, SdpaAttention):
                 return f"attention kernel {type(attn.kernel).__name__}"
             if attn.n_heads != attn.n_kv_heads and type(attn.kernel) is not GqaSdpaAttention:
-                return "grouped K/V heads need torch >= 2.5 (SDPA enable_gqa)"
+                return "grouped K/V heads without SDPA's enable_gqa (the kernel repeats K/V)"
             linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if type(block.ffn) in (SwiGLU, ReluFFN, GeluFFN):  # read as products; others run as modules
             linears += list(block.ffn.children())
@@ -325,7 +325,7 @@ class Seq2SeqDecodeStep:
         decoder = model.decoder
         self.plain_embed = type(decoder.input_positions) is NoPositions and decoder.embed_scale == 1.0
         self.table = decoder.rotary.cos_sin if type(decoder.rotary) is HalfRotaryEmbedding else None
-        self.by_rows: dict[int, tuple[list[_CrossBlock], Fn | None, Fn]] = {}
+        self.rows, self.program = 0, None  # the program for the last row count (rows only shrink)
 
     @classmethod
     def build(cls, model: nn.Module) -> Seq2SeqDecodeStep | None:
@@ -334,11 +334,14 @@ class Seq2SeqDecodeStep:
         return None if type(model) is not EncoderDecoder or unsupported(model) else cls(model)
 
     def _program(self, rows: int) -> tuple[list[_CrossBlock], Fn | None, Fn]:
-        if rows not in self.by_rows:
+        """The blocks, final norm and head for `rows` rows, rebuilt when the row count changes (cheap:
+        partials over the weights; from FUSE_MIN_ROWS rows a stacked copy, as `model.decode` makes per
+        call; only the latest is kept)."""
+        if rows != self.rows:
             blocks = [_CrossBlock(block, rows) for block in self.model.decoder.blocks]
             final_norm, head = _norm(self.model.decoder.final_norm), _product((self.model.lm_head,), rows)
-            self.by_rows[rows] = blocks, final_norm, head
-        return self.by_rows[rows]
+            self.rows, self.program = rows, (blocks, final_norm, head)
+        return self.program
 
     def __call__(self, tokens: Tensor, memory: Memory, cache: KVCache) -> Tensor:
         slot = cache.seq_len
