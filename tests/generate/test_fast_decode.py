@@ -48,6 +48,22 @@ def test_row_blocked_linear_equals_f_linear(shape, n_blocks: int, bias: bool) ->
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_blocked_linear_writes_into_out(rows: int, bias: bool, count_calls) -> None:
+    """out=: the result lands in the given rows (a slice of a bigger buffer, as the MoE loop kernel
+    passes); one row without bias is written by the product itself, with no copy."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(rows, 24), torch.randn(40, 24)
+    b = torch.randn(40) if bias else None
+    buffer = torch.full((rows + 2, 40), float("nan"))
+    copies = count_calls(torch.Tensor, "copy_")
+    got = row_blocked_linear(x, weight, b, 4, out=buffer[1 : 1 + rows])
+    assert got.data_ptr() == buffer[1].data_ptr() and len(copies) == (0 if rows == 1 and not bias else 1)
+    torch.testing.assert_close(buffer[1 : 1 + rows], F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    assert buffer[0].isnan().all() and buffer[-1].isnan().all()
+
+
 def test_row_blocked_linear_has_gradients() -> None:
     torch.manual_seed(0)
     x, weight, bias = (

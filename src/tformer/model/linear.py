@@ -67,22 +67,28 @@ DECODE_MIN_WEIGHT = 65_536  # elements (256 KB fp32) below which bmm's ~15 us fi
 
 
 def row_blocked_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, n_blocks: int = DECODE_BLOCKS
+    x: Tensor, weight: Tensor, bias: Tensor | None, n_blocks: int = DECODE_BLOCKS, out: Tensor | None = None
 ) -> Tensor:
     """F.linear(x, weight, bias) as one batched product of n_blocks row blocks of weight with x^T.
 
     x (..., D_in), weight (D_out, D_in) with D_out divisible by n_blocks -> (..., D_out). The blocks are
     views of weight, x^T is broadcast over them: (n, D_out/n, D_in) @ (n, D_in, R) -> (n, D_out/n, R).
     Same sums as F.linear, possibly in another order (floating point differs by rounding only).
+    out: write the result there (one contiguous row without bias: the product writes it directly).
     """
     d_in, d_out = x.shape[-1], weight.shape[0]
     x = x.contiguous()
     rows = x.numel() // d_in
     xt = x.as_strided((n_blocks, d_in, rows), (0, 1, d_in))  # x^T, broadcast over the blocks
-    y = torch.bmm(weight.view(n_blocks, d_out // n_blocks, d_in), xt)  # (n, D_out/n, R)
+    blocks = weight.view(n_blocks, d_out // n_blocks, d_in)
+    if out is not None and rows == 1 and bias is None and out.is_contiguous():
+        torch.bmm(blocks, xt, out=out.view(n_blocks, d_out // n_blocks, 1))  # (n, D_out/n, 1) is the row
+        return out
+    y = torch.bmm(blocks, xt)  # (n, D_out/n, R)
     out_shape = (*x.shape[:-1], d_out)
     y = y.view(out_shape) if rows == 1 else y.permute(2, 0, 1).reshape(out_shape)
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return y if out is None else out.copy_(y)
 
 
 def row_blocks(weight: Tensor, n_blocks: int = DECODE_BLOCKS, min_weight: int | None = None) -> int | None:

@@ -42,7 +42,7 @@ def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: 
         xe, ye, we, be = x[start : start + n], y[start : start + n], w[e], None if b is None else b[e]
         start += n
         if blocks and n <= max_rows:  # a few rows: a product bound by reading the weights
-            ye.copy_(row_blocked_linear(xe, we, be, blocks))
+            row_blocked_linear(xe, we, be, blocks, out=ye)
         elif be is not None:
             torch.addmm(be, xe, we.t(), out=ye)
         else:
