@@ -116,9 +116,8 @@ class _Attention:
         self.o = _product((attn.o_proj,), rows)
         self.layer = attn.layer_idx
         self.h, self.hkv, self.e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.gqa = (
-            {"enable_gqa": True} if type(attn.kernel) is GqaSdpaAttention else {}
-        )  # as the kernel calls SDPA
+        # SDPA called as the model's kernel calls it (the GQA kernel passes enable_gqa at any head count)
+        self.gqa = {"enable_gqa": True} if type(attn.kernel) is GqaSdpaAttention else {}
 
     def __call__(
         self, x: Tensor, rotate: Fn | None, cache: KVCache, slot: int, mask: Tensor | None
