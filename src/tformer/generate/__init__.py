@@ -1,4 +1,5 @@
-"""Generation: next-token sampling (more to come: engine with KV cache, beam search)."""
+"""Generation: next-token sampling (here), the KV-cached engine for decoder LMs (`engine.generate`)
+and beam / greedy / sampled search for encoder-decoders (`beam.search`)."""
 
 from tformer.generate.sampling import (
     SamplingConfig,
