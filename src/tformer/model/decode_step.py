@@ -260,18 +260,51 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-class DecodeStep:
+class _Step:
+    """What both steps share: the new tokens' embedding, the RoPE rotation at their positions, and the
+    end of a step (the cache's length, the final norm, the head). `stack` is the decoder stack (the
+    `DecoderLM` itself, or the `EncoderDecoder`'s decoder)."""
+
+    def __init__(self, stack: nn.Module) -> None:
+        self.stack = stack
+        self.embed_weight = stack.tok_embed.weight
+        self.plain_embed = type(stack.input_positions) is NoPositions and stack.embed_scale == 1.0
+        table = stack.rotary.cos_sin if type(stack.rotary) is HalfRotaryEmbedding else None  # (2, P, E)
+        self.table = None if table is None else table.to(self.embed_weight.dtype)
+
+    def start(
+        self, tokens: Tensor, positions: Tensor | None, cache: KVCache
+    ) -> tuple[Tensor, int, Fn | None]:
+        """(x (B, D), the cache slot of the new tokens, the rotation of their q/k heads or None)."""
+        slot = cache.seq_len
+        if slot >= cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot add 1 after {slot}")
+        if self.plain_embed:
+            x = F.embedding(tokens, self.embed_weight)  # (B, D)
+        else:
+            pos = torch.arange(slot, slot + 1, device=tokens.device) if positions is None else positions
+            x = self.stack.embed(tokens[:, None], pos).squeeze(1)
+        if self.table is None:
+            return x, slot, None
+        if positions is None:
+            cos, sin = self.table[:, slot]  # (E,) each: one position for every row
+        else:
+            cos, sin = self.table.index_select(1, positions.view(-1))[:, :, None]  # (B, 1, E) each
+        return x, slot, partial(rotate_whole_half_layout, cos=cos, sin=sin)
+
+    @staticmethod
+    def finish(x: Tensor, cache: KVCache, slot: int, final_norm: Fn | None, head: Fn) -> Tensor:
+        cache.lengths = [slot + 1] * len(cache.lengths)
+        return head(x if final_norm is None else final_norm(x))
+
+
+class DecodeStep(_Step):
     """`step(tokens, positions, key_padding, cache)` -> logits (B, V) of one new token per row, writing
     its keys/values into `cache` (a `KVCache` the model's prefill filled) like `model(...)` does."""
 
     def __init__(self, model: DecoderLM, rows: int) -> None:
+        super().__init__(model)
         self.rows = rows
-        self.model = model
-        self.embed_weight = model.tok_embed.weight
-        self.plain_embed = type(model.input_positions) is NoPositions and model.embed_scale == 1.0
-        self.table = model.rotary.cos_sin if type(model.rotary) is HalfRotaryEmbedding else None  # (2, P, E)
-        if self.table is not None:
-            self.table = self.table.to(self.embed_weight.dtype)
         self.blocks = [_Block(block, rows) for block in model.blocks]
         self.final_norm = _norm(model.final_norm)
         self.head = _product((model.lm_head,), rows)
@@ -285,34 +318,16 @@ class DecodeStep:
     def __call__(
         self, tokens: Tensor, positions: Tensor | None, key_padding: Tensor | None, cache: KVCache
     ) -> Tensor:
-        b = tokens.shape[0]
-        slot = cache.seq_len
-        if b != self.rows:
-            raise ValueError(f"this decoding step was built for {self.rows} rows, got {b}")
-        if slot >= cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot add 1 after {slot}")
-        if self.plain_embed:
-            x = F.embedding(tokens, self.embed_weight)  # (B, D)
-        else:
-            pos = torch.arange(slot, slot + 1, device=tokens.device) if positions is None else positions
-            x = self.model.embed(tokens[:, None], pos).squeeze(1)
-        rotate = None
-        if self.table is not None:
-            if positions is None:
-                cos, sin = self.table[:, slot]  # (E,) each: one position for every row
-            else:
-                cos, sin = self.table.index_select(1, positions.view(-1))[:, :, None]  # (B, 1, E) each
-            rotate = partial(rotate_whole_half_layout, cos=cos, sin=sin)
+        if tokens.shape[0] != self.rows:
+            raise ValueError(f"this decoding step was built for {self.rows} rows, got {tokens.shape[0]}")
+        x, slot, rotate = self.start(tokens, positions, cache)
         mask = None if key_padding is None else key_padding[:, None, None, :]  # (B, 1, 1, S)
         for block in self.blocks:
             x = block(x, rotate, cache, slot, mask)
-        cache.lengths = [slot + 1] * len(cache.lengths)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.head(x)
+        return self.finish(x, cache, slot, self.final_norm, self.head)
 
 
-class Seq2SeqDecodeStep:
+class Seq2SeqDecodeStep(_Step):
     """`step(tokens, memory, cache)` -> logits (R, V) of one new target token per row of an
     `EncoderDecoder`, over `memory` (the rows' encoder `Memory`) and `cache` (a `KVCache` that holds at
     least one step: the first step, which allocates its buffers, runs through `model.decode`). Rows may
@@ -320,10 +335,8 @@ class Seq2SeqDecodeStep:
     once each."""
 
     def __init__(self, model: EncoderDecoder) -> None:
+        super().__init__(model.decoder)
         self.model = model
-        decoder = model.decoder
-        self.plain_embed = type(decoder.input_positions) is NoPositions and decoder.embed_scale == 1.0
-        self.table = decoder.rotary.cos_sin if type(decoder.rotary) is HalfRotaryEmbedding else None
         self.rows, self.program = 0, None  # the program for the last row count (rows only shrink)
 
     @classmethod
@@ -337,30 +350,16 @@ class Seq2SeqDecodeStep:
         partials over the weights; from FUSE_MIN_ROWS rows a stacked copy, as `model.decode` makes per
         call; only the latest is kept)."""
         if rows != self.rows:
-            blocks = [_CrossBlock(block, rows) for block in self.model.decoder.blocks]
-            final_norm, head = _norm(self.model.decoder.final_norm), _product((self.model.lm_head,), rows)
+            blocks = [_CrossBlock(block, rows) for block in self.stack.blocks]
+            final_norm, head = _norm(self.stack.final_norm), _product((self.model.lm_head,), rows)
             self.rows, self.program = rows, (blocks, final_norm, head)
         return self.program
 
     def __call__(self, tokens: Tensor, memory: Memory, cache: KVCache) -> Tensor:
-        slot = cache.seq_len
-        if slot == 0 or cache.k[0] is None:
+        if cache.seq_len == 0 or cache.k[0] is None:
             raise ValueError("the first decoding step runs through model.decode (it allocates the cache)")
-        if slot >= cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot add 1 after {slot}")
         blocks, final_norm, head = self._program(tokens.shape[0])
-        if self.plain_embed:
-            x = F.embedding(tokens, self.model.tok_embed.weight)  # (R, D)
-        else:
-            x = self.model.decoder.embed(tokens[:, None], torch.arange(slot, slot + 1, device=tokens.device))
-            x = x.squeeze(1)
-        rotate = None
-        if self.table is not None:
-            cos, sin = self.table[:, slot].to(x.dtype)  # (E,) each: one position for every row
-            rotate = partial(rotate_whole_half_layout, cos=cos, sin=sin)
+        x, slot, rotate = self.start(tokens, None, cache)
         for block in blocks:
             x = block(x, rotate, cache, slot, memory)
-        cache.lengths = [slot + 1] * len(cache.lengths)
-        if final_norm is not None:
-            x = final_norm(x)
-        return head(x)
+        return self.finish(x, cache, slot, final_norm, head)
