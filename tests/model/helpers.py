@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from tformer import ModelConfig, build_model
+from tformer import ModelConfig, MoEConfig, build_model
 
 
 def make(cfg: ModelConfig, **changes) -> nn.Module:
@@ -43,3 +43,11 @@ def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, Tensor]:
             name = name.replace(a, b)
         state[name] = tensor
     return state
+
+
+NO_LOSS = {"aux_loss_coef": 0.0}  # MoE settings without balance losses
+
+
+def moe_cfg(ffn: str = "swiglu", bias: bool = False, d_model: int = 16, d_ff: int = 24, **moe) -> ModelConfig:
+    """A small model config whose FFN slot is an MoE layer with settings `moe`."""
+    return ModelConfig(d_model=d_model, d_ff=d_ff, n_heads=4, ffn=ffn, bias=bias, moe=MoEConfig(**moe))

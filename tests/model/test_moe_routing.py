@@ -1,0 +1,292 @@
+"""MoE routing and balancing: top-k routing by hand, balance losses and their channel to the trainer,
+the auxiliary-loss-free bias, capacity and routing statistics (RELIABILITY section E)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer import MoEConfig
+from tformer.model.ffn import make_dense_ffn
+from tformer.model.moe import MoE, moe_aux_loss, moe_routing_stats, update_expert_biases
+from tformer.model.router import (
+    TopKRouter,
+    device_balance_loss,
+    load_balance_loss,
+    router_z_loss,
+    seq_balance_loss,
+)
+
+from .helpers import NO_LOSS, moe_cfg
+
+
+# ----------------------------------------------------------------------------- routing by hand
+def hand_router(values: list[float], **moe) -> tuple[TopKRouter, torch.Tensor]:
+    """A router whose logits are `values` (identity centroids)."""
+    e = len(values)
+    router = TopKRouter(e, MoEConfig(n_experts=e, **moe))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(e))
+    return router, torch.tensor([values])
+
+
+@pytest.mark.parametrize(
+    ("score_func", "probs", "norm", "scale", "idx", "weights"),
+    [
+        ("softmax", [0.1, 0.2, 0.3, 0.4], False, 1.0, [3, 2], [0.4, 0.3]),
+        ("softmax", [0.1, 0.2, 0.3, 0.4], True, 1.0, [3, 2], [4 / 7, 3 / 7]),
+        ("softmax", [0.1, 0.2, 0.3, 0.4], True, 2.5, [3, 2], [10 / 7, 7.5 / 7]),
+        ("sigmoid", [0.5, 0.75, 0.25, 0.9], False, 1.0, [3, 1], [0.9, 0.75]),
+        ("sigmoid", [0.5, 0.75, 0.25, 0.9], True, 2.5, [3, 1], [2.5 * 0.9 / 1.65, 2.5 * 0.75 / 1.65]),
+    ],
+)
+def test_top_k_by_hand(score_func, probs, norm, scale, idx, weights) -> None:
+    # softmax(log p) = p when sum(p) = 1; sigmoid(log(s / (1 - s))) = s
+    logits = [math.log(p) if score_func == "softmax" else math.log(p / (1 - p)) for p in probs]
+    router, x = hand_router(logits, top_k=2, score_func=score_func, norm_topk=norm, routed_scaling=scale)
+    route = router(x)
+    assert route.idx.tolist() == [idx]
+    torch.testing.assert_close(route.weights, torch.tensor([weights]))
+
+
+GROUP_PROBS = [0.30, 0.02, 0.20, 0.19, 0.22, 0.01, 0.04, 0.02]  # 4 groups of 2 experts
+
+
+@pytest.mark.parametrize(
+    ("groups", "idx"),
+    [
+        ({}, [0, 4, 2]),  # global top-3
+        ({"group_score": "max"}, [0, 4, 1]),  # groups {0, 2} by best expert (DeepSeek-V2)
+        ({"group_score": "top2"}, [0, 2, 3]),  # groups {1, 0} by best two summed (DeepSeek-V3)
+    ],
+)
+def test_group_limited_routing_by_hand(groups: dict, idx: list[int]) -> None:
+    limit = {"n_group": 4, "topk_group": 2, **groups} if groups else {}
+    router, x = hand_router([math.log(p) for p in GROUP_PROBS], top_k=3, norm_topk=False, **limit)
+    route = router(x)
+    assert route.idx.tolist() == [idx]
+    torch.testing.assert_close(route.weights, torch.tensor([[GROUP_PROBS[i] for i in idx]]))
+
+
+def test_top1_keeps_the_router_gradient_and_centroids_are_the_weight() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=1, norm_topk=True, **NO_LOSS), 0).train()
+    assert moe.router.centroids is moe.router.weight and moe.router.centroids.shape == (4, 16)
+    moe(torch.randn(2, 8, 16)).sum().backward()
+    assert moe.router.weight.grad.abs().sum() > 0  # top-1 weight is p, not p / p = 1
+
+
+def test_router_is_fp32_under_bf16_autocast() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, z_loss_coef=0.1), 0).train()
+    x = torch.randn(2, 8, 16)
+    ref = moe.router(x.view(-1, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        route = moe.router(x.view(-1, 16))
+        y = moe(x)
+        loss = y.float().sum() + moe.last_aux
+    assert route.logits.dtype == route.weights.dtype == torch.float32
+    torch.testing.assert_close(route.logits, ref.logits, rtol=0, atol=0)
+    assert torch.equal(route.idx, ref.idx) and torch.isfinite(y).all()
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in moe.parameters())
+
+
+def test_jitter_only_in_training() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, jitter=0.5), 0)
+    x = torch.randn(10, 16)
+    assert not torch.equal(moe.train().router(x).logits, moe.router(x).logits)
+    clean = F.linear(x, moe.router.weight)
+    torch.testing.assert_close(moe.eval().router(x).logits, clean, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- balance losses
+def test_balance_losses_equal_their_formulas() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6]])
+    idx = torch.tensor([[0], [0], [1], [2]])
+    f, p = [2 / 4, 1 / 4, 1 / 4], [1.6 / 4, 1.5 / 4, 0.9 / 4]
+    expected = 3 * sum(fi * pi for fi, pi in zip(f, p))
+    torch.testing.assert_close(load_balance_loss(probs, idx), torch.tensor(expected))
+    # per sequence (2 of 2 tokens): seq 0 is all on expert 0
+    seq0 = 3 * (1.0 * 0.65)
+    seq1 = 3 * (0.5 * 0.5 + 0.5 * 0.35)
+    torch.testing.assert_close(seq_balance_loss(probs, idx, batch=2), torch.tensor((seq0 + seq1) / 2))
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    z = (math.log(math.exp(1) + math.exp(2) + math.exp(3)) ** 2 + math.log(3) ** 2) / 2
+    torch.testing.assert_close(router_z_loss(logits), torch.tensor(z))
+    probs4 = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    idx4 = torch.tensor([[0, 1], [0, 2]])  # loads 2, 1, 1, 0 -> f_i = E * share = 2, 1, 1, 0
+    f_dev, p_dev = [(2 + 1) / 2, (1 + 0) / 2], [0.5, 0.5]
+    expected = sum(a * b for a, b in zip(f_dev, p_dev))
+    torch.testing.assert_close(device_balance_loss(probs4, idx4, n_devices=2), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_balance_losses_are_one_at_uniform_routing_and_grow_with_collapse(k: int) -> None:
+    """RELIABILITY E3: the Switch loss goes from ~1 (uniform) to E / k (collapsed on k experts)."""
+    e, n = 4, 64
+    base = torch.randn(n, e)
+    values = []
+    for sharpness in (0.0, 1.0, 3.0, 100.0):  # uniform ... collapsed onto experts 0..k-1
+        logits = base * (sharpness > 0) + sharpness * torch.tensor([1.0] * k + [-1.0] * (e - k))
+        probs = torch.softmax(logits, -1)
+        idx = torch.arange(n * k).remainder(e).view(n, k) if sharpness == 0 else probs.topk(k, -1).indices
+        losses = [
+            load_balance_loss(probs, idx),
+            seq_balance_loss(probs, idx, 4),
+            device_balance_loss(probs, idx, 2),
+        ]
+        values.append(torch.stack(losses))
+    torch.testing.assert_close(values[0], torch.ones(3))
+    for a, b in zip(values, values[1:]):
+        assert (b >= a - 1e-6).all()
+    torch.testing.assert_close(values[-1][0], torch.tensor(e / k), atol=1e-3, rtol=0)
+
+
+def test_aux_loss_is_averaged_over_layers_never_pooled() -> None:
+    cfg = moe_cfg(n_experts=4, top_k=1, aux_loss_coef=0.5)
+    layers = nn.ModuleList([MoE(cfg, 0), MoE(cfg, 1)]).train()
+    with torch.no_grad():
+        layers[1].router.weight[0] += 5.0 * torch.ones(16)  # layer 1 prefers expert 0
+    x = torch.randn(2, 8, 16).abs()
+    routes = []
+    for layer in layers:
+        layer(x)
+        routes.append(layer.router(x.view(-1, 16)))
+    per_layer = [load_balance_loss(r.scores, r.idx) for r in routes]
+    pooled = load_balance_loss(torch.cat([r.scores for r in routes]), torch.cat([r.idx for r in routes]))
+    torch.testing.assert_close(moe_aux_loss(layers), 0.5 * (per_layer[0] + per_layer[1]) / 2)
+    assert not torch.allclose(moe_aux_loss(layers), 0.5 * pooled)
+
+
+def test_z_loss_of_a_layer() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.3), 0).train()
+    x = torch.randn(2, 5, 16)
+    moe(x)
+    torch.testing.assert_close(moe.last_aux, 0.3 * router_z_loss(moe.router(x.view(-1, 16)).logits))
+
+
+def test_aux_loss_exactly_zero_without_coefficients_or_moe_layers() -> None:
+    """RELIABILITY E9."""
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, **NO_LOSS), 0).train()
+    moe(torch.randn(2, 5, 16))
+    for model in (moe, make_dense_ffn("swiglu", 16, 24, False)):
+        loss = moe_aux_loss(model)
+        assert loss.item() == 0.0 and not loss.requires_grad and loss.grad_fn is None
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, z_loss_coef=1e-3, seq_aux_loss_coef=1e-3), 0).train()
+    moe(torch.randn(2, 5, 16))
+    loss = moe_aux_loss(moe)
+    assert loss.requires_grad and torch.isfinite(loss) and loss > 0
+
+
+# ----------------------------------------------------------------------------- aux-loss-free bias
+def test_bias_update_moves_a_skewed_load_toward_uniform() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=1, bias_update_rate=0.02, **NO_LOSS), 0).train()
+    x = torch.randn(4, 32, 16)
+    with torch.no_grad():
+        moe.router.weight[0] = 0.5 * x.view(-1, 16).mean(0) / x.view(-1, 16).mean(0).norm() ** 2
+        moe.router.weight[1:] *= 0.1
+    moe(x)
+    start = moe_routing_stats(moe)[""]["max_vio"]
+    for _ in range(60):
+        moe(x)
+        update_expert_biases(moe)
+    moe(x)
+    assert start > 1.0 and moe_routing_stats(moe)[""]["max_vio"] < 0.5 * start
+    assert moe.router.expert_bias[0] < 0 and moe.router.tokens_per_expert.sum() == 128
+
+
+def test_bias_steers_selection_but_not_the_combination_weights() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, norm_topk=False), 0)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 5.0]))
+    route = moe.router(x)
+    assert (route.idx.sort(-1).values == torch.tensor([2, 3])).all()
+    torch.testing.assert_close(
+        route.weights, torch.softmax(F.linear(x, moe.router.weight), -1).gather(-1, route.idx)
+    )
+
+
+def test_counters_change_only_in_training_forwards_and_live_in_the_checkpoint() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, bias_update_rate=0.1), 0)
+    x = torch.randn(2, 5, 16)
+    moe.eval()(x)
+    with torch.no_grad():
+        moe.train()(x)
+    assert moe.router.tokens_per_expert.sum() == 0 and moe.router.window_tokens.sum() == 0
+    assert moe.last_stats == {} and moe_routing_stats(moe) == {}
+    moe.train()(x)
+    assert moe.router.tokens_per_expert.sum() == 2 * 5 * 2
+    update_expert_biases(moe)
+    assert moe.router.tokens_per_expert.sum() == 0 and moe.router.expert_bias.abs().sum() > 0
+    state = moe.state_dict()
+    assert {"router.expert_bias", "router.tokens_per_expert", "router.window_tokens"} <= set(state)
+    other = MoE(moe_cfg(n_experts=4, top_k=2, bias_update_rate=0.1), 0)
+    other.load_state_dict(state)
+    assert torch.equal(other.router.expert_bias, moe.router.expert_bias)
+
+
+# ----------------------------------------------------------------------------- capacity and statistics
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_capacity_overflow_drops_an_exact_count(dispatch: str) -> None:
+    """RELIABILITY E5: 512 tokens, top-2 of 4 collapsed onto experts 0 and 1, cf 1.25 -> capacity
+    ceil(1.25 * 512 * 2 / 4) = 320 per expert; 2 * (512 - 320) = 384 of 1024 assignments dropped."""
+    moe = MoE(
+        moe_cfg(d_model=8, n_experts=4, top_k=2, capacity_factor=1.25, n_shared=1, dispatch=dispatch), 0
+    )
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # forced collapse
+    x = torch.randn(2, 256, 8)
+    y = moe.train()(x).view(512, 8)
+    assert moe.dispatch.capacity.limit(512) == 320
+    stats = moe_routing_stats(moe)[""]
+    assert stats["dropped"] == 384 and stats["assignments"] == 1024
+    assert (
+        stats["load"] == [0.5, 0.5, 0.0, 0.0] and stats["max_vio"] == 1.0 and stats["dead_experts"] == [2, 3]
+    )
+    shared = moe.shared(x.view(512, 8))
+    torch.testing.assert_close(y[320:], shared[320:])  # both experts full: residual + shared only
+    assert not torch.allclose(y[:320], shared[:320])
+
+
+def test_capacity_is_clamped_to_the_token_count_and_dropless_drops_nothing() -> None:
+    """RELIABILITY E5 (clamp) and E6."""
+    big = MoE(moe_cfg(n_experts=2, top_k=2, capacity_factor=10.0), 0)
+    assert big.dispatch.capacity.limit(4) == 4
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    moe(torch.randn(2, 64, 16))
+    assert moe_routing_stats(moe)[""]["dropped"] == 0
+
+
+def test_routing_stats_entropy_and_window() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+    with torch.no_grad():
+        moe.router.weight.zero_()  # uniform probabilities: entropy log(4)
+    moe(torch.randn(1, 6, 16))
+    stats = moe_routing_stats(moe)
+    assert math.isclose(stats[""]["entropy"], math.log(4), rel_tol=1e-6)
+    assert stats[""]["window_tokens"] == 12 and moe.router.window_tokens.sum() == 0
+
+
+def test_dead_experts_are_counted_over_the_whole_window() -> None:
+    """RELIABILITY E4: an expert is dead only if it got no token in any step since the last report."""
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+
+    def step(bias: list[float]) -> None:
+        with torch.no_grad():
+            moe.router.expert_bias.copy_(torch.tensor(bias))
+        moe(torch.randn(2, 8, 16))
+
+    step([10.0, 10.0, 0.0, 0.0])  # experts 0, 1
+    step([0.0, 0.0, 10.0, 10.0])  # experts 2, 3
+    stats = moe_routing_stats(moe)[""]
+    assert stats["dead_experts"] == [] and stats["window_tokens"] == 2 * 16 * 2
+    step([10.0, 10.0, 0.0, 0.0])
+    step([10.0, 0.0, 10.0, 0.0])
+    stats = moe_routing_stats(moe)[""]
+    assert stats["dead_experts"] == [3] and stats["window_tokens"] == 2 * 16 * 2
