@@ -9,22 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.words import WORDS
 from tformer.tasks import make_task
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.loop import Trainer
 from tformer.train.presets import tiny_lm
 from tformer.train.step import NonFiniteError
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    gen = torch.Generator().manual_seed(0)
-    for i in range(12):
-        words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (400,), generator=gen)]
-        (root / f"doc{i:02d}.txt").write_text(" ".join(words) + "\n")
-    return root
 
 
 def small_config(corpus_dir: Path, **changes) -> TrainConfig:

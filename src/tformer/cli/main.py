@@ -163,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError, FileNotFoundError, MissingDataError, NonFiniteError) as err:
         print(f"tformer {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         print(f"tformer {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)
 
 
 if __name__ == "__main__":

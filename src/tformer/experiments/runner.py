@@ -40,7 +40,13 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.model import build_model
-from tformer.model.moe import moe_aux_loss, moe_layers, moe_routing_stats, update_expert_biases
+from tformer.model.moe import (
+    discard_expert_counts,
+    moe_aux_loss,
+    moe_layers,
+    moe_routing_stats,
+    update_expert_biases,
+)
 from tformer.tasks import make_task
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
@@ -330,6 +336,8 @@ def instrumented_step(
     if finite:
         optimizer.step()
         update_expert_biases(model)
+    else:
+        discard_expert_counts(model)
     optimizer.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()

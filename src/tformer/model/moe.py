@@ -378,3 +378,10 @@ def update_expert_biases(model: nn.Module, all_reduce: Callable[[Tensor], object
     forwards made since the last call (summed over processes by `all_reduce`); then the count restarts."""
     for _, layer in moe_layers(model):
         layer.router.update_bias(all_reduce)
+
+
+def discard_expert_counts(model: nn.Module) -> None:
+    """Forget the assignments counted since the last bias update: a skipped (non-finite) step's routing
+    must not steer the next update."""
+    for _, layer in moe_layers(model):
+        layer.router.tokens_per_expert.zero_()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -29,6 +30,7 @@ from tformer.distributed.plans import make_plan
 from tformer.model import build_model
 from tformer.train.checkpoint import latest_checkpoint
 from tformer.train.config import TrainConfig
+from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import make_optimizer, make_scheduler
 from tformer.train.step import NonFiniteError, autocast_context, train_step
@@ -137,49 +139,33 @@ class Trainer:
         return result
 
     def fit(self, until: int | None = None) -> dict[str, Any]:
-        """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would)."""
-        cfg, s = self.cfg, self.state
-        stop = cfg.steps if until is None else min(until, cfg.steps)
+        """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would).
+        Ctrl-C or SIGTERM stops after the step in flight, with a checkpoint (tformer.train.interrupt)."""
+        s = self.state
+        stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
         self.model.train()
         bar = self._progress_bar()
         t0, tok0 = time.perf_counter(), s.tokens_seen
         try:
-            while s.step < stop:
-                micro = [self.loader.next_batch(self.device) for _ in range(cfg.grad_accum)]
-                result = train_step(
-                    self.forward_model,
-                    self.task.loss,
-                    micro,
-                    self.task.count_targets,
-                    self.optimizer,
-                    self.scheduler,
-                    cfg.optim.grad_clip,
-                    self.autocast,
-                    self.parallel.comm,
-                )
-                s.step += 1
-                s.tokens_seen += int(self.parallel.comm.sum(sum(self.task.count_inputs(b) for b in micro)))
-                self._guard(result)
-                self._watch_spikes(result, bar)
-                rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
-                if s.step % cfg.log_every == 0 or s.step == cfg.steps:
-                    self._log_train(result, rate)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{result.loss:.3f}",
-                        lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
-                        tok_s=f"{rate:,.0f}",
-                    )
-                if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
-                    self._log_eval()
-                if s.step % cfg.save_every == 0:
-                    self.save()
-        except KeyboardInterrupt:
+            with StopRequests(announce=self.env.is_main) as signals:
+                while s.step < stop:
+                    self._one_step(bar, t0, tok0)
+                    signum = signals.agreed(self.parallel.comm)
+                    if signum is not None:
+                        path = self.save()
+                        self.checkpointer.wait()
+                        raise Stopped(
+                            signum, f"stopped at step {s.step}: checkpoint {path}; continue with --resume"
+                        )
+        except KeyboardInterrupt as e:
             if bar is not None:
                 bar.close()
-            path = self.save()
-            print(f"\ninterrupted at step {s.step}: checkpoint saved to {path}; continue with --resume")
+            if isinstance(e, Stopped):
+                print(f"\n{e}", file=sys.stderr)
+            else:  # a second Ctrl-C, maybe mid-step: a checkpoint of this moment could not resume exactly
+                last = latest_checkpoint(self.run_dir)
+                where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
+                print(f"\nstopped during step {s.step + 1}, without saving it; {where}", file=sys.stderr)
             raise
         finally:
             if bar is not None:
@@ -190,6 +176,36 @@ class Trainer:
             plot_loss_curve(self.run_dir)
         self.metrics.close()
         return self.final_report()
+
+    def _one_step(self, bar, t0: float, tok0: int) -> None:
+        """One optimizer step and its cadence: log, progress bar, evaluation, checkpoint."""
+        cfg, s = self.cfg, self.state
+        micro = [self.loader.next_batch(self.device) for _ in range(cfg.grad_accum)]
+        result = train_step(
+            self.forward_model,
+            self.task.loss,
+            micro,
+            self.task.count_targets,
+            self.optimizer,
+            self.scheduler,
+            cfg.optim.grad_clip,
+            self.autocast,
+            self.parallel.comm,
+        )
+        s.step += 1
+        s.tokens_seen += int(self.parallel.comm.sum(sum(self.task.count_inputs(b) for b in micro)))
+        self._guard(result)
+        self._watch_spikes(result, bar)
+        rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
+        if s.step % cfg.log_every == 0 or s.step == cfg.steps:
+            self._log_train(result, rate)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}")
+        if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
+            self._log_eval()
+        if s.step % cfg.save_every == 0:
+            self.save()
 
     def _guard(self, result) -> None:
         s = self.state
@@ -252,7 +268,7 @@ class Trainer:
             "loss": result.loss,
             "aux_loss": result.aux_loss,
             "grad_norm": result.grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": result.lr,
             "tokens_per_s": rate,
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,

@@ -11,13 +11,16 @@ from tformer.train.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (linear and expert weights) decay; biases, norm weights and embeddings do not."""
+    """Matrices (linear and expert weights) decay; biases, norm weights and embeddings do not. Biases are
+    told by name, since stacked expert biases (E, out) are matrices by shape."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_embedding = "embed" in name.split(".")[-2] if "." in name else False
-        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+        parts = name.split(".")
+        is_embedding = len(parts) > 1 and "embed" in parts[-2]
+        is_bias = parts[-1] == "bias" or parts[-1].endswith("_bias")
+        (decay if p.dim() >= 2 and not (is_embedding or is_bias) else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -37,19 +40,22 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
-    """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total`."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total`: warm-up rises linearly to 1.0
+    at step warmup_steps - 1; the decay then starts below the peak and reaches min_lr_ratio exactly at
+    the last step, total - 1 (without warm-up, step 0 runs at the peak)."""
+    w = cfg.warmup_steps
+    if w and step < w:
+        return (step + 1) / w
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "cosine":
-        span = max(1, total - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        done, span = (step - w + 1, total - w) if w else (step, total - 1)
+        progress = min(1.0, done / max(1, span))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_start = int(total * (1 - cfg.decay_frac))  # wsd
+    decay_start = max(w, int(total * (1 - cfg.decay_frac)))  # wsd: stable, then a linear decay
     if step < decay_start:
         return 1.0
-    progress = (step - decay_start) / max(1, total - decay_start)
+    progress = (step - decay_start + 1) / max(1, total - decay_start)
     return 1.0 - (1 - cfg.min_lr_ratio) * min(1.0, progress)
 
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from tformer.model.moe import moe_aux_loss, update_expert_biases
+from tformer.model.moe import discard_expert_counts, moe_aux_loss, update_expert_biases
 
 
 class LossFn(Protocol):
@@ -38,6 +38,7 @@ class StepResult:
     grad_norm: float  # before clipping
     targets: int
     skipped: bool
+    lr: float = 0.0  # the learning rate this step ran at (of the first parameter group)
     nonfinite_ranks: tuple[int, ...] = ()  # ranks whose own loss was not finite (skipped steps)
 
 
@@ -126,6 +127,7 @@ def train_step(
     autocast,
     comm: Collectives = LOCAL,
 ) -> StepResult:
+    optimizer.zero_grad(set_to_none=True)  # gradients an interrupted step may have left
     total = max(1, int(comm.sum(sum(count_targets(b) for b in micro_batches))))
     loss_sum, aux_sum = 0.0, 0.0
     for batch in micro_batches:
@@ -146,8 +148,11 @@ def train_step(
     if not skipped:
         optimizer.step()
         update_expert_biases(model, all_reduce=comm.all_reduce)
+    else:
+        discard_expert_counts(model)
     optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
     with warnings.catch_warnings():  # a skipped first step: the schedule still counts it, on purpose
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         scheduler.step()
-    return StepResult(loss_sum / total, aux_sum, grad_norm, total, skipped, bad_ranks)
+    return StepResult(loss_sum / total, aux_sum, grad_norm, total, skipped, lr, bad_ranks)

@@ -1,0 +1,83 @@
+"""Stopping on a signal (Ctrl-C / SIGTERM) at a step boundary, and the step's learning-rate bookkeeping."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.train.test_trainer import losses, small_config
+from tformer.tasks import make_task
+from tformer.train.checkpoint import latest_checkpoint, list_checkpoints
+from tformer.train.interrupt import Stopped
+from tformer.train.loop import Trainer
+
+
+class SignalTask:
+    """Wraps the LM task; sends `signals` to this process from inside the loss of the step `at` (1-based),
+    i.e. in the middle of that step, as a Ctrl-C typed while it runs would."""
+
+    def __init__(self, at: int, signals: tuple[int, ...] = (signal.SIGINT,)) -> None:
+        self.inner, self.calls, self.at, self.signals = make_task("lm"), 0, at, signals
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if self.calls == self.at:
+            for sig in self.signals:
+                os.kill(os.getpid(), sig)
+        return self.inner.loss(model, batch)
+
+
+def test_ctrl_c_mid_step_saves_at_the_step_end_and_resume_is_exact(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, save_every=100)  # no cadence save: the stop's save is the only one
+    Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
+    trainer = Trainer(cfg, tmp_path / "b", SignalTask(at=6), progress=False)
+    with pytest.raises(Stopped) as stopped:
+        trainer.fit()
+    assert stopped.value.signum == signal.SIGINT
+    assert trainer.state.step == 6  # step 6 ran to its end
+    assert latest_checkpoint(tmp_path / "b").name == "step_000006"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    Trainer(cfg, tmp_path / "b", make_task("lm"), resume=True, progress=False).fit()
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, save_every=100)
+    trainer = Trainer(cfg, tmp_path / "t", SignalTask(at=3, signals=(signal.SIGTERM,)), progress=False)
+    with pytest.raises(Stopped) as stopped:
+        trainer.fit()
+    assert stopped.value.signum == signal.SIGTERM
+    assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step_000003"]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, save_every=2)
+    trainer = Trainer(
+        cfg, tmp_path / "c", SignalTask(at=5, signals=(signal.SIGINT, signal.SIGINT)), progress=False
+    )
+    with pytest.raises(KeyboardInterrupt) as raised:
+        trainer.fit()
+    assert not isinstance(raised.value, Stopped)
+    assert trainer.state.step == 4  # step 5 never finished
+    assert [p.name for p in list_checkpoints(tmp_path / "c")] == ["step_000002", "step_000004"]
+
+
+def test_logged_lr_is_the_rate_the_step_ran_at(corpus_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from tformer.train.optim import lr_factor
+
+    cfg = small_config(corpus_dir)  # warm-up 2 of 8 steps, cosine to min_lr_ratio
+    Trainer(cfg, tmp_path / "l", make_task("lm"), progress=False).fit()
+    records = [json.loads(x) for x in (tmp_path / "l" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["lr"] for r in records if r["kind"] == "train"]
+    assert logged == pytest.approx([cfg.optim.lr * lr_factor(i, cfg.steps, cfg.optim) for i in range(8)])
+    assert logged[0] == pytest.approx(cfg.optim.lr / 2) and logged[-1] == pytest.approx(
+        cfg.optim.lr * cfg.optim.min_lr_ratio
+    )
