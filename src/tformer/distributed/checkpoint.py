@@ -18,7 +18,10 @@ A DCP checkpoint is `run_dir/checkpoints/step_000123/` (the same names, retentio
   COMMITTED                (rank 0, last) format "dcp", step, world size, size + sha256 of the JSON
                            and safetensors files.
 Ranks write into `.tmp-step_000123-dcp/`; rank 0 renames it once every rank's data is written.
-Nothing is pickled: DCP holds tensors only, the rest is JSON + safetensors.
+Nothing but DCP's own index is pickled: DCP holds tensors only, the rest is JSON + safetensors. DCP
+writes its `.metadata` index with pickle; tformer reads it with an unpickler that builds only the
+index's own classes (`SafeIndexReader`), so a tampered index cannot run code. The COMMITTED manifest
+covers `.metadata` and the `.distcp` shards too.
 
 Tools that read the single-process format (`tformer generate / eval --run`) take a DCP checkpoint
 after `export_single_process(checkpoint_dir, new_run_dir)`, which runs in one process.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -38,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -87,6 +93,46 @@ def _dcp_call(what: str, path: Path, fn, *args, **kwargs):
         raise CheckpointError(f"{path}: DCP {what} failed: {_first_failure(e)}") from None
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as e:
         raise CheckpointError(f"{path}: DCP {what} failed: {e}") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds what a DCP index holds (its metadata classes, torch.Size, dtypes, layouts, paths) and
+    refuses every other global, so loading a checkpoint never runs code a file names."""
+
+    MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+             ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        found = (
+            super().find_class(module, name)
+            if module in self.MODULES or (module, name) in self.NAMES
+            else None
+        )
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if found is None or (module in self.MODULES and not isinstance(found, type)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+        return found
+
+
+class SafeIndexReader(FileSystemReader):
+    """torch's FileSystemReader, reading the `.metadata` index with `_IndexUnpickler` instead of
+    `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / DCP_METADATA
+        try:
+            with open(path, "rb") as f:
+                metadata = _IndexUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a DCP index ({e})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path}: not a DCP index (a {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _first_failure(e: dcp.CheckpointException) -> str:
@@ -243,7 +289,7 @@ class DCPCheckpointer:
         if self.env.is_main:
             files: dict[str, Any] = {}
             for f in sorted(tmp.iterdir()):
-                if f.suffix in (".json", ".safetensors"):
+                if f.suffix in (".json", ".safetensors", ".distcp") or f.name == DCP_METADATA:
                     data = f.read_bytes()
                     files[f.name] = {"bytes": len(data), "sha256": _sha256(data)}
             commit = {
@@ -285,7 +331,11 @@ class DCPCheckpointer:
         own = self._rank_state(reader, saved_world, local)
         scheduler_state = match_groups(trainer["scheduler"], len(optimizer.param_groups), path)
         shards = self._as_shards(model, state)
-        _dcp_call("load", path, dcp.load, shards, checkpoint_id=path, process_group=self.group)
+        for name in reader.files:  # DCP's own files: size and sha256 against the manifest (newer saves)
+            if name == DCP_METADATA or name.endswith(".distcp"):
+                reader.read(name)
+        index = SafeIndexReader(path)
+        _dcp_call("load", path, dcp.load, shards, storage_reader=index, process_group=self.group)
         for part, table in shards.items():  # DCP may have replaced rather than filled a wrapped slice
             for key, t in table.items():
                 if isinstance(t, DTensor) and not isinstance(state[part][key], DTensor):
