@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,26 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
     )
     assert main(["eval", "--run", str(out), "--json"]) == 0
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactness(
+    trained_run: Path, tmp_path: Path, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    for argv, needle in (
+        (["--set", "optim.lr=0.5"], "optim.lr: 0.003 in the checkpoint, 0.5 now"),
+        (["--preset", "shakespeare"], "the config differs from the run's: batch_size: 8 in the checkpoint, 16 now"),
+    ):
+        assert main(["train", "--out", str(run), "--resume", "--no-progress", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing written
+    # no --preset: the run's config.json (a tiny-lm run on a text folder), longer by --set steps
+    assert (
+        main(["train", "--out", str(run), "--resume", "--no-progress", "--no-sample", "--set", "steps=6"])
+        == 0
+    )
+    assert (run / "checkpoints" / "step_000006").is_dir()
+    assert json.loads((run / "config.json").read_text())["steps"] == 6

@@ -81,3 +81,44 @@ def test_logged_lr_is_the_rate_the_step_ran_at(corpus_dir: Path, tmp_path: Path)
     assert logged[0] == pytest.approx(cfg.optim.lr / 2) and logged[-1] == pytest.approx(
         cfg.optim.lr * cfg.optim.min_lr_ratio
     )
+
+
+def test_metrics_survive_a_torn_line_and_a_crashed_run_without_checkpoint(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=4)
+    Trainer(cfg, tmp_path / "m", make_task("lm"), progress=False).fit(until=2)
+    with (tmp_path / "m" / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')  # a process killed mid-write
+    Trainer(cfg, tmp_path / "m", make_task("lm"), resume=True, progress=False).fit()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps] == sorted(steps) and steps.count(3) == 1 and steps[-1] == 4
+
+    crashed = tmp_path / "c"  # records but no checkpoint: a fresh run starts the log again
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')
+    Trainer(cfg.replace(steps=1), crashed, make_task("lm"), progress=False).fit()
+    records = [json.loads(x) for x in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1] and records[0]["loss"] != 9.0
+
+
+def test_a_damaged_newest_checkpoint_is_an_error_naming_the_previous_one(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from tformer.train.checkpoint import CheckpointError
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=4, keep_last=3)
+    Trainer(cfg, tmp_path / "d", make_task("lm"), progress=False).fit()
+    newest = tmp_path / "d" / "checkpoints" / "step_000004"
+    assert json.loads((newest / "trainer.json").read_text())["tokens_seen"] > 0
+    data = bytearray((newest / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes
+    (newest / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"sha256 .*previous checkpoint is .*step_000002: move step_000004"
+    ):
+        Trainer(cfg, tmp_path / "d", make_task("lm"), resume=True, progress=False)

@@ -32,7 +32,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, default_preset="shakespeare")
     p.add_argument("--out", default=None, help="run directory (default runs/<preset>)")
     p.add_argument(
-        "--resume", action="store_true", help="continue exactly from the run directory's last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue exactly from the run directory's last checkpoint, with the run's own config.json "
+        "(--set may change steps and the eval / save / log cadence; model, data, optimizer, batch and seed "
+        "must stay as they were)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-sample", action="store_true", help="do not print a generated sample at the end")

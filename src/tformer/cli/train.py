@@ -10,19 +10,24 @@ import argparse
 import json
 from pathlib import Path
 
-from tformer.cli.options import resolve_train_config
+from tformer.cli.options import parse_overrides, resolve_train_config
+from tformer.train.config import TrainConfig
 
 
 def run(args: argparse.Namespace) -> int:
     from tformer.tasks import make_task
     from tformer.train.loop import Trainer
 
-    cfg = resolve_train_config(args, default_preset="shakespeare")
     out = (
         Path(args.out)
         if args.out
         else Path("runs") / (args.preset or (args.config.stem if args.config else "run"))
     )
+    own = out / "config.json"
+    if args.resume and args.preset is None and args.config is None and own.is_file():
+        cfg = TrainConfig.load(own).with_overrides(parse_overrides(args.overrides))  # the run's own config
+    else:
+        cfg = resolve_train_config(args, default_preset="shakespeare")
     task = make_task(cfg.task)
     trainer = Trainer(cfg, out, task, resume=args.resume, progress=not args.no_progress)
     try:

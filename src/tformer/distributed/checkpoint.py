@@ -157,6 +157,7 @@ class SafetensorsCheckpointer:
             model,
             optimizer,
             scheduler,
+            tokens_seen=int(trainer_state.get("tokens_seen", 0)),
             trainer_state=trainer_state,
             rng_state=capture_rng_state(),
             meta=meta,

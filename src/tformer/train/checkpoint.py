@@ -316,6 +316,12 @@ def checkpoint_format(path: str | Path) -> str:
     return _Reader(Path(path), verify=False).format
 
 
+def checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """What the trainer stored in a checkpoint's meta.json (resolved configs, task, tokenizer)."""
+    meta = _Reader(Path(path), verify=False).json("meta.json")
+    return meta.get("meta", {}) if isinstance(meta, dict) else {}
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The committed checkpoint with the highest step, or None."""
     found = list_checkpoints(run_dir)

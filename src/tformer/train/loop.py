@@ -28,7 +28,7 @@ from tformer.distributed.env import NullMetrics, init_distributed, resolve_devic
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
-from tformer.train.checkpoint import latest_checkpoint
+from tformer.train.checkpoint import CheckpointError, checkpoint_meta, latest_checkpoint, list_checkpoints
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
@@ -47,6 +47,41 @@ class TrainState:
     best_eval: float = math.inf
     loss_mean: float = 0.0  # running mean (EMA) of the finite step losses, for the spike detector
     loss_steps: int = 0  # finite steps folded into loss_mean
+
+
+# what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
+# so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
+RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
+             "spike_factor", "sample_every", "sample_tokens", "device", "compile", "parallel"}  # fmt: skip
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> None:
+    """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's."""
+    saved = meta.get("train_config")
+    if not isinstance(saved, dict):
+        return  # a checkpoint without its config: the model and optimizer loads still check shapes
+    before, now = _flatten(saved), _flatten(cfg.to_dict())
+    changed = [
+        k for k in sorted(before.keys() | now.keys())
+        if k.split(".")[0] not in RESUMABLE and before.get(k) != now.get(k)
+    ]  # fmt: skip
+    if changed:
+        shown = "; ".join(
+            f"{k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in changed[:4]
+        )
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise CheckpointError(
+            f"--resume from {path}: the config differs from the run's: {shown}{more}. A resumed run keeps its "
+            f"model, data, optimizer, batch and seed (it may change {', '.join(sorted(RESUMABLE))}); "
+            "drop those changes or start a new run with another --out"
+        )
 
 
 class Trainer:
@@ -71,6 +106,12 @@ class Trainer:
         with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
             task.setup(cfg, self.run_dir, self.device)
         self.model_cfg = task.model_config(cfg)
+        if resume_from is not None:
+            try:
+                meta = checkpoint_meta(resume_from)
+            except CheckpointError as e:
+                raise self._name_the_previous(resume_from, e) from None
+            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
         plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
         self.parallel = parallelize(self.model, plan, self.env, self.device)
@@ -86,7 +127,9 @@ class Trainer:
         self.autocast = autocast_context(self.device, cfg.dtype)
         if resume_from is not None:
             self._restore(resume_from)
-        elif self.env.is_main:
+        else:
+            self.metrics.truncate_after(-1)  # records a crashed run left without a checkpoint: redone now
+        if self.env.is_main:  # a resumed run may have changed its cadence or length (RESUMABLE)
             (self.run_dir / "config.json").write_text(
                 json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2)
             )
@@ -116,12 +159,25 @@ class Trainer:
         return path
 
     def _restore(self, path: Path) -> None:
-        t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
+        try:
+            t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
+        except CheckpointError as e:
+            raise self._name_the_previous(path, e) from None
         # fields a checkpoint predates (e.g. the spike detector's) keep their defaults
         self.state = TrainState(**{f.name: t[f.name] for f in fields(TrainState) if f.name in t})
         self.loader.load_state_dict(t["loader"])
         self.metrics.truncate_after(self.state.step)
         self._saved = (self.state.step, path)  # resuming a finished run must not save its step again
+
+    def _name_the_previous(self, path: Path, error: CheckpointError) -> CheckpointError:
+        """A damaged newest checkpoint is an error (never a silent step back); it names the one before."""
+        earlier = [p for p in list_checkpoints(self.run_dir) if p != path]
+        if not earlier:
+            return error
+        return CheckpointError(
+            f"{error}; the run's previous checkpoint is {earlier[-1]}: move {path.name} out of {path.parent} "
+            "to resume from it"
+        )
 
     def close(self) -> None:
         """Finish background saves, release model, optimizer and mesh, then leave the process group."""

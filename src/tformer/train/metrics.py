@@ -13,39 +13,64 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if tensorboard:
+        self.tb_dir, self.tb = run_dir / "tensorboard", None
+        self.use_tb = tensorboard
+
+    def _writer(self, purge_step: int | None = None):
+        if self.tb is None and self.use_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
+        return self.tb
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None and "step" in record:
+        tb = self._writer()
+        if tb is not None and "step" in record:
             kind = record.get("kind")  # skip / spike records get tags of their own, off the loss curve
             prefix = "" if kind in ("train", "eval", None) else f"{kind}/"
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(prefix + key, value, record["step"])
+                    tb.add_scalar(prefix + key, value, record["step"])
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records written after the checkpoint's step (they will be written again)."""
+        """Before the first record of a run: drop the records of steps after `step`, which will be written
+        again (a resume from `step`; -1 for a fresh start in a directory a crashed run left), and hide
+        the TensorBoard events after it. A line a killed process left half-written is dropped too."""
+        if self.use_tb:
+            self.close()
+            self._writer(purge_step=step + 1)
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's records; a line a killed process left half-written is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
