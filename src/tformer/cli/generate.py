@@ -18,7 +18,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         repetition_penalty=args.repetition_penalty,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
-        stop_strings=tuple(args.stop),
+        stop_strings=tuple(s.replace("\\n", "\n") for s in args.stop),  # "\n" as in prompts
     )
 
 
@@ -27,7 +27,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         path = Path(args.prompts_file)
         if not path.exists():
             raise FileNotFoundError(f"prompts file {path} does not exist")
-        prompts = [line.rstrip("\n").replace("\\n", "\n") for line in path.read_text().splitlines()]
+        prompts = [
+            line.rstrip("\n").replace("\\n", "\n") for line in path.read_text(encoding="utf-8").splitlines()
+        ]
         prompts = [p for p in prompts if p.strip()]
         if not prompts:
             raise ValueError(f"prompts file {path} holds no non-empty line")
@@ -35,6 +37,32 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is None or not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
     return [args.prompt.replace("\\n", "\n")]
+
+
+class TextStream:
+    """Writes generated text as its tokens arrive. A character whose UTF-8 bytes span several byte-level
+    tokens decodes to U+FFFD until its last byte arrives, so text ending in U+FFFD waits for the next
+    token (`finish` writes whatever is left)."""
+
+    def __init__(self, decode, out) -> None:
+        self.decode, self.out = decode, out
+        self.tokens: list[int] = []
+        self.written = 0  # characters of decode(tokens) already written
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        self._flush(final=False)
+
+    def finish(self) -> None:
+        self._flush(final=True)
+
+    def _flush(self, final: bool) -> None:
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd") and not final:
+            return
+        self.out.write(text[self.written :])
+        self.out.flush()
+        self.written = len(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,14 +84,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     stream = args.stream and len(prompts) == 1 and not sampling.stop_strings
-    printed: list[int] = []
+    streamed = TextStream(tok.decode, sys.stdout)
 
     def on_step(ids) -> None:
         if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:
-            printed.append(int(ids[0]))
-            text = tok.decode(printed)
-            sys.stdout.write(text[len(tok.decode(printed[:-1])) :])
-            sys.stdout.flush()
+            streamed.add(int(ids[0]))
 
     if stream:
         sys.stdout.write(prompts[0])
@@ -77,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         on_step=on_step if stream else None,
     )
     if stream:
+        streamed.finish()
         sys.stdout.write("\n")
         return 0
     for prompt, ids in zip(prompts, outputs):

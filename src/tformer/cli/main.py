@@ -52,7 +52,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=50, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
+    p.add_argument(
+        "--stop", action="append", default=[], help="stop string, repeatable; \\n stands for a newline"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")

@@ -89,7 +89,11 @@ def generate(
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     """
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
+    if sampling.stop_strings and decode is None:
+        raise ValueError("stop_strings need decode= (a function from token ids to text) to be found")
+    was_training = model.training
     with contextlib.ExitStack() as layout:
+        layout.callback(model.train, was_training)  # also when a step raises
         if fast_decode:
             layout.enter_context(row_blocked_linears(model))
             layout.enter_context(rms_norms_as_layer_norm(model))

@@ -31,16 +31,9 @@ from tformer.eval.classification import ClassificationScores, plot_confusion, sc
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
 from tformer.tasks.losses import cross_entropy_sum
-from tformer.tasks.stream import BatchStream, bucketed_train_stream
+from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.tasks.translation import DATA_MANIFEST, load_task_corpus, run_dir_of, write_manifest
 from tformer.train.config import TrainConfig
-
-
-def spread(items: Sequence, n: int | None) -> list:
-    """n items spread evenly over the sequence (all when n is None or >= len): corpora are label-sorted."""
-    if n is None or n >= len(items):
-        return list(items)
-    return [items[i * len(items) // n] for i in range(n)]
 
 
 class Classifier:

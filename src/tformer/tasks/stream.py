@@ -3,9 +3,19 @@ stream the sentence tasks (translation, classification) share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tformer.data.loader import ResumableLoader, make_bucket_loader
+
+
+def spread(items: Sequence, n: int | None) -> list:
+    """n items spread evenly over the sequence (all when n is None or >= len): sorted corpora (by label,
+    by length) give evaluations a sample of the whole split."""
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
 
 
 class BatchStream:

@@ -29,7 +29,7 @@ from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
 from tformer.tasks.losses import cross_entropy_sum
-from tformer.tasks.stream import BatchStream, bucketed_train_stream
+from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
 
 SRC_TOKENIZER = "src_tokenizer.json"
@@ -196,7 +196,7 @@ class TranslationTask:
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
         result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
-        pairs = list(self.corpus[split])[: max_batches * self.cfg.batch_size]
+        pairs = spread(list(self.corpus[split]), max_batches * self.cfg.batch_size)
         hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH)
         scores = score_translations(hyps, [p.tgt for p in pairs], bleu_tokenizer(self.cfg.data.direction))
         return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
@@ -226,9 +226,10 @@ class TranslationTask:
 def evaluate_loss(
     model: nn.Module, ds: Seq2SeqDataset, collate: Callable, batch_size: int, max_batches: int, device
 ) -> dict[str, float]:
-    """Loss per target token (no smoothing) over up to max_batches length-sorted batches."""
+    """Loss per target token (no smoothing) over up to max_batches * batch_size pairs spread evenly over
+    the split, batched in length order."""
     lengths = ds.lengths()
-    order = sorted(range(len(ds)), key=lambda i: lengths[i])[: max_batches * batch_size]
+    order = sorted(spread(range(len(ds)), max_batches * batch_size), key=lambda i: lengths[i])
     total, count = 0.0, 0
     for start in range(0, len(order), batch_size):
         batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
@@ -280,7 +281,7 @@ def evaluate_run(
         pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
     )
     collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
-    loss = evaluate_loss(run.model, ds, collate, 64, 10**9, torch.device("cpu"))
+    loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
     out = run_dir_of(run.checkpoint) / f"translations_{split}.txt"
     try:
         out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

@@ -1,0 +1,60 @@
+"""Streaming text to stdout token by token, stop strings from the command line, stop strings' needs."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from tformer.cli.generate import TextStream, sampling_from_args
+from tformer.data.tokenizer import Tokenizer
+from tformer.generate.engine import generate
+from tformer.generate.sampling import SamplingConfig
+
+TEXT = "naïve café, 日本語 and 🙂 — “quoted” "
+
+
+def test_characters_split_over_byte_tokens_stream_whole():
+    # min_frequency above the data's counts: no merges, one token per byte, so every non-ASCII
+    # character spans 2-4 tokens
+    tok = Tokenizer.train_bpe([TEXT * 3] * 5, 300, min_frequency=1000)
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT) + 10  # many characters are split over tokens
+    out = io.StringIO()
+    stream, seen = TextStream(tok.decode, out), []
+    for t in ids:
+        stream.add(t)
+        seen.append(out.getvalue())
+    stream.finish()
+    assert out.getvalue() == tok.decode(ids) == TEXT
+    assert all("\ufffd" not in s for s in seen)  # never a replacement character on the way
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only ever appended
+
+
+def test_an_unfinished_character_at_the_end_is_written_by_finish():
+    tok = Tokenizer.train_bpe([TEXT * 3] * 5, 300, min_frequency=1000)
+    ids = tok.encode("ok 日")[:-1]  # the last byte of 日 never comes
+    out = io.StringIO()
+    stream = TextStream(tok.decode, out)
+    for t in ids:
+        stream.add(t)
+    assert out.getvalue() == "ok "
+    stream.finish()
+    assert out.getvalue() == tok.decode(ids)
+
+
+def test_stop_strings_on_the_command_line_read_backslash_n_as_a_newline():
+    args = argparse.Namespace(
+        greedy=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=4, seed=0,
+        stop=["\\n\\n", "END"],
+    )  # fmt: skip
+    assert sampling_from_args(args).stop_strings == ("\n\n", "END")
+
+
+def test_stop_strings_without_decode_are_an_error(tiny_cfg):
+    from tformer import build_model
+
+    model = build_model(tiny_cfg)
+    with pytest.raises(ValueError, match="stop_strings need decode="):
+        generate(model, [[1, 2, 3]], SamplingConfig(max_new_tokens=2, stop_strings=("x",)))
