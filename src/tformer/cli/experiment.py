@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tformer.cli.options import nonnegative_int, positive_int
 from tformer.experiments import STUDIES
 from tformer.experiments.runner import prepare_run_dir, read_setting, write_setting
 
@@ -36,33 +37,47 @@ OVERRIDES = {
 }
 
 
+def depth_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated layer counts >= 1."""
+    try:
+        return tuple(positive_int(d.strip()) for d in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("study", choices=sorted(STUDIES), help="which claim to test")
     p.add_argument("--quick", action="store_true", help="tiny models, a few steps, two works: seconds")
     p.add_argument("--out", default=None, help="run directory (default runs/experiments/<study>[-quick])")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.add_argument("--report-only", action="store_true", help="rebuild the report of the run in --out")
-    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (full default 2, quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps of every arm")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--n-layers", type=int, default=None, help="layers (rope, moe; norm uses --depths)")
-    p.add_argument("--depths", default=None, help="norm: comma-separated depths, e.g. 6,12,24")
+    p.add_argument("--seeds", type=positive_int, default=None, help="seeds 0..N-1 (full default 2, quick 1)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps of every arm")
+    p.add_argument("--d-model", type=positive_int, default=None)
+    p.add_argument(
+        "--n-layers", type=positive_int, default=None, help="layers (rope, moe; norm uses --depths)"
+    )
+    p.add_argument(
+        "--depths", type=depth_list, default=None, help="norm: comma-separated depths, e.g. 6,12,24"
+    )
     p.add_argument("--arch", default=None, choices=["decoder", "encoder_decoder"], help="norm: architecture")
     p.add_argument("--lr", type=float, default=None, help="one learning rate for every arm")
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None, help="training context L")
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--max-train-docs", type=int, default=None, help="train on the first N works only")
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=None)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="training context L")
+    p.add_argument("--vocab-size", type=positive_int, default=None)
+    p.add_argument(
+        "--max-train-docs", type=positive_int, default=None, help="train on the first N works only"
+    )
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads for this run")
 
 
 def resolve_setting(args: argparse.Namespace, module):
     setting = module.QUICK if args.quick else module.FULL
     changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items()}
     if getattr(args, "depths", None):
-        changes["depths"] = tuple(int(d) for d in args.depths.split(","))
+        changes["depths"] = args.depths
     if getattr(args, "arch", None):
         changes["arch"] = args.arch
     known = set(setting.to_dict()) - set(getattr(module, "UNUSED_OPTIONS", ()))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from tformer.cli.options import nonnegative_int, positive_int
 from tformer.data.corpora import MissingDataError
 from tformer.schema import ConfigError
 from tformer.train.step import NonFiniteError
@@ -30,7 +31,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     from tformer.cli.options import add_config_arguments
 
     add_config_arguments(p, default_preset="shakespeare")
-    p.add_argument("--out", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument(
+        "--out", default=None, help="run directory (default runs/<preset>, runs/<config stem> or runs/run)"
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -82,7 +85,7 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with --sample; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
     p.add_argument("--seed", type=int, default=0, help="with --sample")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded together")
     p.add_argument("--scores", action="store_true", help="print each output's score after a tab")
 
 
@@ -91,7 +94,7 @@ def _classify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--text", default=None, help="one text")
     p.add_argument("--file", default=None, help="one text per line (neither --text nor --file: stdin)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--json", action="store_true", help="one JSON object per text")
 
 
@@ -104,7 +107,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
     p.add_argument("--text-file", default=None, help="evaluate on this text file instead of a split")
-    p.add_argument("--max-batches", type=int, default=1000)
+    p.add_argument("--max-batches", type=positive_int, default=1000)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -113,17 +116,17 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     from tformer.cli.options import add_config_arguments
 
     add_config_arguments(p, default_preset="shakespeare")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the preset's batch size")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the preset's data.seq_len")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is reported)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens to decode")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's batch size")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the preset's data.seq_len")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (the best is reported)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens to decode")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 @register("demo", "smoke run: build each architecture and train a tiny decoder for a few steps", "demo:run")
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--steps", type=positive_int, default=30, help="training steps (default 30)")
 
 
 @register(
@@ -142,7 +145,7 @@ class Parser(argparse.ArgumentParser):
         if "unrecognized arguments" in message:
             options = sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")})
             message += f"; allowed options: {', '.join(options)}"
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> Parser:
@@ -166,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
     try:
         return int(func(args) or 0)
-    except (ConfigError, ValueError, TypeError, FileNotFoundError, MissingDataError, NonFiniteError) as err:
-        print(f"tformer {args.command}: error: {err}", file=sys.stderr)
+    except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
+        print(
+            f"tformer {args.command}: error: {err}", file=sys.stderr
+        )  # OSError: a directory for a file, ...
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         print(f"tformer {args.command}: interrupted", file=sys.stderr)

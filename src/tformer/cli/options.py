@@ -12,6 +12,22 @@ from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
+
+
 def add_config_arguments(p: argparse.ArgumentParser, default_preset: str) -> None:
     p.add_argument(
         "--preset",

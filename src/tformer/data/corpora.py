@@ -384,10 +384,8 @@ def load_trans_de_en(
 # ---------------------------------------------------------------- classification
 
 
-def bbc_group(doc: Document) -> str:
-    """An article's split key: its headline (first line), whitespace-normalised and lower-cased. The
-    package holds stories twice with a word or a quote mark changed; they share the headline, so they
-    land in one split."""
+def bbc_headline(doc: Document) -> str:
+    """An article's headline (first line), whitespace-normalised and lower-cased."""
     return " ".join(doc.text.split("\n", 1)[0].split()).lower()
 
 
@@ -407,11 +405,17 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
                 seen.add(text)
                 docs.append(Document(f"{label}/{p.stem}", text, label))
         n_val, n_test = _fraction_counts(len(docs), val_frac, test_frac, 1)
-        for s, items in split_by_hash(docs, bbc_group, n_val, n_test).items():
+        first: dict[str, str] = {}  # headline -> the whitespace-normalised text of its first article
+        for d in docs:
+            first.setdefault(bbc_headline(d), " ".join(d.text.split()))
+        for s, items in split_by_hash(
+            docs, lambda d, first=first: first[bbc_headline(d)], n_val, n_test
+        ).items():
             splits[s].extend(items)
     rule = (
-        f"exact duplicates dropped; per label, grouped by headline (near-duplicates: the same story "
-        f"edited by a word or a quote mark) and ordered by sha256(headline): "
+        f"exact duplicates dropped; per label, articles grouped by headline (near-duplicates: the same "
+        f"story edited by a word or a quote mark), groups ordered by sha256(whitespace-normalised text "
+        f"of their first article): "
         f"test={test_frac:.0%}, val={val_frac:.0%}, train=the rest"
     )
     return Corpus(
