@@ -121,13 +121,86 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["train", "--preset", "tiny-lm", "--set", "data.corpus=wiki"], "unknown corpus 'wiki'; available:"),
         (["train", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
         (["generate", "--run", "/nonexistent", "--prompt", "x"], "/nonexistent does not exist"),
+        (["train", "--config", "bad.yaml"], "bad.yaml: not a readable TrainConfig file (while parsing"),
+        (["train", "--config", "bad.json"], "bad.json: not a readable TrainConfig file (Expecting"),
+        (["train", "--config", "adir"], "config file adir does not exist or is not a file"),
+        (["train", "--preset", "tiny-lm", "--set", "model.d_model=[1,"], "the value is not valid YAML"),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "model.moe.foo=1"],
+            "unknown key 'foo' in ModelConfig.moe",
+        ),
+        (["train", "--preset", "tiny-lm", "--set", "optim.lr=.inf"], "OptimConfig.lr must be finite and > 0"),
+        (["train", "--preset", "tiny-lm", "--set", "optim.eps=-1"], "OptimConfig.eps must be finite and > 0"),
+        (["train", "--preset", "tiny-lm", "--out", "afile"], "afile"),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "model.arch=encoder"],
+            "language modelling needs model.arch",
+        ),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "data.corpus=bbc-news"],
+            "is a classification corpus, not a lm",
+        ),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "data.path=/x"],
+            "data.path is not supported for corpus 'pydoc'",
+        ),
+        (
+            [
+                "train",
+                "--preset",
+                "tiny-lm",
+                "--set",
+                "data.corpus=shakespeare",
+                "--set",
+                "data.path=/nonexistent",
+            ],
+            "/nonexistent",
+        ),
+        (["eval", "--run", "x", "--max-batches", "-1"], "argument --max-batches: expected an integer >= 1"),
+        (["classify", "--run", "x", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
+        (["bench", "--threads", "-1"], "argument --threads: expected an integer >= 0"),
+        (["experiment", "norm", "--depths", "a,b"], "argument --depths: expected comma-separated integers"),
+        (["train", "--lr", "3"], "allowed options: --config, --help"),
     ],
 )
 def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main(argv) == 2
+    (tmp_path / "bad.yaml").write_text("steps: [1, 2\nmodel: {\n")
+    (tmp_path / "bad.json").write_text('{"steps": 3,')
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("not a directory")
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
-    assert needle in err and "Traceback" not in err and err.count("\n") == 1
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoints"))
+
+
+def test_generate_refuses_other_tasks_and_prints_nothing_before_an_error(
+    trained_run: Path, tmp_path: Path, capsys
+) -> None:
+    import json as json_
+
+    other = tmp_path / "cls"
+    shutil.copytree(trained_run, other)
+    step = sorted((other / "checkpoints").iterdir())[-1]
+    meta = json_.loads((step / "meta.json").read_text())
+    meta["meta"]["train_config"]["task"] = "classification"
+    data = json_.dumps(meta).encode()
+    (step / "meta.json").write_bytes(data)
+    manifest = json_.loads((step / "COMMITTED").read_text())  # a consistent checkpoint of another task
+    import hashlib
+
+    manifest["files"]["meta.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "COMMITTED").write_text(json_.dumps(manifest))
+    assert main(["generate", "--run", str(other), "--prompt", "to"]) == 2
+    captured = capsys.readouterr()
+    assert "is a classification run, not a language-model run; use tformer classify" in captured.err
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
+    assert capsys.readouterr().out == ""  # the prompt is not streamed before the error
 
 
 def test_unknown_option_lists_the_allowed_ones(capsys) -> None:
@@ -257,7 +330,10 @@ def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactne
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     for argv, needle in (
         (["--set", "optim.lr=0.5"], "optim.lr: 0.003 in the checkpoint, 0.5 now"),
-        (["--preset", "shakespeare"], "the config differs from the run's: batch_size: 8 in the checkpoint, 16 now"),
+        (
+            ["--preset", "shakespeare"],
+            "the config differs from the run's: batch_size: 8 in the checkpoint, 16 now",
+        ),
     ):
         assert main(["train", "--out", str(run), "--resume", "--no-progress", *argv]) == 2
         err = capsys.readouterr().err.strip()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from tformer.train.checkpoint import (
     DCP_FORMAT,
     CheckpointError,
     checkpoint_format,
+    checkpoint_meta,
     latest_checkpoint,
     load_checkpoint,
 )
@@ -47,12 +47,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     ckpt = find_checkpoint(path)
+    meta = checkpoint_meta(ckpt)  # size and sha256 checked before anything is parsed
     try:
-        meta = json.loads((ckpt / "meta.json").read_text())["meta"]
         model_cfg = ModelConfig.from_dict(meta["model_config"])
         train_cfg = TrainConfig.from_dict(meta["train_config"])
         tokenizer = Tokenizer.from_json_str(meta["tokenizer"])
-    except (OSError, KeyError, json.JSONDecodeError) as err:
+    except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
     model = build_model(model_cfg)
     if checkpoint_format(ckpt) == DCP_FORMAT:  # a torch.distributed.checkpoint directory (a torchrun run)

@@ -37,11 +37,15 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
     """Check `value` against annotation `tp`; return it (ints widened to float, dicts to configs)."""
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
+        nested = None  # a mapping for a nested config: its own error (unknown key, bad value) says more
         for arg in get_args(tp):
             try:
                 return _coerce(owner, name, value, arg)
-            except ConfigError:
-                continue
+            except ConfigError as e:
+                if isinstance(value, dict) and isinstance(arg, type) and issubclass(arg, Config):
+                    nested = e
+        if nested is not None:
+            raise nested
         raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
     if origin is Literal:
         if value in get_args(tp) and type(value) is type(get_args(tp)[0]):
@@ -165,6 +169,14 @@ class Config:
 
     @classmethod
     def load(cls: type[C], path: str | Path) -> C:
+        import yaml
+
         path = Path(path)
-        text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        try:
+            text = path.read_text(encoding="utf-8")
+            return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        except ConfigError:
+            raise
+        except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not UTF-8, not YAML / JSON
+            reason = " ".join(str(e).split())
+            raise ConfigError(f"{path}: not a readable {cls.__name__} file ({reason})") from None

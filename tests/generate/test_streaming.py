@@ -58,3 +58,30 @@ def test_stop_strings_without_decode_are_an_error(tiny_cfg):
     model = build_model(tiny_cfg)
     with pytest.raises(ValueError, match="stop_strings need decode="):
         generate(model, [[1, 2, 3]], SamplingConfig(max_new_tokens=2, stop_strings=("x",)))
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: SamplingConfig(temperature=float("inf")), "temperature"),
+        (lambda: SamplingConfig(repetition_penalty=float("inf")), "repetition_penalty"),
+    ],
+)
+def test_sampling_values_must_be_finite(make, field):
+    from tformer.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+def test_search_values_must_be_finite():
+    from tformer.generate.beam import SearchConfig
+    from tformer.schema import ConfigError
+
+    for kwargs, field in (
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(method="sample", temperature=float("inf")), "temperature"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            SearchConfig(**kwargs)
+    assert SearchConfig(length_penalty=-0.5).length_penalty == -0.5  # negative favours short outputs: allowed

@@ -122,3 +122,45 @@ def test_a_damaged_newest_checkpoint_is_an_error_naming_the_previous_one(
         CheckpointError, match=r"sha256 .*previous checkpoint is .*step_000002: move step_000004"
     ):
         Trainer(cfg, tmp_path / "d", make_task("lm"), resume=True, progress=False)
+
+
+def test_an_unfinished_newer_step_directory_is_set_aside_not_in_the_way(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    import warnings
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=4)
+    Trainer(cfg, tmp_path / "u", make_task("lm"), progress=False).fit()
+    (tmp_path / "u" / "checkpoints" / "step_000004" / "COMMITTED").unlink()  # the save of step 4 "died"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(cfg, tmp_path / "u", make_task("lm"), resume=True, progress=False)
+    assert trainer.state.step == 2 and any("set aside" in str(w.message) for w in caught)
+    trainer.fit()  # saves step 4 again instead of refusing the existing directory
+    assert latest_checkpoint(tmp_path / "u").name == "step_000004"
+    assert [p.name.split("-")[1] for p in (tmp_path / "u" / "checkpoints").glob(".incomplete-*")] == [
+        "step_000004"
+    ]
+
+
+def test_a_fresh_run_trains_its_own_tokenizer_over_a_failed_runs(corpus_dir: Path, tmp_path: Path) -> None:
+    from tformer.data.tokenizer import Tokenizer
+
+    run = tmp_path / "f"
+    run.mkdir()
+    Tokenizer.train_bpe(["a b c d e f g"] * 20, 270).save(run / "tokenizer.json")  # left by a failed run
+    cfg = small_config(corpus_dir, steps=1, save_every=1, eval_every=1)
+    trainer = Trainer(cfg, run, make_task("lm"), progress=False)
+    assert trainer.model_cfg.vocab_size == Tokenizer.load(run / "tokenizer.json").vocab_size > 270
+
+
+def test_samples_during_training_are_logged_and_leave_the_run_exact(corpus_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    cfg = small_config(corpus_dir, sample_every=2, sample_tokens=5)
+    Trainer(cfg, tmp_path / "s", make_task("lm"), progress=False).fit()
+    Trainer(small_config(corpus_dir), tmp_path / "n", make_task("lm"), progress=False).fit()
+    records = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    samples = [r for r in records if r["kind"] == "sample"]
+    assert [r["step"] for r in samples] == [2, 4, 6, 8] and all("--- sample" in r["text"] for r in samples)
+    assert losses(tmp_path / "s") == losses(tmp_path / "n")  # sampling drew from no training RNG

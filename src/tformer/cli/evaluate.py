@@ -22,19 +22,21 @@ def run(args: argparse.Namespace) -> int:
         return run_task_eval(run_, args)
     if args.text_file is not None:
         path = Path(args.text_file)
-        if not path.exists():
-            raise FileNotFoundError(f"text file {path} does not exist")
+        if not path.is_file():
+            raise FileNotFoundError(f"text file {path} does not exist or is not a file")
         text = path.read_text(encoding="utf-8", errors="replace")
         if not text.strip():
             raise ValueError(f"text file {path} is empty")
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.data.corpora import load_corpus
+        from tformer.tasks.corpus import load_task_corpus
 
-        texts = list(load_corpus(cfg.data.corpus).texts(args.split))
+        texts = list(load_task_corpus(cfg.data, "lm").texts(args.split))
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
+    if len(ds) == 0:
+        raise ValueError(f"{what}: too short to score (fewer tokens than one window)")
     result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, torch.device("cpu"))
     result = {"data": what, "checkpoint_step": run_.step, **result}
     if args.json:

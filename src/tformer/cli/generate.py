@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.generate.engine import generate, truncate_at_stop, truncate_prompts
+from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
 
@@ -24,9 +24,11 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts_file is not None:
+        if args.prompt is not None:
+            raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        if not path.exists():
-            raise FileNotFoundError(f"prompts file {path} does not exist")
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} does not exist or is not a file")
         prompts = [
             line.rstrip("\n").replace("\\n", "\n") for line in path.read_text(encoding="utf-8").splitlines()
         ]
@@ -71,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     prompts = read_prompts(args)
     run_ = load_run(args.run)
+    if run_.train_config.task != "lm":
+        how = {"translation": "tformer translate", "classification": "tformer classify"}.get(
+            run_.train_config.task
+        )
+        raise ValueError(
+            f"{run_.checkpoint} is a {run_.train_config.task} run, not a language-model run"
+            + (f"; use {how}" if how else "")
+        )
     tok = run_.tokenizer
     encoded = [tok.encode(p) for p in prompts]
     if args.truncate_prompt:
@@ -90,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:
             streamed.add(int(ids[0]))
 
+    check_prompts(encoded, sampling.max_new_tokens, run_.model.cfg.max_seq_len)  # before printing anything
     if stream:
         sys.stdout.write(prompts[0])
     outputs = generate(

@@ -52,7 +52,12 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE (for example model.d_model=128), got {item!r}")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"--set {item}: the value is not valid YAML (quote a string: {key.strip()}='\"...\"')"
+            ) from None
     return out
 
 
@@ -60,8 +65,8 @@ def resolve_train_config(args: argparse.Namespace, default_preset: str) -> Train
     if args.config is not None and args.preset is not None:
         raise ConfigError("give either --preset or --config, not both")
     if args.config is not None:
-        if not args.config.exists():
-            raise FileNotFoundError(f"config file {args.config} does not exist")
+        if not args.config.is_file():
+            raise FileNotFoundError(f"config file {args.config} does not exist or is not a file")
         cfg = TrainConfig.load(args.config)
     else:
         cfg = get_train_preset(args.preset or default_preset)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from tformer.cli.options import parse_overrides, resolve_train_config
+from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
 from tformer.train.config import TrainConfig
 
 
@@ -23,9 +24,15 @@ def run(args: argparse.Namespace) -> int:
         if args.out
         else Path("runs") / (args.preset or (args.config.stem if args.config else "run"))
     )
-    own = out / "config.json"
-    if args.resume and args.preset is None and args.config is None and own.is_file():
-        cfg = TrainConfig.load(own).with_overrides(parse_overrides(args.overrides))  # the run's own config
+    cfg = None
+    if args.resume and args.preset is None and args.config is None:  # the run's own config
+        own, last = out / "config.json", latest_checkpoint(out)
+        if own.is_file():
+            cfg = TrainConfig.load(own)
+        elif last is not None and "train_config" in (meta := checkpoint_meta(last)):
+            cfg = TrainConfig.from_dict(meta["train_config"])
+    if cfg is not None:
+        cfg = cfg.with_overrides(parse_overrides(args.overrides))
     else:
         cfg = resolve_train_config(args, default_preset="shakespeare")
     task = make_task(cfg.task)

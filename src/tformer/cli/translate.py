@@ -28,7 +28,7 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
     if args.file is not None:
         path = Path(args.file)
         if not path.is_file():
-            raise FileNotFoundError(f"input file {path} does not exist")
+            raise FileNotFoundError(f"input file {path} does not exist or is not a file")
         lines, where = path.read_text(encoding="utf-8", errors="replace").splitlines(), str(path)
     else:
         lines, where = sys.stdin.read().splitlines(), "stdin"

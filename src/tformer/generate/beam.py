@@ -23,6 +23,7 @@ that the cached search is tested against.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -75,7 +76,15 @@ class SearchConfig(Config):
             self._require(self.max_len >= 1, "max_len", "must be >= 1 (or null: from the source length)")
         self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
         self._require(self.max_len_b >= 1, "max_len_b", "must be >= 1")
-        self._require(self.temperature > 0, "temperature", "must be > 0 (use method='greedy' for argmax)")
+        self._require(
+            0 < self.temperature < math.inf,
+            "temperature",
+            "must be finite and > 0 (method='greedy' for argmax)",
+        )
+        self._require(
+            math.isfinite(self.length_penalty), "length_penalty", "must be a finite number (0 means none)"
+        )
+        self._require(math.isfinite(self.max_len_a), "max_len_a", "must be finite")
         self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
         self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")

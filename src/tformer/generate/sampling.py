@@ -10,6 +10,7 @@ Order in `sample_with_config`: repetition penalty, temperature, top-k, top-p, th
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -172,10 +173,16 @@ class SamplingConfig(Config):
         raise ConfigError(f"SamplingConfig.stop_strings must be a list of non-empty strings, got {value!r}")
 
     def check(self) -> None:
-        self._require(self.temperature >= 0.0, "temperature", "must be >= 0 (0 means greedy)")
+        self._require(
+            0.0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0 (0 means greedy)"
+        )
         self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
         self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1] (1 means off)")
-        self._require(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0 (1 means off)")
+        self._require(
+            0.0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            "must be finite and > 0 (1 means off)",
+        )
         self._require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         self._require(self.seed >= 0, "seed", "must be >= 0")
 

@@ -30,9 +30,10 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
+from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
-from tformer.tasks.translation import DATA_MANIFEST, load_task_corpus, run_dir_of, write_manifest
+from tformer.tasks.translation import DATA_MANIFEST, run_dir_of, write_manifest
 from tformer.train.config import TrainConfig
 
 

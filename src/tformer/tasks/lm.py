@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tformer.data.corpora import load_corpus
 from tformer.data.datasets import IGNORE_INDEX, LMBatch, PackedLMDataset, collate_lm
 from tformer.data.loader import make_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
+from tformer.schema import ConfigError
+from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -41,7 +42,7 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 class LMTask:
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
-        corpus = load_corpus(cfg.data.corpus)
+        corpus = load_task_corpus(cfg.data, "lm")  # checks the corpus is text for a language model
         train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
@@ -55,6 +56,8 @@ class LMTask:
         )
 
     def model_config(self, cfg: TrainConfig):
+        if cfg.model.arch != "decoder":
+            raise ConfigError(f"language modelling needs model.arch 'decoder', got {cfg.model.arch!r}")
         return cfg.model.replace(
             vocab_size=self.tokenizer.vocab_size, max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len)
         )

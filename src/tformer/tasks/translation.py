@@ -21,38 +21,22 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tformer.data.corpora import Corpus, Pair, corpus_task, load_corpus
+from tformer.data.corpora import Corpus, Pair
 from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun
 from tformer.schema import ConfigError
+from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
 
 SRC_TOKENIZER = "src_tokenizer.json"
 DATA_MANIFEST = "data.json"
-PATH_OPTION = {
-    "trans-de-en": "path",
-    "bbc-news": "root",
-    "shakespeare": "root",
-}  # loader keyword for data.path
 EVAL_SEARCH = SearchConfig(method="greedy", batch_size=64)
 TEST_SEARCH = SearchConfig(method="beam", beam_size=4, length_penalty=0.6)
-
-
-def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
-    """The corpus `data` names, checked to serve `task`; data.path (if set) says where its files are."""
-    kind = corpus_task(data.corpus)
-    if kind != task:
-        raise ConfigError(f"data.corpus {data.corpus!r} is a {kind} corpus, not a {task} one")
-    if data.path is not None:
-        if data.corpus not in PATH_OPTION:
-            raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
-        options[PATH_OPTION[data.corpus]] = data.path
-    return load_corpus(data.corpus, **options)
 
 
 def load_translation_corpus(data: DataConfig) -> Corpus:

@@ -317,8 +317,9 @@ def checkpoint_format(path: str | Path) -> str:
 
 
 def checkpoint_meta(path: str | Path) -> dict[str, Any]:
-    """What the trainer stored in a checkpoint's meta.json (resolved configs, task, tokenizer)."""
-    meta = _Reader(Path(path), verify=False).json("meta.json")
+    """What the trainer stored in a checkpoint's meta.json (resolved configs, task, tokenizer), checked
+    against the COMMITTED manifest (size and sha256) before it is parsed."""
+    meta = _Reader(Path(path), verify=True).json("meta.json")
     return meta.get("meta", {}) if isinstance(meta, dict) else {}
 
 
@@ -326,6 +327,22 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The committed checkpoint with the highest step, or None."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def set_aside_incomplete(run_dir: str | Path) -> list[Path]:
+    """Rename `step_*` directories without a readable commit (a save that died, or a damaged manifest) to
+    `.incomplete-step_*-<id>`, kept for inspection: a later save of the same step would otherwise be
+    refused. Returns the new paths."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    moved = []
+    for p in sorted(root.iterdir()):
+        if _STEP_DIR.match(p.name) and p.is_dir() and not _is_complete(p):
+            target = p.with_name(f".incomplete-{p.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(p, target)
+            moved.append(target)
+    return moved
 
 
 def _remove_dir(path: Path) -> None:

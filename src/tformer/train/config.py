@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,14 +75,17 @@ class OptimConfig(Config):
     fused: bool = True
 
     def check(self) -> None:
-        self._require(self.lr > 0, "lr", "must be > 0")
-        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._require(0 < self.lr < math.inf, "lr", "must be finite and > 0")
+        self._require(0 <= self.weight_decay < math.inf, "weight_decay", "must be finite and >= 0")
+        self._require(0 < self.eps < math.inf, "eps", "must be finite and > 0")
         self._require(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
         self._require(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
         self._require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         self._require(0 < self.decay_frac <= 1, "decay_frac", "must be in (0, 1]")
-        self._require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 = no clipping)")
+        self._require(
+            0 <= self.grad_clip < math.inf, "grad_clip", "must be finite and >= 0 (0 = no clipping)"
+        )
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,8 @@ class TrainConfig(Config):
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
     label_smoothing: float = 0.0
-    sample_every: int = 0
-    sample_tokens: int = 200
+    sample_every: int = 0  # print and log a sample every N steps (one process; 0 = only at the end)
+    sample_tokens: int = 200  # new tokens of a language model's sample
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def check(self) -> None:
@@ -165,10 +169,13 @@ class TrainConfig(Config):
         ):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(
-            self.spike_factor == 0 or self.spike_factor > 1, "spike_factor", "must be 0 (off) or > 1"
+            self.spike_factor == 0 or 1 < self.spike_factor < math.inf,
+            "spike_factor",
+            "must be 0 (off) or > 1",
         )
         self._require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self._require(self.sample_every >= 0, "sample_every", "must be >= 0 (0 = never)")
+        self._require(self.sample_tokens >= 1, "sample_tokens", "must be >= 1")
         self._require(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "device",

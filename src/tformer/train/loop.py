@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,13 @@ from tformer.distributed.env import NullMetrics, init_distributed, resolve_devic
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
-from tformer.train.checkpoint import CheckpointError, checkpoint_meta, latest_checkpoint, list_checkpoints
+from tformer.train.checkpoint import (
+    CheckpointError,
+    checkpoint_meta,
+    latest_checkpoint,
+    list_checkpoints,
+    set_aside_incomplete,
+)
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
@@ -49,6 +56,7 @@ class TrainState:
     loss_steps: int = 0  # finite steps folded into loss_mean
 
 
+RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
 # so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
@@ -103,6 +111,12 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.env.is_main:
+            for moved in set_aside_incomplete(self.run_dir):
+                warnings.warn(f"an unfinished checkpoint directory was set aside as {moved}", stacklevel=2)
+            if resume_from is None:  # a fresh run trains its own vocabulary, whatever a failed run left
+                for name in RUN_TOKENIZERS:
+                    (self.run_dir / name).unlink(missing_ok=True)
         with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
             task.setup(cfg, self.run_dir, self.device)
         self.model_cfg = task.model_config(cfg)
@@ -260,6 +274,8 @@ class Trainer:
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}")
         if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
             self._log_eval()
+        if cfg.sample_every and s.step % cfg.sample_every == 0 and self.env.world_size == 1:
+            self._log_sample(bar)
         if s.step % cfg.save_every == 0:
             self.save()
 
@@ -341,6 +357,19 @@ class Trainer:
         if self.progress:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
             print(f"\nstep {self.state.step}: {shown}", flush=True)
+
+    def _log_sample(self, bar) -> None:
+        """The task's sample of what the model does now (its own seeded generator: the training RNG
+        streams are untouched, so an exact resume stays exact)."""
+        self.model.eval()
+        try:
+            kwargs = {"max_new_tokens": self.cfg.sample_tokens} if self.cfg.task == "lm" else {}
+            text = self.task.show_sample(self.model, **kwargs)
+        finally:
+            self.model.train()
+        self.metrics.write({"kind": "sample", "step": self.state.step, "text": text})
+        if self.progress:
+            (bar.write if bar is not None else print)(f"step {self.state.step}:\n{text}")
 
     def _progress_bar(self):
         if not self.progress:

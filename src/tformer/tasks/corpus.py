@@ -1,0 +1,25 @@
+"""The corpus a run's data config names, checked to serve the run's task."""
+
+from __future__ import annotations
+
+from tformer.data.corpora import Corpus, corpus_task, load_corpus
+from tformer.schema import ConfigError
+from tformer.train.config import DataConfig
+
+PATH_OPTION = {
+    "trans-de-en": "path",
+    "bbc-news": "root",
+    "shakespeare": "root",
+}  # loader keyword for data.path
+
+
+def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
+    """The corpus `data` names, checked to serve `task`; data.path (if set) says where its files are."""
+    kind = corpus_task(data.corpus)
+    if kind != task:
+        raise ConfigError(f"data.corpus {data.corpus!r} is a {kind} corpus, not a {task} one")
+    if data.path is not None:
+        if data.corpus not in PATH_OPTION:
+            raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
+        options[PATH_OPTION[data.corpus]] = data.path
+    return load_corpus(data.corpus, **options)
