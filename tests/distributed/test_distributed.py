@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tests.tasks.conftest import write_bbc, write_dictionary
-from tests.words import WORDS
+from tests.words import write_word_corpus
 from tformer.cli.main import main
 from tformer.distributed.checkpoint import export_single_process, is_dcp_checkpoint
 from tformer.distributed.plans import is_rank_local
@@ -55,10 +55,7 @@ def launch(scenario: str, out: Path, timeout: float = 240, nproc: int = 2) -> li
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("corpus")
-    gen = torch.Generator().manual_seed(0)
-    for i in range(12):
-        words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (400,), generator=gen)]
-        (root / f"doc{i:02d}.txt").write_text(" ".join(words) + "\n")
+    write_word_corpus(root)
     return root
 
 
