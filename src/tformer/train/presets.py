@@ -170,7 +170,7 @@ def bbc_model() -> ModelConfig:
         n_layers=2,
         n_heads=4,
         d_ff=512,
-        max_seq_len=256,
+        max_seq_len=512,
         dropout=0.1,
         norm="layernorm",
         norm_placement="pre",
@@ -183,17 +183,18 @@ def bbc_model() -> ModelConfig:
 
 
 def bbc() -> TrainConfig:
-    """BBC News topic classification (5 classes) on each article's first 256 tokens, a few minutes on 2 cores."""
+    """BBC News topic classification (5 classes) on each article's first 512 tokens (the median article
+    is ~470), about 7 minutes on 2 cores."""
     return TrainConfig(
         task="classification",
         model=bbc_model(),
-        data=DataConfig(corpus="bbc-news", vocab_size=8000, seq_len=256),
+        data=DataConfig(corpus="bbc-news", vocab_size=8000, seq_len=512),
         optim=OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=30, schedule="cosine", min_lr_ratio=0.1),
-        steps=400,
+        steps=600,
         batch_size=16,
         eval_every=100,
         eval_batches=50,
-        save_every=200,
+        save_every=300,
         log_every=10,
         dtype="float32",
     )
