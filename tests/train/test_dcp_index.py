@@ -70,3 +70,41 @@ def test_an_index_naming_other_code_is_refused_even_with_a_matching_manifest(dcp
     with pytest.raises(CheckpointError, match=r"posix.system is not part of a DCP index|system is not part"):
         resume(cfg, run)
     assert not marker.exists()
+
+
+def _global(module: str, name: str) -> bytes:
+    """A pickle (protocol 4) of one global looked up by module and (possibly dotted) name."""
+    enc = [s.encode() for s in (module, name)]
+    return b"\x80\x04" + b"".join(b"\x8c" + bytes([len(e)]) + e for e in enc) + b"\x93."
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch.distributed.checkpoint.filesystem", "io.FileIO"),  # dotted: an attribute of an allowed module
+        ("torch.distributed.checkpoint.metadata", "torch.ctypes.CDLL"),
+        ("torch", "load"),
+        ("builtins", "eval"),
+    ],
+)
+def test_the_index_unpickler_resolves_only_listed_names(module: str, name: str) -> None:
+    import io
+
+    from tformer.distributed.checkpoint import _IndexUnpickler
+
+    assert pickle.loads(_global("builtins", "len")) is len  # the hand-made pickle is well formed
+    with pytest.raises(pickle.UnpicklingError, match="is not part of a DCP index"):
+        _IndexUnpickler(io.BytesIO(_global(module, name))).load()
+
+
+def test_an_index_that_declares_bytes_is_refused(dcp_run) -> None:
+    """DCP reads a bytes entry back with torch.load(weights_only=False): tformer's checkpoints hold none."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from tformer.distributed.checkpoint import SafeIndexReader
+
+    _, _, ckpt = dcp_run
+    index = ckpt / ".metadata"
+    index.write_bytes(pickle.dumps(Metadata(state_dict_metadata={"model.x": BytesStorageMetadata()})))
+    with pytest.raises(CheckpointError, match="declares entries that are not tensors"):
+        SafeIndexReader(ckpt).read_metadata()

@@ -56,7 +56,12 @@ def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path) -
     assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step_000003"]
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(corpus_dir: Path, tmp_path: Path) -> None:
+def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from tformer.train.interrupt import StopRequests
+
+    monkeypatch.setattr(StopRequests, "REPEAT_S", 0.0)  # the second press counts as a second one
     cfg = small_config(corpus_dir, save_every=2)
     trainer = Trainer(
         cfg, tmp_path / "c", SignalTask(at=5, signals=(signal.SIGINT, signal.SIGINT)), progress=False
@@ -66,6 +71,29 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(corpus_dir: Path,
     assert not isinstance(raised.value, Stopped)
     assert trainer.state.step == 4  # step 5 never finished
     assert [p.name for p in list_checkpoints(tmp_path / "c")] == ["step_000002", "step_000004"]
+
+
+def test_a_quick_repeat_and_torchruns_forwarded_signal_count_as_one(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    cfg = small_config(corpus_dir, save_every=100)
+    for name, env in (("quick", None), ("torchrun", "1")):
+        if env:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", env)
+            monkeypatch.setattr("tformer.train.interrupt.StopRequests.REPEAT_S", 0.0)
+        trainer = Trainer(
+            cfg, tmp_path / name, SignalTask(at=3, signals=(signal.SIGINT,) * 2), progress=False
+        )
+        with pytest.raises(Stopped):
+            trainer.fit()
+        assert latest_checkpoint(tmp_path / name).name == "step_000003"
+
+
+def test_a_signal_in_the_last_step_lets_the_run_finish(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, save_every=100)
+    report = Trainer(cfg, tmp_path / "e", SignalTask(at=8), progress=False).fit()  # 8 steps, one batch each
+    assert report is not None and (tmp_path / "e" / "loss.png").exists()
+    assert latest_checkpoint(tmp_path / "e").name == "step_000008"
 
 
 def test_logged_lr_is_the_rate_the_step_ran_at(corpus_dir: Path, tmp_path: Path) -> None:
@@ -124,23 +152,25 @@ def test_a_damaged_newest_checkpoint_is_an_error_naming_the_previous_one(
         Trainer(cfg, tmp_path / "d", make_task("lm"), resume=True, progress=False)
 
 
-def test_an_unfinished_newer_step_directory_is_set_aside_not_in_the_way(
+def test_an_unfinished_newer_step_directory_is_named_not_stepped_over(
     corpus_dir: Path, tmp_path: Path
 ) -> None:
-    import warnings
+    from tformer.train.checkpoint import CheckpointError
 
     cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=4)
     Trainer(cfg, tmp_path / "u", make_task("lm"), progress=False).fit()
-    (tmp_path / "u" / "checkpoints" / "step_000004" / "COMMITTED").unlink()  # the save of step 4 "died"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = Trainer(cfg, tmp_path / "u", make_task("lm"), resume=True, progress=False)
-    assert trainer.state.step == 2 and any("set aside" in str(w.message) for w in caught)
-    trainer.fit()  # saves step 4 again instead of refusing the existing directory
+    ckpts = tmp_path / "u" / "checkpoints"
+    (ckpts / "step_000004" / "COMMITTED").unlink()  # damaged: a later save of step 4 would meet it
+    with pytest.raises(
+        CheckpointError, match=r"step_000004 is not a committed checkpoint .* move step_000004"
+    ):
+        Trainer(cfg, tmp_path / "u", make_task("lm"), resume=True, progress=False)
+    assert (ckpts / "step_000004").is_dir()  # nothing moved or deleted
+    (ckpts / "step_000004").rename(tmp_path / "kept")
+    trainer = Trainer(cfg, tmp_path / "u", make_task("lm"), resume=True, progress=False)
+    assert trainer.state.step == 2
+    trainer.fit()
     assert latest_checkpoint(tmp_path / "u").name == "step_000004"
-    assert [p.name.split("-")[1] for p in (tmp_path / "u" / "checkpoints").glob(".incomplete-*")] == [
-        "step_000004"
-    ]
 
 
 def test_a_fresh_run_trains_its_own_tokenizer_over_a_failed_runs(corpus_dir: Path, tmp_path: Path) -> None:

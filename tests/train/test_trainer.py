@@ -277,6 +277,9 @@ def test_distributed_checkpoint_without_its_index_is_skipped_and_refused(
     ):
         load_run(second)
     assert load_run(tmp_path / "d").step == 1
+    with pytest.raises(CheckpointError, match="step_000002 is not a committed checkpoint"):
+        Trainer(cfg.replace(steps=3), tmp_path / "d", make_task("lm"), resume=True, progress=False)
+    second.rename(tmp_path / "damaged")  # what the message asks for
     resumed = Trainer(cfg.replace(steps=3), tmp_path / "d", make_task("lm"), resume=True, progress=False)
     assert resumed.state.step == 1
     resumed.close()

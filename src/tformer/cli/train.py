@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
             print(task.describe_result(report))
             (out / "report.json").write_text(json.dumps(report, indent=2))
         if not args.no_sample and trainer.env.world_size == 1:
-            print(task.show_sample(trainer.model))
+            kwargs = {"max_new_tokens": cfg.sample_tokens} if cfg.task == "lm" else {}
+            print(task.show_sample(trainer.model, **kwargs))
     finally:
         trainer.close()
     return 0

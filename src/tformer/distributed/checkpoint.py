@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -97,38 +97,51 @@ def _dcp_call(what: str, path: Path, fn, *args, **kwargs):
 
 class _IndexUnpickler(pickle.Unpickler):
     """Builds what a DCP index holds (its metadata classes, torch.Size, dtypes, layouts, paths) and
-    refuses every other global, so loading a checkpoint never runs code a file names."""
+    refuses every other global, so reading the index never runs code a file names. Names are looked up
+    exactly (no dotted paths through a module's attributes) in an explicit list."""
 
-    MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
-    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-             ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}  # fmt: skip
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch": {"Size"},
+        "torch.serialization": {"_get_layout"},
+        "collections": {"OrderedDict"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+        "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # Python 3.13
+    }  # fmt: skip
 
     def find_class(self, module: str, name: str):
-        found = (
-            super().find_class(module, name)
-            if module in self.MODULES or (module, name) in self.NAMES
-            else None
-        )
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if "." not in name and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if found is None or (module in self.MODULES and not isinstance(found, type)):
+        if "." in name or name not in self.ALLOWED.get(module, ()):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
-        return found
+        return super().find_class(module, name)
 
 
 class SafeIndexReader(FileSystemReader):
     """torch's FileSystemReader, reading the `.metadata` index with `_IndexUnpickler` instead of
-    `pickle.load`."""
+    `pickle.load`. tformer's DCP checkpoints hold tensors only: an index that declares a bytes entry
+    (which DCP would read back with `torch.load(weights_only=False)`) is refused too."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / DCP_METADATA
         try:
             with open(path, "rb") as f:
                 metadata = _IndexUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: not a DCP index ({e})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: not a DCP index (a {type(metadata).__name__})")
+        entries = getattr(metadata, "state_dict_metadata", None)
+        if not isinstance(entries, dict) or any(
+            not isinstance(m, TensorStorageMetadata) for m in entries.values()
+        ):
+            raise CheckpointError(
+                f"{path}: the index declares entries that are not tensors; refusing to read it"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

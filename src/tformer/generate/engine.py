@@ -102,8 +102,7 @@ def generate(
 
 def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode) -> list[list[int]]:
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
+    model.eval()  # `generate` puts the mode back, also when a step raises
     tokens, real = _left_pad(prompts, pad_id, device)
     b, length = tokens.shape
     padded = not bool(real.all())
@@ -152,7 +151,6 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_de
             logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=cache)[
                 :, -1
             ]
-    model.train(was_training)
     return [_strip(row, eos_id) for row in out]
 
 

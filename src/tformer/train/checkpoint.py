@@ -329,20 +329,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def set_aside_incomplete(run_dir: str | Path) -> list[Path]:
-    """Rename `step_*` directories without a readable commit (a save that died, or a damaged manifest) to
-    `.incomplete-step_*-<id>`, kept for inspection: a later save of the same step would otherwise be
-    refused. Returns the new paths."""
+def refuse_unfinished(run_dir: str | Path, resume_from: Path | None) -> None:
+    """CheckpointError if a `step_*` directory without a readable commit (a damaged checkpoint: saves
+    commit by renaming a finished directory) lies beyond the step a run starts from, where a later save
+    would meet it. It is never deleted or stepped over silently; the message says what to move."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
-        return []
-    moved = []
-    for p in sorted(root.iterdir()):
-        if _STEP_DIR.match(p.name) and p.is_dir() and not _is_complete(p):
-            target = p.with_name(f".incomplete-{p.name}-{uuid.uuid4().hex[:8]}")
-            os.rename(p, target)
-            moved.append(target)
-    return moved
+        return
+    start = -1 if resume_from is None else int(_STEP_DIR.match(resume_from.name).group(1))
+    found = sorted(
+        p for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > start and not _is_complete(p)
+    )  # fmt: skip
+    if found:
+        where = f"resume from {resume_from.name}" if resume_from is not None else "start afresh"
+        raise CheckpointError(
+            f"{found[-1]} is not a committed checkpoint (no readable {MARKER}, or a distributed one without "
+            f"its {DCP_METADATA}); move {', '.join(p.name for p in found)} out of {root} to {where}"
+        )
 
 
 def _remove_dir(path: Path) -> None:

@@ -12,9 +12,11 @@ same step.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -29,35 +31,46 @@ class Stopped(KeyboardInterrupt):
 
 class StopRequests:
     """Context manager: while active (and only in the main thread, where Python delivers signals),
-    SIGINT and SIGTERM set `signum` instead of raising; a second SIGINT raises KeyboardInterrupt."""
+    SIGINT and SIGTERM set `signum` instead of raising; a second SIGINT raises KeyboardInterrupt. Under
+    torchrun a Ctrl-C reaches each worker twice (from the terminal, then forwarded by torchrun), so
+    there repeats are ignored: torchrun itself kills workers that have not exited 30 s later. A signal
+    the process was told to ignore stays ignored."""
+
+    REPEAT_S = 2.0  # a second SIGINT sooner than this after the first is the same keypress, forwarded
 
     def __init__(self, announce: bool = True) -> None:
         self.announce = announce
         self.signum: int | None = None
+        self._first = 0.0
         self._previous: dict[int, object] = {}
+        self._torchrun = "TORCHELASTIC_RUN_ID" in os.environ
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._note)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
 
     def _note(self, signum: int, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        if self.signum is None and self.announce:
+        if self.signum is not None:
+            again = signum == signal.SIGINT and not self._torchrun
+            if again and time.monotonic() - self._first > self.REPEAT_S:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            return
+        self.signum, self._first = signum, time.monotonic()
+        if self.announce:
             print(
                 f"\n{signal.Signals(signum).name}: stopping when this step ends, after saving a checkpoint "
                 "(Ctrl-C again stops at once, without saving)",
                 file=sys.stderr,
                 flush=True,
             )
-        self.signum = self.signum or signum
 
     def agreed(self, comm) -> int | None:
         """The signal to stop on if any process received one (a collective under torchrun: every rank
@@ -65,4 +78,4 @@ class StopRequests:
         ranks = comm.ranks_where(self.signum is not None)
         if not ranks:
             return None
-        return self.signum or int(signal.SIGTERM)  # another rank's signal: most likely torchrun's SIGTERM
+        return self.signum or int(signal.SIGINT)  # another rank's: most likely the same Ctrl-C

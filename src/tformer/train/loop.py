@@ -16,7 +16,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from tformer.train.checkpoint import (
     checkpoint_meta,
     latest_checkpoint,
     list_checkpoints,
-    set_aside_incomplete,
+    refuse_unfinished,
 )
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
@@ -70,15 +69,27 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> None:
-    """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's."""
+def _moved(key: str, before: Any, now: Any) -> bool:
+    """Where the data lives may change (a moved run or corpus); what it is may not."""
+    if key == "data.path":
+        return True
+    texts = isinstance(before, str) and isinstance(now, str) and before.startswith("text:")
+    return key == "data.corpus" and texts and now.startswith("text:")
+
+
+def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, part: str = "all") -> None:
+    """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's.
+    part: "run" (everything but the model, checked before the task reads any data), "model" (after the
+    task has resolved the model config) or "all"."""
     saved = meta.get("train_config")
     if not isinstance(saved, dict):
         return  # a checkpoint without its config: the model and optimizer loads still check shapes
     before, now = _flatten(saved), _flatten(cfg.to_dict())
+    wanted = {"run": lambda k: not k.startswith("model."), "model": lambda k: k.startswith("model.")}
     changed = [
         k for k in sorted(before.keys() | now.keys())
-        if k.split(".")[0] not in RESUMABLE and before.get(k) != now.get(k)
+        if wanted.get(part, lambda k: True)(k) and k.split(".")[0] not in RESUMABLE
+        and before.get(k) != now.get(k) and not _moved(k, before.get(k), now.get(k))
     ]  # fmt: skip
     if changed:
         shown = "; ".join(
@@ -110,22 +121,23 @@ class Trainer:
             raise ValueError(
                 f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.env.is_main:
-            for moved in set_aside_incomplete(self.run_dir):
-                warnings.warn(f"an unfinished checkpoint directory was set aside as {moved}", stacklevel=2)
-            if resume_from is None:  # a fresh run trains its own vocabulary, whatever a failed run left
-                for name in RUN_TOKENIZERS:
-                    (self.run_dir / name).unlink(missing_ok=True)
-        with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
-            task.setup(cfg, self.run_dir, self.device)
-        self.model_cfg = task.model_config(cfg)
-        if resume_from is not None:
+        meta = None
+        if resume_from is not None:  # checked before the task reads data or writes anything
             try:
                 meta = checkpoint_meta(resume_from)
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
-            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from)
+            check_resume_config(cfg, meta, resume_from, part="run")
+        refuse_unfinished(self.run_dir, resume_from)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
+            for name in RUN_TOKENIZERS:
+                (self.run_dir / name).unlink(missing_ok=True)
+        with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
+            task.setup(cfg, self.run_dir, self.device)
+        self.model_cfg = task.model_config(cfg)
+        if meta is not None:
+            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, part="model")
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
         plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
         self.parallel = parallelize(self.model, plan, self.env, self.device)
@@ -144,9 +156,9 @@ class Trainer:
         else:
             self.metrics.truncate_after(-1)  # records a crashed run left without a checkpoint: redone now
         if self.env.is_main:  # a resumed run may have changed its cadence or length (RESUMABLE)
-            (self.run_dir / "config.json").write_text(
-                json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2)
-            )
+            tmp = self.run_dir / "config.json.tmp"
+            tmp.write_text(json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2))
+            tmp.replace(self.run_dir / "config.json")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -221,7 +233,7 @@ class Trainer:
                 while s.step < stop:
                     self._one_step(bar, t0, tok0)
                     signum = signals.agreed(self.parallel.comm)
-                    if signum is not None:
+                    if signum is not None and s.step < stop:  # at the last step: just finish
                         path = self.save()
                         self.checkpointer.wait()
                         raise Stopped(
@@ -230,12 +242,14 @@ class Trainer:
         except KeyboardInterrupt as e:
             if bar is not None:
                 bar.close()
+            if not self.env.is_main:
+                raise
             if isinstance(e, Stopped):
                 print(f"\n{e}", file=sys.stderr)
             else:  # a second Ctrl-C, maybe mid-step: a checkpoint of this moment could not resume exactly
                 last = latest_checkpoint(self.run_dir)
                 where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
-                print(f"\nstopped during step {s.step + 1}, without saving it; {where}", file=sys.stderr)
+                print(f"\nstopped without saving (at step {s.step}); {where}", file=sys.stderr)
             raise
         finally:
             if bar is not None:

@@ -42,7 +42,8 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total`: warm-up rises linearly to 1.0
     at step warmup_steps - 1; the decay then starts below the peak and reaches min_lr_ratio exactly at
-    the last step, total - 1 (without warm-up, step 0 runs at the peak)."""
+    the last step, total - 1 (without warm-up, cosine's step 0 runs at the peak; WSD's decay starts at
+    step total * (1 - decay_frac), already below it)."""
     w = cfg.warmup_steps
     if w and step < w:
         return (step + 1) / w
