@@ -112,6 +112,8 @@ class Trainer:
         self.env = init_distributed(cfg.parallel, cfg.device)
         self.cfg, self.task, self.progress = cfg, task, progress and self.env.is_main
         self.run_dir = Path(run_dir)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
         self.device = self.env.device(cfg.device)
         torch.manual_seed(cfg.seed)
         resume_from = latest_checkpoint(self.run_dir) if resume else None
