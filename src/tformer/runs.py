@@ -32,6 +32,23 @@ class LoadedRun:
     step: int
 
 
+COMMAND_OF_TASK = {
+    "lm": "tformer generate",
+    "translation": "tformer translate",
+    "classification": "tformer classify",
+}
+
+
+def require_task(run: LoadedRun, task: str, noun: str) -> None:
+    """ValueError unless `run` was trained for `task`; it names the command that serves the run."""
+    have = run.train_config.task
+    if have != task:
+        how = COMMAND_OF_TASK.get(have)
+        raise ValueError(
+            f"{run.checkpoint} is a {have} run, not a {noun} run" + (f"; use {how}" if how else "")
+        )
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """A run directory (its newest committed checkpoint) or one checkpoint directory."""
     path = Path(path)

@@ -68,19 +68,12 @@ class TextStream:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.runs import load_run
+    from tformer.runs import load_run, require_task
 
     sampling = sampling_from_args(args)
     prompts = read_prompts(args)
     run_ = load_run(args.run)
-    if run_.train_config.task != "lm":
-        how = {"translation": "tformer translate", "classification": "tformer classify"}.get(
-            run_.train_config.task
-        )
-        raise ValueError(
-            f"{run_.checkpoint} is a {run_.train_config.task} run, not a language-model run"
-            + (f"; use {how}" if how else "")
-        )
+    require_task(run_, "lm", "language-model")
     tok = run_.tokenizer
     encoded = [tok.encode(p) for p in prompts]
     if args.truncate_prompt:

@@ -170,9 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
-        print(
-            f"tformer {args.command}: error: {err}", file=sys.stderr
-        )  # OSError: a directory for a file, ...
+        print(f"tformer {args.command}: error: {err}", file=sys.stderr)  # OSError: a directory for a file
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         print(f"tformer {args.command}: interrupted", file=sys.stderr)

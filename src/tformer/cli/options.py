@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from tformer.schema import ConfigError
+from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
 
@@ -61,7 +62,17 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     return out
 
 
-def resolve_train_config(args: argparse.Namespace, default_preset: str) -> TrainConfig:
+def resolve_train_config(
+    args: argparse.Namespace, default_preset: str, resume_dir: Path | None = None
+) -> TrainConfig:
+    """--preset or --config plus --set; resuming `resume_dir` without either: the run's own config (its
+    config.json, else its newest checkpoint's) plus --set."""
+    if resume_dir is not None and args.config is None and args.preset is None:
+        own, last = resume_dir / "config.json", latest_checkpoint(resume_dir)
+        if own.is_file():
+            return TrainConfig.load(own).with_overrides(parse_overrides(args.overrides))
+        if last is not None and "train_config" in (meta := checkpoint_meta(last)):
+            return TrainConfig.from_dict(meta["train_config"]).with_overrides(parse_overrides(args.overrides))
     if args.config is not None and args.preset is not None:
         raise ConfigError("give either --preset or --config, not both")
     if args.config is not None:

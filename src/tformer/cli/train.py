@@ -10,9 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tformer.cli.options import parse_overrides, resolve_train_config
-from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
-from tformer.train.config import TrainConfig
+from tformer.cli.options import resolve_train_config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,17 +22,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out
         else Path("runs") / (args.preset or (args.config.stem if args.config else "run"))
     )
-    cfg = None
-    if args.resume and args.preset is None and args.config is None:  # the run's own config
-        own, last = out / "config.json", latest_checkpoint(out)
-        if own.is_file():
-            cfg = TrainConfig.load(own)
-        elif last is not None and "train_config" in (meta := checkpoint_meta(last)):
-            cfg = TrainConfig.from_dict(meta["train_config"])
-    if cfg is not None:
-        cfg = cfg.with_overrides(parse_overrides(args.overrides))
-    else:
-        cfg = resolve_train_config(args, default_preset="shakespeare")
+    cfg = resolve_train_config(args, default_preset="shakespeare", resume_dir=out if args.resume else None)
     task = make_task(cfg.task)
     trainer = Trainer(cfg, out, task, resume=args.resume, progress=not args.no_progress)
     try:
@@ -44,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
             print(task.describe_result(report))
             (out / "report.json").write_text(json.dumps(report, indent=2))
         if not args.no_sample and trainer.env.world_size == 1:
-            kwargs = {"max_new_tokens": cfg.sample_tokens} if cfg.task == "lm" else {}
-            print(task.show_sample(trainer.model, **kwargs))
+            print(trainer.sample())
     finally:
         trainer.close()
     return 0

@@ -29,7 +29,6 @@ after `export_single_process(checkpoint_dir, new_run_dir)`, which runs in one pr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import shutil
@@ -67,6 +66,7 @@ from tformer.train.checkpoint import (
     _write_file,
     _write_pair,
     capture_rng_state,
+    file_entry,
     list_checkpoints,
     load_checkpoint,
     restore_rng_state,
@@ -304,8 +304,7 @@ class DCPCheckpointer:
             files: dict[str, Any] = {}
             for f in sorted(tmp.iterdir()):
                 if f.suffix in (".json", ".safetensors", ".distcp") or f.name == DCP_METADATA:
-                    data = f.read_bytes()
-                    files[f.name] = {"bytes": len(data), "sha256": _sha256(data)}
+                    files[f.name] = file_entry(f)
             commit = {
                 "format_version": FORMAT_VERSION,
                 "format": DCP_FORMAT,
@@ -347,7 +346,7 @@ class DCPCheckpointer:
         shards = self._as_shards(model, state)
         for name in reader.files:  # DCP's own files: size and sha256 against the manifest (newer saves)
             if name == DCP_METADATA or name.endswith(".distcp"):
-                reader.read(name)
+                reader.check(name)
         index = SafeIndexReader(path)
         _dcp_call("load", path, dcp.load, shards, storage_reader=index, process_group=self.group)
         for part, table in shards.items():  # DCP may have replaced rather than filled a wrapped slice
@@ -404,10 +403,6 @@ def _check_buffers(saved: dict, want: dict[str, torch.Tensor], path: Path) -> di
                 f"{path}: {k!r} has shape {tuple(v.shape)}, the model {tuple(want[k].shape)}"
             )
     return {k: v.to(want[k].device) for k, v in saved.items()}
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def expert_slices(model: nn.Module) -> set[str]:

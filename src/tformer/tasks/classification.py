@@ -28,7 +28,7 @@ from tformer.data.datasets import (
 )
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
-from tformer.runs import LoadedRun
+from tformer.runs import LoadedRun, require_task
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
@@ -214,8 +214,7 @@ def run_labels(run: LoadedRun) -> tuple[str, ...]:
 
 def load_classifier(run: LoadedRun) -> Classifier:
     cfg = run.train_config
-    if cfg.task != "classification":
-        raise ValueError(f"{run.checkpoint} is a {cfg.task} run, not a classification run")
+    require_task(run, "classification", "classification")
     return Classifier(run.model, run.tokenizer, run_labels(run), cfg.data.seq_len)
 
 

@@ -26,7 +26,7 @@ from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, S
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
-from tformer.runs import LoadedRun
+from tformer.runs import LoadedRun, require_task
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
@@ -229,8 +229,7 @@ def evaluate_loss(
 def load_translator(run: LoadedRun) -> Translator:
     """The Translator of a run loaded with `tformer.runs.load_run`."""
     cfg = run.train_config
-    if cfg.task != "translation":
-        raise ValueError(f"{run.checkpoint} is a {cfg.task} run, not a translation run")
+    require_task(run, "translation", "translation")
     src_tok = run.tokenizer
     if cfg.data.tokenizer == "separate":
         path = run_dir_of(run.checkpoint) / SRC_TOKENIZER

@@ -149,6 +149,16 @@ def _write_file(directory: Path, name: str, data: bytes, manifest: dict[str, Any
     manifest[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest entry, {"bytes", "sha256"}, of a file read in 16 MB chunks (DCP shards can be large)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -475,6 +485,20 @@ class _Reader:
         if entry is not None and self.verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupted)")
         return data
+
+    def check(self, name: str) -> None:
+        """Size and (with verify) sha256 of a listed file against the manifest, without keeping it."""
+        file, entry = self.path / name, self.files[name]
+        try:
+            found = file_entry(file) if self.verify else {"bytes": file.stat().st_size}
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+        if found["bytes"] != entry["bytes"]:
+            raise CheckpointError(
+                f"{file}: {found['bytes']} bytes, manifest says {entry['bytes']} (truncated?)"
+            )
+        if self.verify and found["sha256"] != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupted)")
 
     def read(self, name: str) -> bytes:
         if name not in self.files:

@@ -77,18 +77,17 @@ def _moved(key: str, before: Any, now: Any) -> bool:
     return key == "data.corpus" and texts and now.startswith("text:")
 
 
-def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, part: str = "all") -> None:
-    """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's.
-    part: "run" (everything but the model, checked before the task reads any data), "model" (after the
-    task has resolved the model config) or "all"."""
+def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, model: bool) -> None:
+    """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's:
+    the `model.*` settings (model=True, once the task has resolved the model config) or all the others
+    (model=False, checked before the task reads any data)."""
     saved = meta.get("train_config")
     if not isinstance(saved, dict):
         return  # a checkpoint without its config: the model and optimizer loads still check shapes
     before, now = _flatten(saved), _flatten(cfg.to_dict())
-    wanted = {"run": lambda k: not k.startswith("model."), "model": lambda k: k.startswith("model.")}
     changed = [
         k for k in sorted(before.keys() | now.keys())
-        if wanted.get(part, lambda k: True)(k) and k.split(".")[0] not in RESUMABLE
+        if k.startswith("model.") == model and k.split(".")[0] not in RESUMABLE
         and before.get(k) != now.get(k) and not _moved(k, before.get(k), now.get(k))
     ]  # fmt: skip
     if changed:
@@ -129,7 +128,7 @@ class Trainer:
                 meta = checkpoint_meta(resume_from)
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
-            check_resume_config(cfg, meta, resume_from, part="run")
+            check_resume_config(cfg, meta, resume_from, model=False)
         refuse_unfinished(self.run_dir, resume_from)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
@@ -139,7 +138,7 @@ class Trainer:
             task.setup(cfg, self.run_dir, self.device)
         self.model_cfg = task.model_config(cfg)
         if meta is not None:
-            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, part="model")
+            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
         plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
         self.parallel = parallelize(self.model, plan, self.env, self.device)
@@ -374,15 +373,19 @@ class Trainer:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
             print(f"\nstep {self.state.step}: {shown}", flush=True)
 
-    def _log_sample(self, bar) -> None:
-        """The task's sample of what the model does now (its own seeded generator: the training RNG
-        streams are untouched, so an exact resume stays exact)."""
+    def sample(self) -> str:
+        """The task's sample of what the model does now (`sample_tokens` new tokens for a language model;
+        its own seeded generator: the training RNG streams are untouched, so an exact resume stays exact)."""
+        was_training = self.model.training
         self.model.eval()
         try:
             kwargs = {"max_new_tokens": self.cfg.sample_tokens} if self.cfg.task == "lm" else {}
-            text = self.task.show_sample(self.model, **kwargs)
+            return self.task.show_sample(self.model, **kwargs)
         finally:
-            self.model.train()
+            self.model.train(was_training)
+
+    def _log_sample(self, bar) -> None:
+        text = self.sample()
         self.metrics.write({"kind": "sample", "step": self.state.step, "text": text})
         if self.progress:
             (bar.write if bar is not None else print)(f"step {self.state.step}:\n{text}")
