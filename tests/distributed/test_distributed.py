@@ -60,7 +60,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def test_parity_with_one_process(tmp_path: Path) -> None:
-    """F1, C1, C4, C8, E1, E2, E7: DDP, FSDP2, EP+DDP, EP+FSDP2 vs one process on the union of the batches."""
+    """F1, C1, C4, C8, E1, E2, E7: DDP, FSDP2, EP+DDP, EP+FSDP2 vs one process on the union of the batches;
+    gradient accumulation under DDP (one all-reduce per step) and FSDP2."""
     for r in launch("parity", tmp_path):
         for mode in ("ddp", "fsdp", "ep+ddp", "ep+fsdp"):
             m = r[mode]
@@ -82,6 +83,11 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
             "global_window_tokens": 64,
             "nonfinite_ranks": [1],  # named on every rank
         }
+        acc = r["accumulation"]
+        for data in ("ddp", "fsdp"):
+            assert acc[data]["loss_diff"] < 1e-6 and acc[data]["param_diff"] < 1e-5, (data, acc)
+        steps = acc["ddp"]["reductions_per_step"]  # 1, 2, 1 micro-batches: the same reductions each step
+        assert steps[0] > 0 and steps == [steps[0]] * 3, steps
 
 
 def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:

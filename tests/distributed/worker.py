@@ -6,7 +6,7 @@ Each scenario runs several checks and writes `OUT_DIR/<scenario>.rank<r>.json`; 
            on the union of the ranks' batches; the EP layer alone vs the full MoE (zero sends and
            experts without tokens); an expert without tokens on one rank (DDP, FSDP2); a NaN loss
            on one rank (every rank skips); the MoE bias update and routing statistics are global;
-           FSDP2 bf16 mixed precision
+           FSDP2 bf16 mixed precision; gradient accumulation (DDP reduces once per step)
   resume1  Trainer runs to step 8, saving at 4 and 8 while training goes on (DDP dense, sync save;
            EP+FSDP2 MoE with dropout, bias updates, async save); a 1-process DCP checkpoint
            resumed by 2 ranks (1 -> 2)
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -159,6 +160,7 @@ def parity(env, out_dir: Path, out: dict) -> None:
     out["ep_layer"] = ep_layer(env)
     out["unused_expert"] = unused_expert(env, cfg, ocfg)
     out["nan"] = nan_agreement(env, cfg, ocfg)
+    out["accumulation"] = accumulation(env, cfg, ocfg)
 
 
 def fsdp_bf16(env, cfg, ocfg, ref_loss: float) -> dict:
@@ -243,6 +245,53 @@ def unused_expert(env, cfg, ocfg) -> dict:
             "same": identical_across_ranks(model),
         }
         del par, model, opt, args
+    return result
+
+
+def halves(batch: Batch) -> list[Batch]:
+    return [Batch(batch.ids[i : i + 1], batch.targets[i : i + 1]) for i in range(B)]
+
+
+def counting_allreduce(seen: list[int], bucket):
+    """A DDP comm hook: DDP's default all-reduce, noting each bucket it reduces."""
+    seen.append(bucket.index())
+    return allreduce_hook(None, bucket)
+
+
+def accumulation(env, cfg, ocfg) -> dict:
+    """Gradient accumulation: three steps of 1, 2 and 1 micro-batches per rank vs one process on the
+    union of the ranks' batches; DDP all-reduces its buckets once per step however many micro-batches
+    (a comm hook counts the reductions), FSDP2 reduce-scatters after each (only parity checked)."""
+    world, plans = env.world_size, [1, 2, 1]
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    ref_args = step_args(ref, make_optimizer(ref, ocfg))
+    want = []
+    for step in range(len(plans)):
+        ref_args[2] = [global_batch(world, step)]
+        want.append(train_step(*ref_args))
+    result = {}
+    for data in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        par = parallelize(model, make_plan(ParallelConfig(data=data), world), env, torch.device("cpu"))
+        reductions: list[int] = []
+        if data == "ddp":
+            par.model.register_comm_hook(reductions, counting_allreduce)
+        args = step_args(par.model, make_optimizer(model, ocfg), par.comm)
+        per_step, got = [], []
+        for step, n in enumerate(plans):
+            own = rank_part(global_batch(world, step), env.rank)
+            args[2] = halves(own) if n == 2 else [own]
+            before = len(reductions)
+            got.append(train_step(*args))
+            per_step.append(len(reductions) - before)
+        result[data] = {
+            "reductions_per_step": per_step,
+            "loss_diff": max(abs(a.loss - b.loss) for a, b in zip(got, want)),
+            "param_diff": max_diff(model, ref, set(), "param"),
+        }
+        del par, model, args
     return result
 
 

@@ -12,6 +12,7 @@ above becomes the data-parallel size W / T (targets and losses are summed over t
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -56,6 +57,15 @@ class ProcessCollectives:
 
     def all_reduce(self, t: Tensor) -> None:
         dist.all_reduce(t)
+
+    def micro_batch(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """DDP all-reduces the gradients once per step, after the last micro-batch's backward (the
+        earlier ones accumulate locally). FSDP2 reduce-scatters after every micro-batch on purpose: its
+        gradients then stay sharded, where deferring would hold whole unsharded gradients between
+        micro-batches."""
+        if not last and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
 
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         """Global L2 norm over replicated (DDP, tensor-parallel groups), sharded (FSDP2 / tensor-parallel

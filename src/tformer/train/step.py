@@ -57,6 +57,9 @@ class Collectives(Protocol):
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         """Global gradient norm before clipping; clips to max_norm when it is > 0."""
 
+    def micro_batch(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Wraps one micro-batch's forward and backward; gradient reduction may wait for the last one."""
+
 
 def local_grad_norm(params: list[Tensor], max_norm: float) -> float:
     if max_norm > 0:
@@ -80,6 +83,9 @@ class LocalCollectives:
 
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         return local_grad_norm(params, max_norm)
+
+    def micro_batch(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 LOCAL = LocalCollectives()
@@ -130,12 +136,13 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)  # gradients an interrupted step may have left
     total = max(1, int(comm.sum(sum(count_targets(b) for b in micro_batches))))
     loss_sum, aux_sum = 0.0, 0.0
-    for batch in micro_batches:
-        with autocast:
-            task_loss, _ = loss_fn(model, batch)
-            aux = moe_aux_loss(model) / len(micro_batches)
-            loss = task_loss * comm.loss_scale / total + aux
-        loss.backward()
+    for i, batch in enumerate(micro_batches):
+        with comm.micro_batch(model, last=i == len(micro_batches) - 1):
+            with autocast:
+                task_loss, _ = loss_fn(model, batch)
+                aux = moe_aux_loss(model) / len(micro_batches)
+                loss = task_loss * comm.loss_scale / total + aux
+            loss.backward()
         loss_sum += task_loss.item()
         aux_sum += float(aux.detach())
     # the guard runs before optimizer.step(): clip_grad_norm_ of an inf gradient returns inf and turns
