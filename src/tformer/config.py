@@ -6,6 +6,7 @@ All are frozen dataclasses validated at construction (see `tformer.schema`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,7 +71,10 @@ class MoEConfig(Config):
         router input in training (Switch).
     Dispatch: "grouped" (sorted, one gather, per-expert matmuls, one scatter-add) or "loop" (the readable
         reference). capacity_factor: null = dropless; else each expert takes at most
-        ceil(capacity_factor * tokens * top_k / n_experts) (<= tokens) assignments, first come first served.
+        ceil(capacity_factor * tokens * top_k / n_experts) (<= tokens) assignments of a training forward,
+        first come first served. eval_capacity_factor: the same in eval mode (evaluation, generation,
+        search); null (default) = dropless there, so a sequence's output never depends on the other
+        sequences of its batch and cached decoding equals the full forward.
     Balance (each term's coefficient; 0 turns it off; all are averaged over MoE layers):
         aux_loss_coef     Switch/GShard = DeepSeekMoE expert-level: E * sum_i f_i P_i per layer
                           (f_i: share of the layer's assignments, P_i: mean router probability); 1 when
@@ -97,6 +101,7 @@ class MoEConfig(Config):
     first_dense: int = 0
     every: int = 1
     capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
     device_loss_coef: float = 0.0
     n_devices: int = 1
@@ -140,8 +145,14 @@ class MoEConfig(Config):
         self._require(self.jitter >= 0, "jitter", "must be >= 0")
         self._require(self.first_dense >= 0, "first_dense", "must be >= 0")
         self._require(self.every >= 1, "every", "must be >= 1")
-        if self.capacity_factor is not None:
-            self._require(self.capacity_factor > 0, "capacity_factor", "must be > 0 (or null for dropless)")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                self._require(
+                    math.isfinite(value) and value > 0,
+                    name,
+                    "must be a finite number > 0 (or null for dropless)",
+                )
         for name in (
             "aux_loss_coef",
             "device_loss_coef",

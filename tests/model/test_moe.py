@@ -218,6 +218,13 @@ def test_config_checks_group_score() -> None:
         MoEConfig(n_experts=4, n_group=4, topk_group=2, group_score="top2")
 
 
+@pytest.mark.parametrize("name", ["capacity_factor", "eval_capacity_factor"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_config_checks_capacity_factors(name: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"MoEConfig.{name} must be a finite number > 0"):
+        MoEConfig(**{name: value})
+
+
 # ----------------------------------------------------------------------------- inside the models
 MODEL_MOE = MoEConfig(
     n_experts=4,
@@ -252,8 +259,11 @@ def test_moe_trains_inside_every_architecture(arch: str) -> None:
     assert all(name + ".router.expert_bias" in model.state_dict() for name in stats)
 
 
-def test_kv_cache_decoding_equals_full_forward_with_moe_decoder() -> None:
-    cfg = tiny().replace(moe=MODEL_MOE)
+@pytest.mark.parametrize("capacity", [None, 0.5], ids=["dropless", "capacity-in-training"])
+def test_kv_cache_decoding_equals_full_forward_with_moe_decoder(capacity: float | None) -> None:
+    """With capacity_factor the limit applies to training forwards only: the full forward (many tokens)
+    and the one-token decoding steps see the same dropless routing."""
+    cfg = tiny().replace(moe=MODEL_MOE.replace(capacity_factor=capacity))
     model = make(cfg)
     tokens = rand_tokens(cfg, t=14)
     full = model(tokens)

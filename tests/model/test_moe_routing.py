@@ -263,6 +263,30 @@ def test_capacity_is_clamped_to_the_token_count_and_dropless_drops_nothing() -> 
     assert moe_routing_stats(moe)[""]["dropped"] == 0
 
 
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_capacity_limits_training_forwards_and_eval_capacity_factor_eval_ones(dispatch: str) -> None:
+    """capacity_factor 0.5 (48 tokens, top-2 of 4: 12 per expert) drops in training; an eval forward is
+    dropless by default, so a sequence's output is the same alone or after two batchmates; with
+    eval_capacity_factor it is limited too, and the last sequence loses to the earlier ones."""
+    cfg = moe_cfg(d_model=8, n_experts=4, top_k=2, capacity_factor=0.5, dispatch=dispatch)
+    moe = MoE(cfg, 0)
+    x = torch.randn(3, 16, 8)
+    moe.train()(x)
+    assert moe.dispatch.capacity.limit(48) == 12 and moe_routing_stats(moe)[""]["dropped"] >= 48
+    with torch.no_grad():
+        moe.eval()
+        assert moe.dispatch.capacity.limit(48) == 48
+        torch.testing.assert_close(moe(x)[2:], moe(x[2:]))
+        limited = MoE(cfg.replace(moe=cfg.moe.replace(eval_capacity_factor=0.5)), 0).eval()
+        limited.load_state_dict(moe.state_dict())
+        assert limited.dispatch.capacity.limit(48) == 12
+        assert not torch.allclose(limited(x)[2:], limited(x[2:]))
+        assert not torch.allclose(limited(x), moe(x))
+    eval_only = MoE(moe_cfg(d_model=8, n_experts=4, top_k=2, eval_capacity_factor=0.5), 0)
+    assert eval_only.train().dispatch.capacity.limit(48) == 48
+    assert eval_only.eval().dispatch.capacity.limit(48) == 12
+
+
 def test_routing_stats_entropy_and_window() -> None:
     moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
     with torch.no_grad():

@@ -218,14 +218,20 @@ class Dropless(nn.Module):
 
 class Capacity(nn.Module):
     """Each expert keeps its first ceil(cf * N * K / E) assignments in token order (<= N); the rest
-    are dropped: those tokens get nothing from that expert (the residual and shared experts remain)."""
+    are dropped: those tokens get nothing from that expert (the residual and shared experts remain).
+    cf is capacity_factor in training mode and eval_capacity_factor in eval mode; None: no limit
+    (an expert holds each token at most once, so a limit of N drops nothing)."""
 
     def __init__(self, moe: MoEConfig) -> None:
         super().__init__()
-        self.factor, self.top_k, self.n_experts = moe.capacity_factor, moe.top_k, moe.n_experts
+        self.factor, self.eval_factor = moe.capacity_factor, moe.eval_capacity_factor
+        self.top_k, self.n_experts = moe.top_k, moe.n_experts
 
     def limit(self, n_tokens: int) -> int:
-        return min(math.ceil(self.factor * n_tokens * self.top_k / self.n_experts), n_tokens)
+        factor = self.factor if self.training else self.eval_factor
+        if factor is None:
+            return n_tokens
+        return min(math.ceil(factor * n_tokens * self.top_k / self.n_experts), n_tokens)
 
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
         """order (S,) assignments sorted by expert; expert (S,) their experts; counts (E,)."""
@@ -296,7 +302,8 @@ class MoE(nn.Module):
         self.shared = (
             make_dense_ffn(cfg.ffn, cfg.d_model, shared_width, cfg.bias) if moe.n_shared else NoShared()
         )
-        self.dispatch = DISPATCH[moe.dispatch](Capacity(moe) if moe.capacity_factor else Dropless())
+        limited = moe.capacity_factor is not None or moe.eval_capacity_factor is not None
+        self.dispatch = DISPATCH[moe.dispatch](Capacity(moe) if limited else Dropless())
         self.balance = BalanceLoss(moe)
         self.last_aux: Tensor = torch.zeros(())
         self.last_stats: dict[str, Tensor] = {}
