@@ -42,6 +42,15 @@ def test_top_k_keeps_exactly_k(k):
     assert torch.equal(apply_top_k(logits, 0), logits) and torch.equal(apply_top_k(logits, 8), logits)
 
 
+def test_top_p_keeps_ties_with_the_last_kept_token_in_any_vocabulary_order():
+    """Sorted 0.534, 0.197, 0.197, 0.072: mass 0.6 is crossed by the first 0.197; its twin stays too."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    assert apply_top_p(logits, 0.6)[0].isfinite().tolist() == [True, True, True, False]
+    for perm in ([3, 2, 1, 0], [1, 3, 0, 2], [2, 0, 3, 1]):
+        out = apply_top_p(logits[:, perm], 0.6)
+        assert torch.equal(out, apply_top_p(logits, 0.6)[:, perm]), perm
+
+
 def test_top_p_hand_computed():
     logits = logits_from_probs([0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25])
     # row 0 sorted: 0.5, 0.3, 0.15, 0.05 -> mass before each: 0, 0.5, 0.8, 0.95
@@ -49,8 +58,9 @@ def test_top_p_hand_computed():
     assert apply_top_p(logits, 0.7)[0].isfinite().tolist() == [False, True, False, True]  # 0.3 crosses 0.7
     assert apply_top_p(logits, 0.9)[0].isfinite().tolist() == [False, True, True, True]
     assert apply_top_p(logits, 0.99)[0].isfinite().all()
-    assert apply_top_p(logits, 0.6)[1].isfinite().sum() == 3  # uniform: 0.25 x 3 = 0.75 >= 0.6
-    assert apply_top_p(logits, 1e-9).isfinite().sum(-1).tolist() == [1, 1]  # never empty
+    assert apply_top_p(logits, 1e-9)[0].isfinite().sum() == 1  # never empty
+    assert apply_top_p(logits, 0.6)[1].isfinite().all()  # uniform: every token ties with the last kept
+    assert apply_top_p(logits, 1e-9)[1].isfinite().all()
     out = apply_top_p(logits, 0.7)
     assert torch.equal(out[out.isfinite()], logits[out.isfinite()])
     with pytest.raises(ValueError, match="top_p"):

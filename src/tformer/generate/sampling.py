@@ -61,7 +61,9 @@ def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus filtering (Holtzman et al., 2020): keep the smallest set of most likely tokens whose
     probability mass reaches top_p; the token that crosses top_p is kept, and so is always the most
-    likely one. top_p must be in (0, 1]; 1 leaves the logits unchanged. (B, V) -> (B, V).
+    likely one. Tokens whose logit equals the last kept one are kept too, so the set depends on the
+    values alone, never on how the sort orders equal logits. top_p must be in (0, 1]; 1 leaves the
+    logits unchanged. (B, V) -> (B, V).
     """
     _check_logits(logits)
     if not 0.0 < top_p <= 1.0:
@@ -73,8 +75,8 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens, (B, V)
     drop_sorted = mass_before >= top_p
     drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
+    last_kept = sorted_logits.masked_fill(drop_sorted, float("inf")).amin(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(logits < last_kept, float("-inf"))
 
 
 def apply_repetition_penalty(
