@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 
 
-def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2, popen: bool = False):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [
@@ -42,6 +43,9 @@ def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.Com
         str(nproc),
         *args,
     ]
+    if popen:
+        pipes = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -211,13 +215,74 @@ def test_repeated_launches_exit_cleanly(tmp_path: Path) -> None:
         assert is_dcp_checkpoint(tmp_path / f"launch{i}" / "checkpoints" / "step_000001")
 
 
-def torchrun_train(out: Path, corpus: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """`torchrun -m tformer train --preset tiny-lm`, 2 short steps on the test corpus, plus `extra` sets."""
+def torchrun_train(
+    out: Path, corpus: Path, *extra: str, nproc: int = 2, popen: bool = False, resume: bool = False
+):
+    """`torchrun -m tformer train --preset tiny-lm`, 2 short steps on the test corpus, plus `extra` sets;
+    `popen`: started in its own process group and returned running."""
     sets = [f"data.corpus=text:{corpus}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=32",
             "steps=2", "batch_size=2", "eval_every=2", "eval_batches=1", "save_every=2", "log_every=1",
             "optim.fused=false", *extra]  # fmt: skip
     args = ["-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
-    return torchrun(*args, *[a for s in sets for a in ("--set", s)], nproc=nproc)
+    args += ["--resume"] if resume else []
+    return torchrun(*args, *[a for s in sets for a in ("--set", s)], nproc=nproc, popen=popen)
+
+
+def child_pids(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def train_losses(run_dir: Path) -> dict[int, str]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"].hex() for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """A Ctrl-C under torchrun: SIGINT to both workers (a terminal reaches them where they share its
+    process group; torch 2.13's torchrun starts them in their own sessions) and to torchrun, which
+    forwards it to them again: both ranks finish the same step, save it once, and exit; `--resume` under
+    torchrun continues to the end with losses identical (float.hex) to an uninterrupted run. DDP,
+    dropout on, no other checkpoint before the end."""
+    steps = 60
+    sets = [f"steps={steps}", f"save_every={steps}", f"eval_every={steps}", "model.dropout=0.1"]
+    ref = tmp_path / "ref"
+    proc = torchrun_train(ref, corpus, *sets)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    want = train_losses(ref)
+    assert sorted(want) == list(range(1, steps + 1))
+
+    out = tmp_path / "run"
+    cmd = torchrun_train(out, corpus, *sets, popen=True)
+    started = time.monotonic()
+    while not (out / "metrics.jsonl").exists() or len(train_losses(out)) < 5:
+        assert cmd.poll() is None and time.monotonic() - started < 120, cmd.communicate()[1][-6000:]
+        time.sleep(0.05)
+    workers = child_pids(cmd.pid)
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(pid, signal.SIGINT)
+    os.killpg(cmd.pid, signal.SIGINT)  # torchrun's process group: what the terminal signals on Ctrl-C
+    _, stderr = cmd.communicate(timeout=120)
+    assert cmd.returncode != 0, stderr[-6000:]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and is_dcp_checkpoint(out / "checkpoints" / saved[0]), saved
+    stop = int(saved[0].removeprefix("step_"))
+    assert 5 <= stop < steps, stop  # a step boundary mid-run, not the end-of-run save
+    assert stderr.count(f"stopped at step {stop}") >= 1, stderr[-6000:]
+
+    proc = torchrun_train(out, corpus, *sets, resume=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert train_losses(out) == want
 
 
 def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:

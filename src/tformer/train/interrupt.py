@@ -32,9 +32,10 @@ class Stopped(KeyboardInterrupt):
 class StopRequests:
     """Context manager: while active (and only in the main thread, where Python delivers signals),
     SIGINT and SIGTERM set `signum` instead of raising; a second SIGINT raises KeyboardInterrupt. Under
-    torchrun a Ctrl-C reaches each worker twice (from the terminal, then forwarded by torchrun), so
-    there repeats are ignored: torchrun itself kills workers that have not exited 30 s later. A signal
-    the process was told to ignore stays ignored."""
+    torchrun a Ctrl-C can reach a worker twice (from the terminal where workers share its process group,
+    then forwarded by torchrun; torch 2.13's torchrun starts workers in their own sessions and forwards
+    it once), so there repeats are ignored: torchrun itself kills workers that have not exited 30 s
+    later. A signal the process was told to ignore stays ignored."""
 
     REPEAT_S = 2.0  # a second SIGINT sooner than this after the first is the same keypress, forwarded
 
