@@ -229,11 +229,20 @@ def summarize(times: dict[str, list[float]], tokens: int, flops_per_call: float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--decode-reps", type=int, default=30)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe.json"))
+    ap.add_argument(
+        "--quick", action="store_true", help="8 x 32 tokens, 2 rounds: a smoke check, not a measurement"
+    )
+    ap.add_argument("--rounds", type=int, default=None, help="default 7 (--quick: 2)")
+    ap.add_argument("--decode-reps", type=int, default=None, help="default 30 (--quick: 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="default results/moe.json (--quick: results/moe_quick.json)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    args.seq = 32 if args.quick else SEQ
+    args.rounds = args.rounds or (2 if args.quick else 7)
+    args.decode_reps = args.decode_reps or (3 if args.quick else 30)
+    results_dir = Path(__file__).parent / "results"
+    args.out = args.out or str(results_dir / ("moe_quick.json" if args.quick else "moe.json"))
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results = {}
     with LoadMeter() as load:
@@ -244,13 +253,14 @@ def main() -> None:
 
 def bench_config(cname: str, spec: dict, args) -> dict:
     blocks = variants(spec)
-    peak = matmul_peak(BATCH * SEQ, D, spec["F"] * (spec["K"] + spec["shared"]))
-    x = torch.randn(BATCH, SEQ, D, requires_grad=True)
-    g = torch.randn(BATCH, SEQ, D)
+    seq = args.seq
+    peak = matmul_peak(BATCH * seq, D, spec["F"] * (spec["K"] + spec["shared"]))
+    x = torch.randn(BATCH, seq, D, requires_grad=True)
+    g = torch.randn(BATCH, seq, D)
     for b in blocks.values():
         b.train()
     train, train_peak = measure(blocks, lambda b: train_step(b, x, g), args.rounds, 1, peak)
-    flops = 6 * BATCH * SEQ * active_matmul_params(spec)
+    flops = 6 * BATCH * seq * active_matmul_params(spec)
     xd = torch.randn(DECODE_BATCH, 1, D)
     for b in blocks.values():
         b.eval()
@@ -258,7 +268,7 @@ def bench_config(cname: str, spec: dict, args) -> dict:
     decode, decode_peak = measure(blocks, lambda b: decode_step(b, xd, reps), args.rounds, reps, peak)
     dflops = 2 * DECODE_BATCH * active_matmul_params(spec)
     return {
-        f"{cname} | train fwd+bwd": summarize(train, BATCH * SEQ, flops, train_peak),
+        f"{cname} | train fwd+bwd": summarize(train, BATCH * seq, flops, train_peak),
         f"{cname} | decode fwd, 8 tokens": summarize(decode, DECODE_BATCH, dflops, decode_peak),
         f"{cname} | matmul peak GFLOP/s (train, decode rounds)": [
             round(train_peak, 1),
@@ -296,7 +306,8 @@ def report(results: dict, load: dict, args) -> None:
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "shapes": {
                     "d_model": D,
-                    "train_tokens": [BATCH, SEQ],
+                    "train_tokens": [BATCH, args.seq],
+                    "threads": args.threads,
                     "decode_tokens": [DECODE_BATCH, 1],
                     "dtype": "float32",
                     "rounds": args.rounds,

@@ -7,6 +7,9 @@ import json
 import pytest
 
 from tformer import PRESETS, ConfigError, ModelConfig, MoEConfig, RopeConfig, get_preset
+from tformer.cli.options import parse_overrides
+from tformer.train.config import TrainConfig
+from tformer.train.presets import get_train_preset
 
 
 def test_defaults_are_the_paper_layer() -> None:
@@ -92,6 +95,22 @@ def test_ints_widen_to_float_and_floats_never_narrow() -> None:
     assert ModelConfig(dropout=0).dropout == 0.0
     with pytest.raises(ConfigError, match="ModelConfig.n_layers must be int, got 2.0"):
         ModelConfig(n_layers=2.0)  # type: ignore[arg-type]
+
+
+def test_exponent_floats_read_by_yaml_as_strings_are_floats(tmp_path) -> None:
+    """PyYAML (YAML 1.1) reads `1e-3` as a string: in a --set value and in a config file it is a float;
+    strings that are not numbers stay errors, and int fields take no floats from strings either."""
+    overrides = parse_overrides(["optim.lr=1e-3", "model.rope.theta=5E+5"])
+    assert overrides["optim.lr"] == "1e-3"  # what YAML gives; the schema converts it
+    cfg = get_train_preset("tiny-lm").with_overrides(overrides)
+    assert cfg.optim.lr == 1e-3 and cfg.model.rope.theta == 5e5
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n")
+    assert TrainConfig.load(path).optim.lr == 3e-4
+    with pytest.raises(ConfigError, match="ModelConfig.d_model must be int, got '1e2'"):
+        ModelConfig().with_overrides({"d_model": "1e2"})
+    with pytest.raises(ConfigError, match="OptimConfig.lr must be float, got 'fast'"):
+        cfg.with_overrides({"optim.lr": "fast"})
 
 
 def test_unknown_preset() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -31,6 +32,9 @@ def _describe(tp: Any) -> str:
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
+
+
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
@@ -63,6 +67,8 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float in YAML 1.2 and JSON
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -38,8 +38,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue exactly from the run directory's last checkpoint, with the run's own config.json "
-        "(--set may change steps and the eval / save / log cadence; model, data, optimizer, batch and seed "
-        "must stay as they were)",
+        "(--set may change steps, the eval / save / log / sample cadence, keep_last, the non-finite and "
+        "spike guards, device, compile and parallel.*; model, data, optimizer, batch and seed must stay as "
+        "they were)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-sample", action="store_true", help="do not print a generated sample at the end")

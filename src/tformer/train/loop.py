@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -130,22 +131,17 @@ class Trainer:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
         refuse_unfinished(self.run_dir, resume_from)
+        created = next((d for d in [*reversed(self.run_dir.parents), self.run_dir] if not d.exists()), None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
             for name in RUN_TOKENIZERS:
                 (self.run_dir / name).unlink(missing_ok=True)
-        with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
-            task.setup(cfg, self.run_dir, self.device)
-        self.model_cfg = task.model_config(cfg)
-        if meta is not None:
-            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
-        self.model: nn.Module = build_model(self.model_cfg).to(self.device)
-        plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
-        self.parallel = parallelize(self.model, plan, self.env, self.device)
-        self.env.seed_rank(cfg.seed)
-        self.optimizer = self.parallel.adapt_optimizer(make_optimizer(self.model, cfg.optim))
-        self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
-        self.loader = train_loader(task, cfg, self.env)
+        try:
+            self._build(task, cfg, meta, resume_from)
+        except BaseException:  # bad data or model settings, a missing package: leave no directory behind
+            if created is not None and self.env.is_main:  # the outermost directory this run made
+                shutil.rmtree(created, ignore_errors=True)
+            raise
         self.state = TrainState()
         self._saved: tuple[int, Path] | None = None
         self.metrics = MetricsLog(self.run_dir) if self.env.is_main else NullMetrics()
@@ -160,6 +156,21 @@ class Trainer:
             tmp = self.run_dir / "config.json.tmp"
             tmp.write_text(json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2))
             tmp.replace(self.run_dir / "config.json")
+
+    def _build(self, task, cfg: TrainConfig, meta: dict | None, resume_from: Path | None) -> None:
+        """Data, tokenizer, model, parallel layout, optimizer, schedule and loader of the run."""
+        with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
+            task.setup(cfg, self.run_dir, self.device)
+        self.model_cfg = task.model_config(cfg)
+        if meta is not None:
+            check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
+        self.model: nn.Module = build_model(self.model_cfg).to(self.device)
+        plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
+        self.parallel = parallelize(self.model, plan, self.env, self.device)
+        self.env.seed_rank(cfg.seed)
+        self.optimizer = self.parallel.adapt_optimizer(make_optimizer(self.model, cfg.optim))
+        self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
+        self.loader = train_loader(task, cfg, self.env)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
