@@ -322,6 +322,25 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
     assert "perplexity" in capsys.readouterr().out
 
 
+def test_a_safetensors_run_resumed_with_dcp_saves_continues_exactly(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """The way from 1 to N processes (docs/distributed.md): resume a single-process run once with
+    `--set parallel.checkpoint=dcp`; it loads its safetensors checkpoint, continues to the weights of the
+    uninterrupted run and saves DCP."""
+    from tformer.runs import load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    argv = ["train", "--out", str(run), "--resume", "--no-progress", "--no-sample"]
+    assert main([*argv, "--set", "parallel.checkpoint=dcp"]) == 0
+    resumed, straight = load_run(run), load_run(trained_run)
+    assert (resumed.checkpoint / ".metadata").is_file() and resumed.step == straight.step == 4
+    for (name, a), b in zip(resumed.model.state_dict().items(), straight.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactness(
     trained_run: Path, tmp_path: Path, capsys
 ) -> None:

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 
 from tformer.config import MoEConfig
 from tformer.distributed.checkpoint import (
+    CheckpointFormatError,
     DCPCheckpointer,
     SafetensorsCheckpointer,
     _dcp_call,
@@ -107,6 +108,35 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
     with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):
         check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=2, d_ff=64)), 4)
     check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64)), 2)
+
+
+def test_the_dcp_checkpointer_loads_a_single_process_checkpoint_in_one_process_only(tmp_path) -> None:
+    """`--set parallel.checkpoint=dcp` on a safetensors run: one process loads the safetensors checkpoint
+    as it was saved (weights, optimizer, scheduler, RNG); several processes get an error that says how
+    to convert, not that the checkpoint is damaged."""
+    model = moe_model()
+    optimizer, scheduler = trained(model)
+    torch.manual_seed(7)
+    path = SafetensorsCheckpointer(Local(), 0).save(
+        tmp_path, 1, model, optimizer, scheduler, {"loader": {}}, {}, 2
+    )
+    expected_rng = torch.rand(3)
+    other = moe_model()
+    opt2 = make_optimizer(other, OptimConfig(fused=False))
+    sched2 = make_scheduler(opt2, 10, OptimConfig())
+    assert DCPCheckpointer(Local(), seed=0).load(path, other, opt2, sched2)["loader"] == {}
+    assert torch.equal(torch.rand(3), expected_rng)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert sched2.state_dict() == scheduler.state_dict()
+
+    class TwoRanks(Local):
+        world_size = 2
+
+    two = DCPCheckpointer(Local(), seed=0)
+    two.env = TwoRanks()  # as rank 0 of 2 sees it (the check comes before any collective)
+    with pytest.raises(CheckpointFormatError, match="single-process .* parallel.checkpoint=dcp"):
+        two.load(path, other, opt2, sched2)
 
 
 def test_dcp_round_trip_in_one_process(tmp_path) -> None:

@@ -156,6 +156,10 @@ def _first_failure(e: dcp.CheckpointException) -> str:
     return str(e)
 
 
+class CheckpointFormatError(CheckpointError):
+    """A sound checkpoint of a format this world size cannot resume (not damage: no fallback applies)."""
+
+
 class SafetensorsCheckpointer:
     """World size 1: the single-process format, written exactly as tformer.train.checkpoint does.
     Loads a DCP checkpoint too (a distributed run resumed by one process)."""
@@ -329,6 +333,14 @@ class DCPCheckpointer:
         """Restore model, optimizer, scheduler, this rank's RNG and rank-local buffers; return the trainer
         state (loader position rescaled when the world size changed)."""
         path = Path(path)
+        if not is_dcp_checkpoint(path) and (path / "model.safetensors").is_file():  # the 1-process format
+            if self.env.world_size == 1:  # loads as it was saved; this run's saves are DCP from now on
+                return SafetensorsCheckpointer(self.env, self.seed).load(path, model, optimizer, scheduler)
+            raise CheckpointFormatError(
+                f"{path} is a single-process (safetensors) checkpoint and {self.env.world_size} processes "
+                "resume only DCP ones: resume it once in one process with --set parallel.checkpoint=dcp "
+                "(its saves are then DCP), then under torchrun"
+            )
         reader = _Reader(path, verify=True)
         if not is_dcp_checkpoint(path):
             raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tformer.distributed.checkpoint import make_checkpointer
+from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer
 from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
@@ -199,6 +199,8 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         try:
             t = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)  # + this rank's RNG
+        except CheckpointFormatError:
+            raise
         except CheckpointError as e:
             raise self._name_the_previous(path, e) from None
         # fields a checkpoint predates (e.g. the spike detector's) keep their defaults
