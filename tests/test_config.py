@@ -113,6 +113,37 @@ def test_exponent_floats_read_by_yaml_as_strings_are_floats(tmp_path) -> None:
         cfg.with_overrides({"optim.lr": "fast"})
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda v: ModelConfig(init_std=v),
+        lambda v: ModelConfig(norm_eps=v),
+        lambda v: RopeConfig(theta=v),
+        lambda v: MoEConfig(routed_scaling=v),
+        lambda v: MoEConfig(aux_loss_coef=v),
+        lambda v: MoEConfig(jitter=v),
+        lambda v: ModelConfig().with_overrides({"moe": {"n_experts": 4, "z_loss_coef": v}}),
+    ],
+)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_no_float_setting_takes_inf_or_nan(build, value: float) -> None:
+    """inf and NaN gave models with NaN outputs, runs that stopped on non-finite losses, or a
+    traceback from the router's noise; every float field now refuses them by name."""
+    with pytest.raises(ConfigError, match=r"Config\.\w+ must be a finite number, got"):
+        build(value)
+
+
+def test_moe_layout_must_place_an_moe_layer_and_jitter_below_one() -> None:
+    with pytest.raises(ConfigError, match="first_dense=5 and every=1 leave no MoE layer among the model's 2"):
+        ModelConfig(n_layers=2, moe=MoEConfig(first_dense=5))
+    with pytest.raises(ConfigError, match=r"MoEConfig.jitter must be in \[0, 1\)"):
+        MoEConfig(jitter=1.0)
+    deep_encoder = ModelConfig(
+        arch="encoder_decoder", n_layers=2, n_encoder_layers=4, moe=MoEConfig(first_dense=3)
+    )
+    assert deep_encoder.moe.is_moe_layer(3)  # only in the encoder: allowed
+
+
 def test_unknown_preset() -> None:
     with pytest.raises(ConfigError, match="unknown preset 'gpt5'; available: paper-base, tiny"):
         get_preset("gpt5")

@@ -142,7 +142,9 @@ class MoEConfig(Config):
                     "group_score",
                     f"'top2' needs >= 2 experts per group (n_experts / n_group = {per_group})",
                 )
-        self._require(self.jitter >= 0, "jitter", "must be >= 0")
+        self._require(
+            0 <= self.jitter < 1, "jitter", "must be in [0, 1) (the noise is U(1 - jitter, 1 + jitter))"
+        )
         self._require(self.first_dense >= 0, "first_dense", "must be >= 0")
         self._require(self.every >= 1, "every", "must be >= 1")
         for name in ("capacity_factor", "eval_capacity_factor"):
@@ -265,8 +267,16 @@ class ModelConfig(Config):
                     f"ModelConfig.rope.fraction={self.rope.fraction} gives {rot} rotated features of "
                     f"head_dim={self.resolved_head_dim}; must be an even number >= 2"
                 )
-        if self.moe is not None and self.moe.d_expert is None and self.ffn == "swiglu":
-            pass  # d_expert defaults to d_ff
+        if self.moe is not None:
+            depth = max(
+                self.n_layers, self.resolved_n_encoder_layers if self.arch == "encoder_decoder" else 0
+            )
+            if not any(self.moe.is_moe_layer(i) for i in range(depth)):
+                raise ConfigError(
+                    f"ModelConfig.moe: first_dense={self.moe.first_dense} and every={self.moe.every} leave no "
+                    f"MoE layer among the model's {depth} layers; lower first_dense, or set moe to null for a "
+                    "dense model"
+                )
 
     # ----------------------------------------------------------------- resolved values
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
@@ -41,13 +42,15 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
     """Check `value` against annotation `tp`; return it (ints widened to float, dicts to configs)."""
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        nested = None  # a mapping for a nested config: its own error (unknown key, bad value) says more
+        nested = None  # a mapping for a nested config, an inf: that arm's own error says more
         for arg in get_args(tp):
             try:
                 return _coerce(owner, name, value, arg)
             except ConfigError as e:
                 if isinstance(value, dict) and isinstance(arg, type) and issubclass(arg, Config):
                     nested = e
+                if arg is float and isinstance(value, float) and not math.isfinite(value):
+                    nested = e  # "must be a finite number" says more than "must be float or null"
         if nested is not None:
             raise nested
         raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
@@ -64,11 +67,13 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+    elif tp is float:  # no tformer setting means anything at inf or NaN
         if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float in YAML 1.2 and JSON
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float in YAML 1.2 and JSON
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{owner}.{name} must be a finite number, got {value!r}")
+            return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value
