@@ -11,6 +11,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.data.tokenizer import Tokenizer
+from tformer.distributed.env import resolve_device
 from tformer.model import build_model
 from tformer.train.checkpoint import (
     DCP_FORMAT,
@@ -63,6 +64,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
+    device = resolve_device(str(device))  # "auto", or a clear error for a device this machine lacks
     ckpt = find_checkpoint(path)
     meta = checkpoint_meta(ckpt)  # size and sha256 checked before anything is parsed
     try:

@@ -12,7 +12,7 @@ from tformer.cli.main import main
 from tformer.config import ModelConfig, MoEConfig
 from tformer.experiments import moe, norm
 from tformer.experiments.report import Report, Verdict, all_hold, fmt, text_table
-from tformer.experiments.runner import ArmLog, Setting, layer_groups
+from tformer.experiments.runner import ArmLog, Setting, layer_groups, prepare_run_dir
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.model.stats import count_params, flops_per_token
@@ -142,3 +142,45 @@ def test_cli_rejects_an_option_the_study_lacks(capsys):
     assert "has no option depths" in capsys.readouterr().err
     assert main(["experiment", "norm", "--quick", "--n-layers", "3", "--out", "/nonexistent/x"]) == 2
     assert "has no option n_layers" in capsys.readouterr().err
+
+
+def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(tmp_path):
+    """A tokenizer, data manifest or plot of the previous study must not outlive --overwrite (the new
+    study would train on the old vocabulary); a training run's directory is not a study's."""
+    study = tmp_path / "study"
+    (study / "arms" / "a").mkdir(parents=True)
+    for name in ("setting.json", "data.json", "tokenizer.json", "report.md", "report.html", "old_plot.png"):
+        (study / name).write_text("old")
+    (study / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="already holds an experiment run; pass --overwrite"):
+        prepare_run_dir(study, overwrite=False)
+    assert prepare_run_dir(study, overwrite=True) == study
+    assert sorted(p.name for p in study.iterdir()) == ["notes.txt"]
+    trained = tmp_path / "train-run"
+    (trained / "checkpoints").mkdir(parents=True)
+    (trained / "tokenizer.json").write_text("{}")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="holds checkpoints, tokenizer.json of something else"):
+            prepare_run_dir(trained, overwrite=overwrite)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--lr", "nan"], "OptimConfig.lr must be a finite number"),
+        (["--batch-size", "100000"], "has no batches"),
+    ],
+)
+def test_a_study_that_fails_before_training_leaves_no_directory(argv, needle, tmp_path, capsys):
+    """The corrected command can then run into the same --out without --overwrite."""
+    out = tmp_path / "runs" / "study"
+    assert main(["experiment", "norm", "--quick", "--threads", "1", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA would run it")
+def test_a_study_on_a_missing_device_is_one_line(tmp_path, capsys):
+    assert main(["experiment", "rope", "--quick", "--device", "cuda", "--out", str(tmp_path / "x")]) == 2
+    assert "has no CUDA device" in capsys.readouterr().err and not (tmp_path / "x").exists()

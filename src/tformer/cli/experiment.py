@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tformer.cli.options import nonnegative_int, positive_int
+from tformer.distributed.env import resolve_device
 from tformer.experiments import STUDIES
 from tformer.experiments.runner import prepare_run_dir, read_setting, write_setting
 
@@ -106,11 +108,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
     else:
         setting = resolve_setting(args, module)
+        resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
+        module.make_arms(setting)  # an arm's model or optimizer setting out of range
+        created = next((d for d in [*reversed(out.parents), out] if not d.exists()), None)
         out = prepare_run_dir(out, args.overwrite)
         write_setting(out, args.study, "quick" if args.quick else "full", setting)
         t0 = time.perf_counter()
-        with torch_threads(args.threads):
-            module.run(setting, out)
+        try:
+            with torch_threads(args.threads):
+                module.run(setting, out)
+        except Exception:  # failed before an arm finished (data, batch size): leave nothing behind
+            if created is not None and len(list((out / "arms").glob("*"))) <= 1:  # at most the failed arm
+                shutil.rmtree(created, ignore_errors=True)
+            raise
         print(f"trained in {time.perf_counter() - t0:.1f} s")
     report, summary = module.report(out)
     md, page = report.write(out)

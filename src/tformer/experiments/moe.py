@@ -28,6 +28,7 @@ from torch import nn
 
 from tformer.config import ModelConfig, MoEConfig
 from tformer.data.datasets import collate_lm
+from tformer.distributed.env import resolve_device
 from tformer.experiments.runner import Arm, Setting, StudyData, run_arms
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
@@ -246,7 +247,7 @@ def without_shared(model: nn.Module, cfg: ModelConfig, device) -> nn.Module:
 
 
 def analyses(arm: Arm, model: nn.Module, data: StudyData, batches: list, s: MoESetting) -> list[dict]:
-    device = torch.device(s.device)
+    device = resolve_device(s.device)
     size = count_params(arm.model)
     out = [{"kind": "size", **size, "flops_per_token": flops_per_token(arm.model, s.seq_len, causal=True)}]
     if arm.model.moe is None:

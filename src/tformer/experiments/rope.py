@@ -28,6 +28,7 @@ from matplotlib.ticker import NullLocator
 from torch import nn
 
 from tformer.config import ModelConfig, RopeConfig
+from tformer.distributed.env import resolve_device
 from tformer.experiments.report import (
     QUICK_NOTE,
     Report,
@@ -171,7 +172,7 @@ def eval_model(trained: nn.Module, cfg: ModelConfig, longest: int, rope: RopeCon
 
 
 def position_evals(arm: Arm, model: nn.Module, windows: torch.Tensor, s: RopeSetting) -> list[dict]:
-    device = torch.device(s.device)
+    device = resolve_device(s.device)
     longest, records = max(s.eval_factors) * s.seq_len, []
     methods = ("none",) + (SCALINGS if arm.tags["positions"] == "rope" else ())
     for method in methods:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.distributed.env import resolve_device
 from tformer.model import build_model
 from tformer.model.moe import (
     discard_expert_counts,
@@ -148,15 +149,34 @@ class Arm:
         }
 
 
+STUDY_FILES = (SETTING, "data.json", "tokenizer.json", "src_tokenizer.json", "report.md", "report.html")
+
+
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
-    """Create the run directory; a previous study there is an error unless `overwrite` (then its arms go)."""
+    """Create the run directory. A previous study there is an error unless `overwrite`, which removes
+    everything a study writes (arms, setting, data manifest, tokenizer, report and plots), so nothing of
+    it (a tokenizer of another vocabulary or corpus) leaks into the new one. A training run's directory,
+    or stray tokenizer files, are refused: a study would read their tokenizer as its own."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file; choose a directory")
     if (run_dir / SETTING).exists() or (run_dir / "arms").exists():
         if not overwrite:
             raise ValueError(
                 f"{run_dir} already holds an experiment run; pass --overwrite or choose another --out"
             )
         shutil.rmtree(run_dir / "arms", ignore_errors=True)
+        for name in STUDY_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        for plot in run_dir.glob("*.png"):
+            plot.unlink()
+    else:
+        foreign = [n for n in ("config.json", "checkpoints", "tokenizer.json") if (run_dir / n).exists()]
+        if foreign:
+            raise ValueError(
+                f"{run_dir} holds {', '.join(foreign)} of something else (a training run?); a study needs "
+                "a directory of its own: choose another --out"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -200,7 +220,7 @@ class StudyData:
             device=setting.device,
             dtype="float32",
         )
-        self.device = torch.device(setting.device)
+        self.device = resolve_device(setting.device)
         self.task = make_task(task)
         self.task.setup(self.cfg, Path(run_dir), self.device)
         if hasattr(self.task, "corpus") and not (Path(run_dir) / "data.json").exists():
@@ -353,7 +373,7 @@ def instrumented_step(
 
 def train_arm(arm: Arm, data: StudyData, setting: Setting, run_dir: Path, init_batches: int = 2) -> nn.Module:
     """Train one arm under the study's budget, logging into run_dir/arms/<name>/; return the model."""
-    device = torch.device(setting.device)
+    device = resolve_device(setting.device)
     arms_dir = Path(run_dir) / "arms"
     index = len(list(arms_dir.iterdir())) if arms_dir.exists() else 0
     arm_dir = arms_dir / arm.name
