@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,18 @@ def require_task(run: LoadedRun, task: str, noun: str) -> None:
         raise ValueError(
             f"{run.checkpoint} is a {have} run, not a {noun} run" + (f"; use {how}" if how else "")
         )
+
+
+def check_texts(texts: Sequence[str]) -> None:
+    """What a translator or classifier takes: a list of non-empty strings (one string is not a list of
+    its characters)."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"text {i} is a {type(text).__name__}, not a str")
+        if not text.strip():
+            raise ValueError(f"text {i} is empty")
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -60,6 +60,16 @@ def test_cached_decoding_past_the_limit(lm) -> None:
         lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
 
 
+def test_a_cache_takes_one_batch_and_a_positive_capacity(lm) -> None:
+    cache = lm.new_cache()
+    lm(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="this KV cache holds a batch of 1 rows, got 2"):
+        lm(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+    for capacity in (0, -1):
+        with pytest.raises(ValueError, match=f"capacity of at least 1 position, got {capacity}"):
+            lm.new_cache(capacity)
+
+
 def test_mask_of_wrong_shape_or_dtype(lm) -> None:
     tokens = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(

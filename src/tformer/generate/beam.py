@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.generate.engine import check_token_id
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
 from tformer.model.decode_step import Seq2SeqDecodeStep
@@ -330,6 +331,21 @@ def search(
     translation preset's model) and run each step after the first as the flat
     `tformer.model.decode_step.Seq2SeqDecodeStep`; False: `model.decode` with `F.linear` throughout
     (the slow twin)."""
+    if getattr(getattr(model, "cfg", None), "arch", None) != "encoder_decoder":
+        raise ValueError(
+            "search needs an encoder-decoder; a decoder LM generates with tformer.generate.generate"
+        )
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
+        raise TypeError("src must be a (batch, length) tensor of token ids (torch.long)")
+    if src_mask is not None and (not isinstance(src_mask, Tensor) or src_mask.shape != src.shape):
+        raise ValueError(f"src_mask must be a bool tensor of src's shape {tuple(src.shape)}")
+    vocab = model.cfg.vocab_size
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("banned id", b) for b in banned)):
+        check_token_id(value, vocab, name)
+    if len(set(banned)) >= vocab:
+        raise ValueError(
+            f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
+        )
     with row_blocked_linears(model) if fast_decode else contextlib.nullcontext():
         return _search(
             model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned, flat=fast_decode

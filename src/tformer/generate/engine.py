@@ -30,12 +30,27 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.devic
     return tokens, real
 
 
+def check_token_id(value, vocab_size: int, what: str) -> None:
+    """A token id argument (eos_id, pad_id, a banned id): an int in [0, vocab_size)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {value!r}")
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    if isinstance(prompts, (str, Tensor)) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"prompts must be a list of token-id lists (e.g. [[5, 17, 3]]), got {type(prompts).__name__}"
+        )
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
+        if isinstance(p, (str, Tensor)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. some text)")
+        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise TypeError(f"prompt {i} holds {bad!r}: token ids are ints")
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise ValueError(
@@ -88,7 +103,17 @@ def generate(
         where the model is one it knows, else as `model(...)`.
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     """
+    if getattr(getattr(model, "cfg", None), "arch", None) != "decoder":
+        raise ValueError(
+            "generate needs a decoder LM; an encoder-decoder decodes with tformer.generate.search"
+        )
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
+    vocab = model.cfg.vocab_size
+    check_token_id(pad_id, vocab, "pad_id")
+    if eos_id is not None:
+        check_token_id(eos_id, vocab, "eos_id")
     if sampling.stop_strings and decode is None:
         raise ValueError("stop_strings need decode= (a function from token ids to text) to be found")
     was_training = model.training

@@ -39,6 +39,8 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"a KV cache needs a capacity of at least 1 position, got {capacity!r}")
         self.capacity = capacity
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
@@ -59,6 +61,11 @@ class KVCache:
             self.k[layer_idx] = k.new_empty(b, h, self.capacity, e)
             self.v[layer_idx] = v.new_empty(b, h, self.capacity, v.shape[-1])
         k_buf, v_buf = self.k[layer_idx], self.v[layer_idx]
+        if k.shape[0] != k_buf.shape[0]:
+            raise ValueError(
+                f"this KV cache holds a batch of {k_buf.shape[0]} rows, got {k.shape[0]}: a new batch needs "
+                "its own cache (model.new_cache())"
+            )
         k_buf[:, :, start : start + t] = k
         v_buf[:, :, start : start + t] = v
         self.lengths[layer_idx] = start + t

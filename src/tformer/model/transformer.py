@@ -99,7 +99,7 @@ class DecoderLM(Stack):
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
+        return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)
 
 
 class ClsPooling(nn.Module):
@@ -221,7 +221,7 @@ class EncoderDecoder(nn.Module):
         return self.decode(tgt, self.encode(src, src_key_padding_mask), key_padding_mask=tgt_key_padding_mask)
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
+        return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)
 
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {

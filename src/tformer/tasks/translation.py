@@ -26,7 +26,7 @@ from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, S
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
-from tformer.runs import LoadedRun, require_task
+from tformer.runs import LoadedRun, check_texts, require_task
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import load_task_corpus
 from tformer.tasks.losses import cross_entropy_sum
@@ -69,6 +69,7 @@ class Translator:
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
         """Source ids (with EOS) per text, and the indices of the texts that were truncated."""
+        check_texts(texts)
         out, cut = [], []
         for i, ids in enumerate(self.src_tok.encode_batch(list(texts), add_eos=True)):
             ids, was_cut = truncate(ids, self.max_src_len, self.src_tok.eos_id)

@@ -1,0 +1,104 @@
+"""The Python API's decoding entry points refuse bad arguments by name: generate (decoder LMs), search
+(encoder-decoders), Translator and Classifier. Before, floats in a prompt were silently truncated to
+ids, a string was taken as a list of its characters, an out-of-range pad or banned id failed deep
+inside torch only when reached, and an out-of-range EOS was never reached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer import build_model
+from tformer.data.tokenizer import Tokenizer
+from tformer.generate import SamplingConfig
+from tformer.generate.beam import SearchConfig, search
+from tformer.generate.engine import generate
+from tformer.presets import tiny
+from tformer.tasks.classification import Classifier
+from tformer.tasks.translation import Translator
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return build_model(tiny().replace(vocab_size=32, max_seq_len=16)).eval()
+
+
+@pytest.fixture(scope="module")
+def seq2seq():
+    torch.manual_seed(0)
+    return build_model(tiny("encoder_decoder").replace(vocab_size=24, max_seq_len=16)).eval()
+
+
+@pytest.mark.parametrize(
+    "prompts, error, needle",
+    [
+        ([[1.7, 2.2]], TypeError, "prompt 0 holds 1.7: token ids are ints"),
+        ([[1, True]], TypeError, "prompt 0 holds True"),
+        ([1, 2, 3], TypeError, "prompt 0 must be a list of token ids, got int"),
+        (["to be"], TypeError, "prompt 0 must be a list of token ids, got str"),
+        ("to be", TypeError, "prompts must be a list of token-id lists"),
+        (torch.tensor([[1, 2]]), TypeError, "prompts must be a list of token-id lists"),
+        ([[1, 2], []], ValueError, "prompt 1 is empty"),
+    ],
+)
+def test_generate_refuses_prompts_that_are_not_lists_of_int_ids(lm, prompts, error, needle) -> None:
+    with pytest.raises(error, match=needle):
+        generate(lm, prompts, GREEDY)
+
+
+def test_generate_checks_its_ids_model_and_settings(lm, seq2seq) -> None:
+    for kwargs, needle in (
+        ({"pad_id": 99}, r"pad_id must be a token id in \[0, 32\), got 99"),
+        ({"eos_id": 999}, r"eos_id must be a token id in \[0, 32\), got 999"),
+        ({"eos_id": -1}, "eos_id must be a token id"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            generate(lm, [[1, 2], [3]], GREEDY, **kwargs)
+    with pytest.raises(ValueError, match="generate needs a decoder LM"):
+        generate(seq2seq, [[1, 2]], GREEDY)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig, got dict"):
+        generate(lm, [[1, 2]], {"temperature": 0.0})  # type: ignore[arg-type]
+    assert len(generate(lm, [[1, 2], [3]], GREEDY, eos_id=31, pad_id=0)) == 2  # valid ids still work
+
+
+def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
+    src = torch.randint(3, 24, (2, 5))
+    cfg = SearchConfig(method="greedy", max_len_a=0.0, max_len_b=4)
+    ids = dict(bos_id=1, eos_id=2)
+    with pytest.raises(ValueError, match=r"banned id must be a token id in \[0, 24\), got 99"):
+        search(seq2seq, src, None, cfg, banned=[99], **ids)
+    with pytest.raises(ValueError, match="banned ids cover the whole vocabulary of 24 tokens"):
+        search(seq2seq, src, None, cfg, banned=range(24), **ids)
+    with pytest.raises(ValueError, match="eos_id must be a token id"):
+        search(seq2seq, src, None, cfg, bos_id=1, eos_id=24)
+    with pytest.raises(TypeError, match=r"src must be a \(batch, length\) tensor"):
+        search(seq2seq, src[0], None, cfg, **ids)
+    with pytest.raises(TypeError, match=r"src must be a \(batch, length\) tensor"):
+        search(seq2seq, src.tolist(), None, cfg, **ids)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="src_mask must be a bool tensor of src's shape"):
+        search(seq2seq, src, torch.ones(2, 4, dtype=torch.bool), cfg, **ids)
+    with pytest.raises(ValueError, match="search needs an encoder-decoder"):
+        search(lm, src, None, cfg, **ids)
+    assert len(search(seq2seq, src, None, cfg, banned=[5], **ids)) == 2
+
+
+def test_translator_and_classifier_take_lists_of_non_empty_strings() -> None:
+    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
+    torch.manual_seed(0)
+    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32)).eval()
+    translator = Translator(pair, tok, tok, max_src_len=32)
+    cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
+    classifier = Classifier(build_model(cfg).eval(), tok, ["a", "b"], max_len=32)
+    for call in (lambda t: translator.translate(t, SearchConfig(method="greedy")), classifier.classify):
+        with pytest.raises(TypeError, match=r"wrap one text in a list: \[text\]"):
+            call("the market")
+        with pytest.raises(ValueError, match="text 1 is empty"):
+            call(["the market", "  "])
+        with pytest.raises(TypeError, match="text 0 is a int, not a str"):
+            call([3])
+        assert len(call(["the market", "the dog"])) == 2
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        classifier.probabilities([[5, 6]], batch_size=0)
