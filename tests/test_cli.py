@@ -289,6 +289,21 @@ def test_bench_reports_speed(capsys) -> None:
     result = json.loads(capsys.readouterr().out)
     assert result["train_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["params_total"] == result["params_active"] > 0
+    assert (result["device"], result["dtype"], result["batch"]) == ("cpu", "float32", [2, 16])
+
+
+def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
+    """A --seq-len beyond model.max_seq_len is measured (training sizes the model to it, as here), not
+    cut to the context; --new-tokens that do not fit are an error; parallel.* is named as unused."""
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--batch-size", "1", "--json"]
+    assert main([*argv, "--seq-len", "80", "--new-tokens", "4", "--set", "parallel.data=fsdp"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["batch"] == [1, 80]
+    assert "warning: parallel.* is not used: bench measures one process" in err
+    assert main([*argv, "--new-tokens", "1000"]) == 2
+    assert "--new-tokens 1000 does not fit after the 8-token prompt in the context of 64 tokens" in (
+        capsys.readouterr().err
+    )
 
 
 def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, capsys) -> None:

@@ -14,13 +14,18 @@ import time
 import torch
 import torch.nn.functional as F
 
+PROMPT = 8  # tokens of the decoding prompt
 
-def _best(fn, repeats: int) -> float:
+
+def _best(fn, repeats: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -28,49 +33,71 @@ def _best(fn, repeats: int) -> float:
 def run(args: argparse.Namespace) -> int:
     from tformer import build_model
     from tformer.cli.options import resolve_train_config
+    from tformer.cli.translate import warn
+    from tformer.distributed.env import resolve_device
     from tformer.generate.engine import generate
     from tformer.generate.sampling import SamplingConfig
     from tformer.model.stats import count_params, flops_per_token
+    from tformer.train.config import ParallelConfig
     from tformer.train.optim import make_optimizer
+    from tformer.train.step import autocast_context
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = resolve_train_config(args, default_preset="shakespeare")
     if cfg.model.arch != "decoder":
         raise ValueError(f"tformer bench measures decoder LMs; preset arch is {cfg.model.arch!r}")
+    if cfg.parallel != ParallelConfig():
+        warn(
+            "bench",
+            "parallel.* is not used: bench measures one process (scale-out: torchrun -m tformer train)",
+        )
+    device = resolve_device(cfg.device)
+    b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
+    mcfg = cfg.model.replace(max_seq_len=max(cfg.model.max_seq_len, t))  # as training sizes it
+    if args.new_tokens > mcfg.max_seq_len - PROMPT:
+        raise ValueError(
+            f"--new-tokens {args.new_tokens} does not fit after the {PROMPT}-token prompt in the context of "
+            f"{mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer): at most "
+            f"{mcfg.max_seq_len - PROMPT}"
+        )
     torch.manual_seed(0)
-    mcfg = cfg.model
-    model = build_model(mcfg)
+    model = build_model(mcfg).to(device)
     opt = make_optimizer(model, cfg.optim)
-    b, t = args.batch_size or cfg.batch_size, min(args.seq_len or cfg.data.seq_len, mcfg.max_seq_len)
-    x = torch.randint(0, mcfg.vocab_size, (b, t))
+    autocast = autocast_context(device, cfg.dtype)
+    x = torch.randint(0, mcfg.vocab_size, (b, t), device=device)
 
     def train_step() -> None:
-        logits = model(x)
-        F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        with autocast:
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    a = torch.randn(b * t, mcfg.d_model)
-    w = torch.randn(max(mcfg.d_ff, mcfg.d_model), mcfg.d_model)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    a = torch.randn(b * t, mcfg.d_model, device=device, dtype=dtype)
+    w = torch.randn(max(mcfg.d_ff, mcfg.d_model), mcfg.d_model, device=device, dtype=dtype)
 
     def matmuls() -> None:
         for _ in range(20):
             a @ w.t()
 
-    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _best(matmuls, args.repeats)
-    train_s = _best(train_step, args.repeats)
+    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _best(matmuls, args.repeats, device)
+    train_s = _best(train_step, args.repeats, device)
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
     model.eval()
-    prompt = [x[0, :8].tolist()]
-    n_new = min(args.new_tokens, mcfg.max_seq_len - 8)
+    prompt = [x[0, :PROMPT].tolist()]
+    n_new = args.new_tokens
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
-    decode_s = _best(lambda: generate(model, prompt, sampling), max(1, args.repeats // 2))
+    decode_s = _best(lambda: generate(model, prompt, sampling), max(1, args.repeats // 2), device)
     params = count_params(model)
     result = {
         "params_total": params["total"],
         "params_active": params["active"],
         "batch": [b, t],
+        "device": str(device),
+        "dtype": cfg.dtype,
         "threads": torch.get_num_threads(),
         "matmul_peak_gflops": peak / 1e9,
         "train_tokens_per_s": b * t / train_s,
@@ -83,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"model: {params['total']:,} parameters ({params['active']:,} active per token), batch {b} x {t}, "
-        f"{result['threads']} threads"
+        f"{device}, {cfg.dtype}, {result['threads']} threads"
     )
-    print(f"matmul peak (fp32, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
+    print(f"matmul peak ({cfg.dtype}, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
     print(f"training: {result['train_tokens_per_s']:,.0f} tokens/s, MFU {100 * result['train_mfu']:.1f}%")
     print(
         f"greedy decoding (batch 1, KV cache): {result['decode_tokens_per_s']:,.1f} tokens/s "
