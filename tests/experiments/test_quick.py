@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,22 @@ def test_report_only_rebuilds_the_same_report(quick_run, capsys):
     before = (out / "report.md").read_text()
     assert main(["experiment", study, "--report-only", "--out", str(out)]) == 0
     assert (out / "report.md").read_text() == before
+
+
+def test_report_only_of_an_interrupted_study_names_what_is_missing(quick_run, tmp_path, capsys):
+    """A study stopped after some arms (one arm gone, one cut before its last evaluation): --report-only
+    says so instead of failing inside a plot or a table."""
+    study, out, _ = quick_run
+    copy = tmp_path / "stopped"
+    shutil.copytree(out, copy)
+    arms = sorted((copy / "arms").iterdir())
+    shutil.rmtree(arms[-1])
+    log = arms[0] / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:3]))
+    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"is incomplete: {len(arms) - 2} of {len(arms)} arms finished" in err, err
+    assert arms[0].name in err and "Traceback" not in err
 
 
 def test_existing_run_is_not_overwritten(quick_run, capsys):

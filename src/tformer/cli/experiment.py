@@ -21,7 +21,7 @@ import torch
 from tformer.cli.options import nonnegative_int, positive_int
 from tformer.distributed.env import resolve_device
 from tformer.experiments import STUDIES
-from tformer.experiments.runner import prepare_run_dir, read_setting, write_setting
+from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
 
 # CLI flag -> Setting field; a flag left out keeps the setting's value
 OVERRIDES = {
@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
                 shutil.rmtree(created, ignore_errors=True)
             raise
         print(f"trained in {time.perf_counter() - t0:.1f} s")
+    saved = type(module.FULL).from_dict(read_setting(out)["setting"])
+    check_complete(out, module.make_arms(saved), saved.steps)
     report, summary = module.report(out)
     md, page = report.write(out)
     print(summary)

@@ -449,6 +449,23 @@ def read_arms(run_dir: Path) -> list[ArmLog]:
     return [ArmLog(m["name"], m["seed"], m["tags"], m["model"], read_records(path)) for m, path in metas]
 
 
+def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
+    """Every arm of the study trained to the end (or stopped by the non-finite rule): a report of an
+    interrupted study would compare arms that are not there."""
+    done = set()
+    for log in read_arms(run_dir):
+        last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
+        if last == steps or any(r.get("kind") == "stopped" for r in log.records):
+            done.add(log.name)
+    missing = [a.name for a in arms if a.name not in done]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(
+            f"the study in {run_dir} is incomplete: {len(arms) - len(missing)} of {len(arms)} arms finished "
+            f"(not {shown}; was it stopped?); run it again with --overwrite"
+        )
+
+
 def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, after=None) -> None:
     """Train every arm in order, one progress line each; `after(arm, model)` runs a study's extra
     measurements on the trained model (its records go to the same metrics.jsonl)."""
