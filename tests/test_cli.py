@@ -163,6 +163,11 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["classify", "--run", "x", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
         (["bench", "--threads", "-1"], "argument --threads: expected an integer >= 0"),
         (["experiment", "norm", "--depths", "a,b"], "argument --depths: expected comma-separated integers"),
+        (["experiment", "norm", "--depths", "2,2"], "argument --depths: a depth appears twice in '2,2'"),
+        (
+            ["experiment", "norm", "--report-only", "--steps", "5", "--out", "adir"],
+            "--report-only rebuilds the report from the run's logs; --steps would change nothing",
+        ),
         (["train", "--lr", "3"], "allowed options: --config, --help"),
     ],
 )

@@ -42,9 +42,12 @@ OVERRIDES = {
 def depth_list(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated layer counts >= 1."""
     try:
-        return tuple(positive_int(d.strip()) for d in text.split(","))
+        depths = tuple(positive_int(d.strip()) for d in text.split(","))
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+    if len(set(depths)) != len(depths):
+        raise argparse.ArgumentTypeError(f"a depth appears twice in {text!r} (its arms would train twice)")
+    return depths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(STUDIES[args.study])
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
     if args.report_only:
+        given = [f for f in (*OVERRIDES, "depths", "arch", "threads") if getattr(args, f, None) is not None]
+        if given or args.quick or args.overwrite:
+            flags = [f"--{f.replace('_', '-')}" for f in given] + ["--quick"] * args.quick
+            flags += ["--overwrite"] * args.overwrite
+            raise ValueError(
+                f"--report-only rebuilds the report from the run's logs; {', '.join(flags)} would change "
+                "nothing (to train with other settings, run without --report-only)"
+            )
         if read_setting(out)["study"] != args.study:
             raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
     else:
