@@ -144,6 +144,15 @@ def test_moe_layout_must_place_an_moe_layer_and_jitter_below_one() -> None:
     assert deep_encoder.moe.is_moe_layer(3)  # only in the encoder: allowed
 
 
+def test_from_json_and_from_yaml_name_a_malformed_text() -> None:
+    with pytest.raises(ConfigError, match=r"not a valid JSON text for ModelConfig \(Expecting"):
+        ModelConfig.from_json('{"d_model": 3,')
+    with pytest.raises(ConfigError, match="not a valid YAML text for ModelConfig"):
+        ModelConfig.from_yaml("d_model: [1,")
+    with pytest.raises(ConfigError, match="ModelConfig must be a mapping, got list"):
+        ModelConfig.from_yaml("- 1")
+
+
 def test_unknown_preset() -> None:
     with pytest.raises(ConfigError, match="unknown preset 'gpt5'; available: paper-base, tiny"):
         get_preset("gpt5")

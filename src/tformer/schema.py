@@ -160,7 +160,7 @@ class Config:
 
     @classmethod
     def from_json(cls: type[C], text: str) -> C:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(cls._parse(text, "JSON"))
 
     def to_yaml(self) -> str:
         import yaml
@@ -169,9 +169,23 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[C], text: str) -> C:
+        return cls.from_dict(cls._parse(text, "YAML"))
+
+    @classmethod
+    def _parse(cls, text: str, fmt: str, where: str | None = None) -> Any:
+        """The mapping a JSON or YAML text holds; a text that is neither is a ConfigError."""
         import yaml
 
-        return cls.from_dict(yaml.safe_load(text) or {})
+        try:
+            return json.loads(text) if fmt == "JSON" else (yaml.safe_load(text) or {})
+        except (ValueError, yaml.YAMLError) as e:
+            reason = " ".join(str(e).split())
+            what = (
+                f"{where}: not a readable {cls.__name__} file"
+                if where
+                else f"not a valid {fmt} text for {cls.__name__}"
+            )
+            raise ConfigError(f"{what} ({reason})") from None
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -180,14 +194,13 @@ class Config:
 
     @classmethod
     def load(cls: type[C], path: str | Path) -> C:
-        import yaml
 
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
-            return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
-        except ConfigError:
-            raise
-        except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not UTF-8, not YAML / JSON
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8
             reason = " ".join(str(e).split())
             raise ConfigError(f"{path}: not a readable {cls.__name__} file ({reason})") from None
+        return cls.from_dict(
+            cls._parse(text, "YAML" if path.suffix in (".yaml", ".yml") else "JSON", str(path))
+        )
