@@ -192,3 +192,14 @@ def test_dcp_mismatch_is_a_checkpoint_error(tmp_path) -> None:
 
     with pytest.raises(CheckpointError, match="rank 1: OSError: disk full"):
         _dcp_call("save", tmp_path, fails)
+
+
+def test_parallel_settings_in_one_process_are_named_as_unused() -> None:
+    """`--set parallel.data=fsdp` without torchrun trains one whole model: said, not silent."""
+    with pytest.warns(UserWarning, match="parallel.data=fsdp, parallel.tensor=2 take effect under torchrun"):
+        assert isinstance(init_distributed(ParallelConfig(data="fsdp", tensor=2)), Local)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_distributed(ParallelConfig())  # the defaults: nothing to say

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 from tformer.cli.options import nonnegative_int, positive_int
@@ -168,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import importlib
 
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"
     try:
         return int(func(args) or 0)
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
@@ -176,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         print(f"tformer {args.command}: interrupted", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":

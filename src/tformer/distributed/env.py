@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -124,6 +125,22 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     if dist.is_available() and dist.is_initialized():
         return ProcessGroup(False, parallel.tensor) if dist.get_world_size() > 1 else Local()
     if world_size_from_env() <= 1:
+        unused = [
+            f"parallel.{name}={value}"
+            for name, value, default in (
+                ("data", parallel.data, "ddp"),
+                ("experts", parallel.experts, "replicate"),
+                ("tensor", parallel.tensor, 1),
+            )
+            if value != default
+        ]
+        if unused:
+            warnings.warn(
+                f"{', '.join(unused)} take effect under torchrun (several processes); this is one process, "
+                "which runs the whole model (launch with torchrun --nproc_per_node N -m tformer train ...)",
+                UserWarning,
+                stacklevel=2,
+            )
         return Local()
     backend = parallel.backend
     if backend == "auto":
