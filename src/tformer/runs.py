@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,16 +51,18 @@ def require_task(run: LoadedRun, task: str, noun: str) -> None:
         )
 
 
-def check_texts(texts: Sequence[str]) -> None:
-    """What a translator or classifier takes: a list of non-empty strings (one string is not a list of
-    its characters)."""
+def check_texts(texts: Iterable[str]) -> list[str]:
+    """What a translator or classifier takes: non-empty strings (one string is not a list of its
+    characters); returned as a list (a generator is read once)."""
     if isinstance(texts, str):
         raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+    texts = list(texts)
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"text {i} is a {type(text).__name__}, not a str")
         if not text.strip():
             raise ValueError(f"text {i} is empty")
+    return texts
 
 
 def find_checkpoint(path: str | Path) -> Path:

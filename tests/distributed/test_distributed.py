@@ -241,8 +241,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 def train_losses(run_dir: Path) -> dict[int, str]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"].hex() for r in map(json.loads, lines) if r["kind"] == "train"}
+    """Step -> loss (float.hex) of the training records; a line still being written is not counted."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+    return {r["step"]: r["loss"].hex() for r in records if r["kind"] == "train"}
 
 
 def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly(
@@ -263,16 +265,23 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly(
 
     out = tmp_path / "run"
     cmd = torchrun_train(out, corpus, *sets, popen=True)
-    started = time.monotonic()
-    while not (out / "metrics.jsonl").exists() or len(train_losses(out)) < 5:
-        assert cmd.poll() is None and time.monotonic() - started < 120, cmd.communicate()[1][-6000:]
-        time.sleep(0.05)
-    workers = child_pids(cmd.pid)
-    assert len(workers) == 2, workers
-    for pid in workers:
-        os.kill(pid, signal.SIGINT)
-    os.killpg(cmd.pid, signal.SIGINT)  # torchrun's process group: what the terminal signals on Ctrl-C
-    _, stderr = cmd.communicate(timeout=120)
+    try:
+        started = time.monotonic()
+        while not (out / "metrics.jsonl").exists() or len(train_losses(out)) < 5:
+            assert cmd.poll() is None and time.monotonic() - started < 120, "no 5 steps within 120 s"
+            time.sleep(0.05)
+        workers = child_pids(cmd.pid)
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
+        os.killpg(cmd.pid, signal.SIGINT)  # torchrun's process group: what the terminal signals on Ctrl-C
+        _, stderr = cmd.communicate(timeout=120)
+    finally:
+        if cmd.poll() is None:  # a failed assertion above: leave no launcher or workers behind
+            for pid in child_pids(cmd.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(cmd.pid, signal.SIGKILL)
+            cmd.communicate()
     assert cmd.returncode != 0, stderr[-6000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(saved) == 1 and is_dcp_checkpoint(out / "checkpoints" / saved[0]), saved

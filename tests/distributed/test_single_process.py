@@ -196,10 +196,37 @@ def test_dcp_mismatch_is_a_checkpoint_error(tmp_path) -> None:
 
 def test_parallel_settings_in_one_process_are_named_as_unused() -> None:
     """`--set parallel.data=fsdp` without torchrun trains one whole model: said, not silent."""
-    with pytest.warns(UserWarning, match="parallel.data=fsdp, parallel.tensor=2 take effect under torchrun"):
+    with pytest.warns(
+        UserWarning,
+        match="parallel.data=fsdp, parallel.tensor=2: this is one process, which trains the whole model",
+    ):
         assert isinstance(init_distributed(ParallelConfig(data="fsdp", tensor=2)), Local)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         init_distributed(ParallelConfig())  # the defaults: nothing to say
+
+
+def test_accumulation_defers_ddps_all_reduce_also_under_torch_compile(tmp_path) -> None:
+    """Collectives.micro_batch finds DDP inside torch.compile's wrapper (the trainer passes the compiled
+    module): every micro-batch but the last runs under no_sync. A one-rank gloo group, nothing compiled
+    (torch.compile wraps lazily)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tformer.distributed.parallelize import ProcessCollectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+        comm = ProcessCollectives(Local(), torch.device("cpu"), set())
+        for module in (ddp, torch.compile(ddp)):
+            with comm.micro_batch(module, last=False):
+                assert not ddp.require_backward_grad_sync
+            with comm.micro_batch(module, last=True):
+                assert ddp.require_backward_grad_sync
+        with comm.micro_batch(torch.nn.Linear(2, 2), last=False):  # FSDP2 / plain modules: nothing deferred
+            pass
+    finally:
+        dist.destroy_process_group()

@@ -149,13 +149,14 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     study would train on the old vocabulary); a training run's directory is not a study's."""
     study = tmp_path / "study"
     (study / "arms" / "a").mkdir(parents=True)
-    for name in ("setting.json", "data.json", "tokenizer.json", "report.md", "report.html", "old_plot.png"):
+    for name in ("setting.json", "data.json", "tokenizer.json", "report.md", "report.html", "norm_loss.png"):
         (study / name).write_text("old")
     (study / "notes.txt").write_text("the user's")
+    (study / "photo.png").write_text("the user's")
     with pytest.raises(ValueError, match="already holds an experiment run; pass --overwrite"):
         prepare_run_dir(study, overwrite=False)
     assert prepare_run_dir(study, overwrite=True) == study
-    assert sorted(p.name for p in study.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in study.iterdir()) == ["notes.txt", "photo.png"]
     trained = tmp_path / "train-run"
     (trained / "checkpoints").mkdir(parents=True)
     (trained / "tokenizer.json").write_text("{}")

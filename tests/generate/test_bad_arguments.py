@@ -5,6 +5,7 @@ inside torch only when reached, and an out-of-range EOS was never reached."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,18 +36,31 @@ def seq2seq():
 @pytest.mark.parametrize(
     "prompts, error, needle",
     [
-        ([[1.7, 2.2]], TypeError, "prompt 0 holds 1.7: token ids are ints"),
+        ([[1.7, 2.2]], TypeError, "prompt 0 holds 1.7: token ids are integers"),
         ([[1, True]], TypeError, "prompt 0 holds True"),
+        ([np.array([1.0, 2.0])], TypeError, r"prompt 0 holds np.float64\(1.0\)"),
         ([1, 2, 3], TypeError, "prompt 0 must be a list of token ids, got int"),
         (["to be"], TypeError, "prompt 0 must be a list of token ids, got str"),
         ("to be", TypeError, "prompts must be a list of token-id lists"),
-        (torch.tensor([[1, 2]]), TypeError, "prompts must be a list of token-id lists"),
+        (7, TypeError, "prompts must be a list of token-id lists"),
         ([[1, 2], []], ValueError, "prompt 1 is empty"),
     ],
 )
 def test_generate_refuses_prompts_that_are_not_lists_of_int_ids(lm, prompts, error, needle) -> None:
     with pytest.raises(error, match=needle):
         generate(lm, prompts, GREEDY)
+
+
+def test_generate_takes_integer_ids_of_any_kind(lm) -> None:
+    """Tuples, NumPy arrays and ints, tensors: the same tokens as plain lists."""
+    want = generate(lm, [[1, 2, 3], [4, 5]], GREEDY, eos_id=30)
+    for prompts in (
+        [(1, 2, 3), (4, 5)],
+        [np.array([1, 2, 3]), np.array([4, 5])],
+        [torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+        (p for p in [[1, 2, 3], [4, 5]]),
+    ):
+        assert generate(lm, prompts, GREEDY, eos_id=np.int64(30), pad_id=np.int64(0)) == want
 
 
 def test_generate_checks_its_ids_model_and_settings(lm, seq2seq) -> None:
@@ -100,5 +114,6 @@ def test_translator_and_classifier_take_lists_of_non_empty_strings() -> None:
         with pytest.raises(TypeError, match="text 0 is a int, not a str"):
             call([3])
         assert len(call(["the market", "the dog"])) == 2
+        assert len(call(t for t in ["the market", "the dog"])) == 2  # a generator is read once
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         classifier.probabilities([[5, 6]], batch_size=0)

@@ -18,7 +18,7 @@ PROMPT = 8  # tokens of the decoding prompt
 
 
 def _best(fn, repeats: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()  # warm-up
     times = []
     for _ in range(repeats):

@@ -108,9 +108,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
     if args.report_only:
         given = [f for f in (*OVERRIDES, "depths", "arch", "threads") if getattr(args, f, None) is not None]
-        if given or args.quick or args.overwrite:
-            flags = [f"--{f.replace('_', '-')}" for f in given] + ["--quick"] * args.quick
-            flags += ["--overwrite"] * args.overwrite
+        if given or args.overwrite:  # --quick stays: it names the default --out of a quick run
+            flags = [f"--{f.replace('_', '-')}" for f in given] + ["--overwrite"] * args.overwrite
             raise ValueError(
                 f"--report-only rebuilds the report from the run's logs; {', '.join(flags)} would change "
                 "nothing (to train with other settings, run without --report-only)"

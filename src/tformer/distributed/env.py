@@ -136,8 +136,8 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
         ]
         if unused:
             warnings.warn(
-                f"{', '.join(unused)} take effect under torchrun (several processes); this is one process, "
-                "which runs the whole model (launch with torchrun --nproc_per_node N -m tformer train ...)",
+                f"{', '.join(unused)}: this is one process, which trains the whole model; these settings take "
+                "effect under torchrun (torchrun --nproc_per_node N -m tformer train ...)",
                 UserWarning,
                 stacklevel=2,
             )

@@ -63,8 +63,9 @@ class ProcessCollectives:
         earlier ones accumulate locally). FSDP2 reduce-scatters after every micro-batch on purpose: its
         gradients then stay sharded, where deferring would hold whole unsharded gradients between
         micro-batches."""
-        if not last and isinstance(model, DistributedDataParallel):
-            return model.no_sync()
+        ddp = getattr(model, "_orig_mod", model)  # under torch.compile: the module it compiled
+        if not last and isinstance(ddp, DistributedDataParallel):
+            return ddp.no_sync()
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:

@@ -168,8 +168,9 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
         shutil.rmtree(run_dir / "arms", ignore_errors=True)
         for name in STUDY_FILES:
             (run_dir / name).unlink(missing_ok=True)
-        for plot in run_dir.glob("*.png"):
-            plot.unlink()
+        for study in ("norm", "rope", "moe"):  # each study names its plots <study>_*.png
+            for plot in run_dir.glob(f"{study}_*.png"):
+                plot.unlink()
     else:
         foreign = [n for n in ("config.json", "checkpoints", "tokenizer.json") if (run_dir / n).exists()]
         if foreign:

@@ -342,7 +342,7 @@ def search(
     vocab = model.cfg.vocab_size
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("banned id", b) for b in banned)):
         check_token_id(value, vocab, name)
-    if len(set(banned)) >= vocab:
+    if len({int(b) for b in banned}) >= vocab:
         raise ValueError(
             f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
         )

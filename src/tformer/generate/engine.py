@@ -8,6 +8,7 @@ it would alone. Each decode step feeds (B, 1) new tokens against the KV cache.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,27 +31,48 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.devic
     return tokens, real
 
 
+def is_token_id(value) -> bool:
+    """An integer (Python, NumPy or a 0-d integer tensor), not a bool."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def check_token_id(value, vocab_size: int, what: str) -> None:
-    """A token id argument (eos_id, pad_id, a banned id): an int in [0, vocab_size)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+    """A token id argument (eos_id, pad_id, a banned id): an integer in [0, vocab_size)."""
+    if not is_token_id(value) or not 0 <= operator.index(value) < vocab_size:
         raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {value!r}")
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
-    if isinstance(prompts, (str, Tensor)) or not isinstance(prompts, Sequence):
+def as_token_lists(prompts) -> list[list[int]]:
+    """Prompts as lists of Python ints: each prompt a list, tuple or 1-D array of integer ids (a
+    string, or a float id, is an error naming the prompt)."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
         raise TypeError(
             f"prompts must be a list of token-id lists (e.g. [[5, 17, 3]]), got {type(prompts).__name__}"
         )
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+        ids = list(p)
+        bad = next((t for t in ids if not is_token_id(t)), None)
+        if bad is not None:
+            raise TypeError(f"prompt {i} holds {bad!r}: token ids are integers")
+        out.append([operator.index(t) for t in ids])
+    return out
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, Tensor)) or not isinstance(p, Sequence):
-            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. some text)")
-        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
-        if bad is not None:
-            raise TypeError(f"prompt {i} holds {bad!r}: token ids are ints")
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise ValueError(
@@ -109,6 +131,7 @@ def generate(
         )
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    prompts = as_token_lists(prompts)
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
     vocab = model.cfg.vocab_size
     check_token_id(pad_id, vocab, "pad_id")

@@ -8,6 +8,7 @@ per source. `NO_CACHE` is the null object used in training and full forwards.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -39,9 +40,9 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"a KV cache needs a capacity of at least 1 position, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = int(capacity)
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
         self.lengths = [0] * n_layers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class Classifier:
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
         """Token ids per text (its first max_len tokens) and the indices of the texts that were cut."""
-        check_texts(texts)
+        texts = check_texts(texts)
         ids = self.tokenizer.encode_batch(list(texts), add_bos=self.add_bos)
         return [x[: self.max_len] for x in ids], [i for i, x in enumerate(ids) if len(x) > self.max_len]
 
@@ -58,7 +59,7 @@ class Classifier:
         """(N, C) class probabilities, in the order of `ids`."""
         if any(len(x) == 0 for x in ids):
             raise ValueError("cannot classify an empty text")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         device = next(self.model.parameters()).device
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))

@@ -69,7 +69,7 @@ class Translator:
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
         """Source ids (with EOS) per text, and the indices of the texts that were truncated."""
-        check_texts(texts)
+        texts = check_texts(texts)
         out, cut = [], []
         for i, ids in enumerate(self.src_tok.encode_batch(list(texts), add_eos=True)):
             ids, was_cut = truncate(ids, self.max_src_len, self.src_tok.eos_id)
