@@ -194,7 +194,6 @@ class Config:
 
     @classmethod
     def load(cls: type[C], path: str | Path) -> C:
-
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
