@@ -218,6 +218,24 @@ def test_unknown_option_lists_the_allowed_ones(capsys) -> None:
     assert "unrecognized arguments: --lr 3; allowed options: --config, --help" in capsys.readouterr().err
 
 
+def test_input_that_is_not_utf8_text_is_one_line(
+    trained_run: Path, capsys, tmp_path: Path, monkeypatch
+) -> None:
+    """Bytes that are not UTF-8 on the command line (Python keeps them as surrogate escapes) or a binary
+    file: named, not a tokenizers library error or a score of binary data."""
+    binary = tmp_path / "ls.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x00\x00" * 10)
+    bad_arg = b"caf\xe9".decode("utf-8", "surrogateescape")
+    for argv, needle in (
+        (["generate", "--run", str(trained_run), "--prompt", bad_arg], "--prompt is not valid UTF-8 text"),
+        (["eval", "--run", str(trained_run), "--text-file", str(binary)], "ls.bin is not a text file"),
+        (["generate", "--run", str(trained_run), "--prompts-file", str(binary)], "ls.bin is not a text file"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+
+
 def test_generate_errors(trained_run: Path, capsys) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "  "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err

@@ -103,6 +103,25 @@ def test_read_text_handles_bad_utf8(tmp_path):
     path = tmp_path / "x.txt"
     path.write_bytes(b"a \xa315.8m fee\r\n")
     assert C.read_text(path) == "a \u00a315.8m fee\n"
+    with pytest.warns(UserWarning, match=r"x.txt is not UTF-8 \(byte 0xa3 at offset 2\); read as cp1252"):
+        assert C.read_text(path, warn=True) == "a \u00a315.8m fee\n"  # a user's file: said
+
+
+@pytest.mark.parametrize(
+    "data", [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "hello".encode("utf-16")], ids=["png", "utf-16"]
+)
+def test_binary_and_utf16_files_are_not_text(tmp_path, data):
+    """They had been decoded as cp1252 / latin-1 and trained on."""
+    (tmp_path / "a.txt").write_bytes(data)
+    with pytest.raises(ValueError, match=r"a.txt is not a text file \(it holds NUL bytes"):
+        C.read_text(tmp_path / "a.txt")
+
+
+def test_an_empty_text_path_is_an_error():
+    """`text:` alone had read every .txt under the working directory."""
+    for name in ("text:", "text:  "):
+        with pytest.raises(ValueError, match="needs a file or folder after the colon"):
+            load_corpus(name)
 
 
 # ---------------------------------------------------------------- trans-de-en

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tformer.cli.options import read_input_file
 from tformer.data.datasets import PackedLMDataset
 
 
@@ -22,9 +23,7 @@ def run(args: argparse.Namespace) -> int:
         return run_task_eval(run_, args)
     if args.text_file is not None:
         path = Path(args.text_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"text file {path} does not exist or is not a file")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_input_file(path)
         if not text.strip():
             raise ValueError(f"text file {path} is empty")
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tformer.cli.options import read_input_file, utf8_text
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -27,18 +28,14 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if args.prompt is not None:
             raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompts file {path} does not exist or is not a file")
-        prompts = [
-            line.rstrip("\n").replace("\\n", "\n") for line in path.read_text(encoding="utf-8").splitlines()
-        ]
+        prompts = [line.replace("\\n", "\n") for line in read_input_file(path).splitlines()]
         prompts = [p for p in prompts if p.strip()]
         if not prompts:
             raise ValueError(f"prompts file {path} holds no non-empty line")
         return prompts
     if args.prompt is None or not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
-    return [args.prompt.replace("\\n", "\n")]
+    return [utf8_text(args.prompt, "--prompt").replace("\\n", "\n")]
 
 
 class TextStream:

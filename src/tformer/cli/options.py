@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from tformer.data.corpora import read_text
 from tformer.schema import ConfigError
 from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
 from tformer.train.config import TrainConfig
@@ -82,3 +83,20 @@ def resolve_train_config(
     else:
         cfg = get_train_preset(args.preset or default_preset)
     return cfg.with_overrides(parse_overrides(args.overrides))
+
+
+def utf8_text(text: str, where: str) -> str:
+    """Text from the command line or stdin, which Python decodes with surrogate escapes: bytes that are
+    not UTF-8 become lone surrogates, which no tokenizer takes. An error naming where they came from."""
+    if any("\udc80" <= c <= "\udcff" for c in text):
+        raise ValueError(f"{where} is not valid UTF-8 text")
+    return text
+
+
+def read_input_file(path: Path) -> str:
+    """A text file given to a command (prompts, sources, texts to score or classify): decoded as the
+    corpora are (tformer.data.corpora.read_text: UTF-8, else cp1252 / latin-1 with a warning; binary
+    files refused)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file")
+    return read_text(path, warn=True)

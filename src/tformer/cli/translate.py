@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tformer.cli.options import read_input_file, utf8_text
 from tformer.generate.beam import SearchConfig
 
 
@@ -24,14 +25,12 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
     if args.text is not None:
         if not args.text.strip():
             raise ValueError("the text is empty: give --text with some words (or --file FILE)")
-        return [args.text.strip()], [1]
+        return [utf8_text(args.text, "--text").strip()], [1]
     if args.file is not None:
         path = Path(args.file)
-        if not path.is_file():
-            raise FileNotFoundError(f"input file {path} does not exist or is not a file")
-        lines, where = path.read_text(encoding="utf-8", errors="replace").splitlines(), str(path)
+        lines, where = read_input_file(path).splitlines(), str(path)
     else:
-        lines, where = sys.stdin.read().splitlines(), "stdin"
+        lines, where = utf8_text(sys.stdin.read(), "stdin").splitlines(), "stdin"
     texts, numbers = [], []
     for n, line in enumerate(lines, 1):
         if line.strip():

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import importlib.util
 import re
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,17 +150,28 @@ def _fraction_counts(n: int, val_frac: float, test_frac: float, min_each: int) -
     return n_val, n_test
 
 
-def read_text(path: Path) -> str:
-    """Decode a file robustly: UTF-8 (BOM allowed), else cp1252, else latin-1; newlines normalised."""
-    raw = path.read_bytes()
-    for encoding in ("utf-8-sig", "cp1252"):
+def read_text(path: Path, warn: bool = False) -> str:
+    """Decode a text file: UTF-8 (BOM allowed), else cp1252, else latin-1 (`warn`: with a warning naming
+    the file, for a user's files: one stray byte decodes the whole file the other way; the installed BBC
+    articles are cp1252 by design); newlines normalised. A file holding NUL bytes is not text (a binary,
+    or UTF-16 / UTF-32): an error naming it."""
+    raw = Path(path).read_bytes()
+    if b"\x00" in raw:
+        raise ValueError(f"{path} is not a text file (it holds NUL bytes: binary, or UTF-16 / UTF-32)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        encoding = "cp1252"
         try:
             text = raw.decode(encoding)
-            break
         except UnicodeDecodeError:
-            continue
-    else:
-        text = raw.decode("latin-1")
+            encoding, text = "latin-1", raw.decode("latin-1")
+        if warn:
+            warnings.warn(
+                f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
+                UserWarning,
+                stacklevel=2,
+            )
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -238,10 +250,10 @@ def load_text(path: str | Path) -> Corpus:
             and p.suffix.lower() in TEXT_SUFFIXES
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
-        docs = [Document(str(p.relative_to(path)), read_text(p)) for p in files]
+        docs = [Document(str(p.relative_to(path)), read_text(p, warn=True)) for p in files]
         unit = "files"
     elif path.is_file():
-        text = read_text(path)
+        text = read_text(path, warn=True)
         size = min(4096, max(256, len(text) // 50))
         docs = [Document(f"{path.name}:{i}", chunk) for i, chunk in enumerate(_chunks(text, size))]
         unit = f"chunks of >= {size} chars cut at line ends"
@@ -284,7 +296,7 @@ def _is_sentence(text: str) -> bool:
 def _aligned_subentries(path: Path) -> Iterator[tuple[int, int, str, str]]:
     """(line number, sub-entry index, German, English) of every dictionary line whose ` | `-separated
     sub-entries align one to one across ` :: `; raw text, tags not yet stripped."""
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(read_text(path, warn=True).splitlines(), 1):
         german, sep, english = line.partition(" :: ")
         if not sep or line.startswith("#"):
             continue
@@ -465,6 +477,8 @@ def _known(name: str) -> str:
 def load_corpus(name: str, **options: Hashable) -> Corpus:
     """Load a corpus by registry name (see CORPORA) or `text:<file or folder>`; options go to its loader."""
     if name.startswith("text:"):
+        if not name[len("text:") :].strip():
+            raise ValueError("corpus 'text:' needs a file or folder after the colon, e.g. text:notes/")
         return load_text(name[len("text:") :], **options)
     return CORPORA[_known(name)](**options)
 
