@@ -326,8 +326,9 @@ def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, cap
 
 @pytest.mark.parametrize("task", ["translation", "classification"])
 def test_torchrun_sentence_tasks(task: str, tmp_path: Path, capsys) -> None:
-    """Translation and classification under `torchrun` with DDP (length-bucketed loaders split by rank):
-    exit 0, one metrics file from rank 0, a DCP checkpoint that `tformer eval` opens directly."""
+    """Translation (FSDP2: its BLEU evaluation calls encode / decode, not the forward) and classification
+    (DDP) under `torchrun` (length-bucketed loaders split by rank): exit 0, one metrics file from rank 0,
+    a DCP checkpoint that `tformer eval` opens directly."""
     if task == "translation":
         data = write_dictionary(tmp_path / "de-en")
         preset, metric = "tiny-translation", "bleu"
@@ -341,7 +342,7 @@ def test_torchrun_sentence_tasks(task: str, tmp_path: Path, capsys) -> None:
         "eval_every=2",
         "save_every=2",
         "log_every=1",
-        "parallel.data=ddp",
+        f"parallel.data={'fsdp' if task == 'translation' else 'ddp'}",
     ]
     proc = torchrun("-m", "tformer", "train", "--preset", preset, "--out", str(out), "--no-progress",
                     *[a for s in sets for a in ("--set", s)])  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -193,6 +193,9 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, ignored: 
     for unit in units:
         fully_shard(unit, ignored_params=ignored & set(unit.parameters()), **kwargs)
     fully_shard(model, ignored_params=ignored, **kwargs)
+    for method in ("encode", "decode"):  # the encoder-decoder's search calls these, not forward
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
     # an expert slice that got no token on one rank must not desynchronise the reduce-scatters
     model.set_reduce_scatter_unused_params(True)
 
