@@ -187,6 +187,16 @@ def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path
     assert not (tmp_path / "runs").exists()  # no run directory left behind
 
 
+def test_under_torchrun_other_ranks_repeat_no_config_error_and_name_their_own(capsys, monkeypatch) -> None:
+    """Every rank meets the same config error: rank 0 says it once. An error that may be one rank's own
+    (a file) is said with the rank."""
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", "--preset", "tiny-lm", "--set", "model.d_model=-1"]) == 2
+    assert capsys.readouterr().err == ""
+    assert main(["generate", "--run", "/nonexistent/run", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.startswith("tformer generate: error (rank 1): ")
+
+
 def test_generate_refuses_other_tasks_and_prints_nothing_before_an_error(
     trained_run: Path, tmp_path: Path, capsys
 ) -> None:
@@ -234,6 +244,41 @@ def test_input_that_is_not_utf8_text_is_one_line(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
+
+
+def test_a_run_directory_in_use_by_another_process_is_refused(
+    trained_run: Path, capsys, tmp_path: Path
+) -> None:
+    """A second launch into a running run's --out had truncated its metrics and retrained its tokenizer:
+    a run before its first checkpoint (a fresh launch there) and one with checkpoints (--resume)."""
+    import subprocess
+    import sys
+
+    early, later = tmp_path / "early", tmp_path / "later"
+    shutil.copytree(trained_run, later)
+    shutil.copytree(trained_run, early, ignore=shutil.ignore_patterns("checkpoints"))
+
+    def files(d: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and p.name != ".lock"}
+
+    before = {d: files(d) for d in (early, later)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from tformer.train.loop import "
+         f"lock_run_dir; h = [lock_run_dir(Path(d)) for d in {[str(early), str(later)]!r}]; print('held', "
+         "flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for run, extra in ((early, []), (later, ["--resume"])):
+            argv = ["train", "--out", str(run), "--no-progress", "--config", str(run / "config.json")]
+            assert main([*argv, *extra] if not extra else argv[:4] + extra) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by pid {holder.pid}; wait for it or choose another --out" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {d: files(d) for d in (early, later)} == before
 
 
 def test_generate_errors(trained_run: Path, capsys) -> None:

@@ -230,3 +230,15 @@ def test_accumulation_defers_ddps_all_reduce_also_under_torch_compile(tmp_path) 
             pass
     finally:
         dist.destroy_process_group()
+
+
+def test_settings_a_launch_cannot_honour_are_errors(monkeypatch) -> None:
+    """Expert parallelism of a dense model had been ignored silently; nccl without CUDA had failed
+    inside torch on every rank."""
+    plan = make_plan(ParallelConfig(experts="shard"), 2)
+    with pytest.raises(ConfigError, match="parallel.experts=shard, but the model has no MoE layer"):
+        parallelize(build_model(tiny()), plan, Local(), torch.device("cpu"))
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match="parallel.backend=nccl needs CUDA GPUs"):
+            init_distributed(ParallelConfig(backend="nccl"))

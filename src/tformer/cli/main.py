@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -169,18 +170,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     import importlib
 
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
-    formatwarning = warnings.formatwarning
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: say things once, from rank 0
+    formatwarning, filters = warnings.formatwarning, warnings.filters[:]
     warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"
+    if rank:
+        warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
     try:
         return int(func(args) or 0)
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
-        print(f"tformer {args.command}: error: {err}", file=sys.stderr)  # OSError: a directory for a file
+        # a config error is the same on every rank; anything else may be this rank's own, so it is named
+        if not rank or not isinstance(err, ConfigError):
+            where = f" (rank {rank})" if rank else ""
+            print(f"tformer {args.command}: error{where}: {err}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
-        print(f"tformer {args.command}: interrupted", file=sys.stderr)
+        if not rank:
+            print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
     finally:
-        warnings.formatwarning = formatwarning
+        warnings.formatwarning, warnings.filters[:] = formatwarning, filters
 
 
 if __name__ == "__main__":

@@ -145,6 +145,8 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     backend = parallel.backend
     if backend == "auto":
         backend = "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.backend=nccl needs CUDA GPUs; this machine has none (use gloo or auto)")
     if backend == "nccl":  # bind this process to its GPU before NCCL sees it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))

@@ -123,6 +123,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
         return Parallelized(model)
     rank_local: dict[str, nn.Parameter] = {}
     if plan.expert_parallel:
+        if not moe_layers(model):
+            raise ConfigError(
+                "parallel.experts=shard, but the model has no MoE layer to split (set model.moe)"
+            )
         rank_local = apply_expert_parallel(model, env.rank, env.world_size)
         for p in rank_local.values():
             p.register_hook(lambda g: g / env.world_size)  # summed over ranks by the all-to-all backward

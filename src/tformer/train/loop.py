@@ -12,8 +12,10 @@ are null objects (docs/distributed.md).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -103,6 +105,34 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         )
 
 
+_LOCKS: dict[Path, Any] = {}  # run directories this process holds (its Trainers may follow one another)
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on the run directory for as long as the returned file stays open: a second
+    launch into the same --out (which would truncate the first's metrics and retrain its tokenizer) is
+    an error naming the process that holds it. The kernel releases it when the process ends."""
+    key = run_dir.resolve()
+    if key in _LOCKS and not _LOCKS[key].closed:
+        return _LOCKS[key]
+    handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held for the run's lifetime)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise BlockingIOError(
+            f"the run directory {run_dir} is in use by {holder}; wait for it or choose another --out"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    _LOCKS[key] = handle
+    return handle
+
+
 class Trainer:
     """Builds everything a run needs from a TrainConfig and a task, and runs the loop."""
 
@@ -132,7 +162,9 @@ class Trainer:
             check_resume_config(cfg, meta, resume_from, model=False)
         refuse_unfinished(self.run_dir, resume_from)
         created = next((d for d in [*reversed(self.run_dir.parents), self.run_dir] if not d.exists()), None)
+        self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_run_dir(self.run_dir) if self.env.is_main else None
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
             for name in RUN_TOKENIZERS:
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -145,7 +177,6 @@ class Trainer:
         self.state = TrainState()
         self._saved: tuple[int, Path] | None = None
         self.metrics = MetricsLog(self.run_dir) if self.env.is_main else NullMetrics()
-        self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
         self.forward_model = torch.compile(self.parallel.model) if cfg.compile else self.parallel.model
         self.autocast = autocast_context(self.device, cfg.dtype)
         if resume_from is not None:
@@ -171,6 +202,7 @@ class Trainer:
         self.optimizer = self.parallel.adapt_optimizer(make_optimizer(self.model, cfg.optim))
         self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
         self.loader = train_loader(task, cfg, self.env)
+        self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -222,6 +254,9 @@ class Trainer:
     def close(self) -> None:
         """Finish background saves, release model, optimizer and mesh, then leave the process group."""
         self.checkpointer.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the run directory
+            self._lock = None
         self.parallel.release()
         self.model = self.forward_model = self.optimizer = self.scheduler = None
         self.env.shutdown()
