@@ -13,6 +13,7 @@ above becomes the data-parallel size W / T (targets and losses are summed over t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -135,7 +136,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
         if rank_local:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(rank_local))
         ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        # MoE token counters are rank-local buffers: never synchronised in forward (they are zero at
+        # init, when newer torch still broadcasts buffers once); the name of the switch changed in torch
+        no_sync = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        buffers = {"forward_sync_buffers": False} if no_sync else {"broadcast_buffers": False}
+        wrapped = DistributedDataParallel(model, device_ids=ids, **buffers)
         return Parallelized(wrapped, comm, None, rank_local)
     mesh = init_device_mesh(device.type, (env.world_size,))
     apply_fsdp(model, plan, mesh, set(rank_local.values()))
