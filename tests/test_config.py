@@ -153,6 +153,22 @@ def test_from_json_and_from_yaml_name_a_malformed_text() -> None:
         ModelConfig.from_yaml("- 1")
 
 
+def test_set_takes_a_plain_string_as_typed() -> None:
+    """YAML had cut a path at ' #' (a comment) and turned 'text: /p' into a mapping: both silently or
+    obscurely wrong for a folder name; quoted strings, numbers, flow mappings and lists stay YAML."""
+    got = parse_overrides(
+        ["data.corpus=text:/tmp/notes #2", "x=text: /p", "q='a #b'", "m={n: 1}", "b=true", "l=[1, 2]"]
+    )
+    assert got == {
+        "data.corpus": "text:/tmp/notes #2",
+        "x": "text: /p",
+        "q": "a #b",
+        "m": {"n": 1},
+        "b": True,
+        "l": [1, 2],
+    }
+
+
 def test_unknown_preset() -> None:
     with pytest.raises(ConfigError, match="unknown preset 'gpt5'; available: paper-base, tiny"):
         get_preset("gpt5")

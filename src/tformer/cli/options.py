@@ -55,7 +55,11 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
             raise ConfigError(f"--set expects KEY=VALUE (for example model.d_model=128), got {item!r}")
         key, raw = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
+            unquoted = raw.strip()[:1] not in ("'", '"')
+            if (isinstance(value, str) and unquoted) or (isinstance(value, dict) and raw.strip()[:1] != "{"):
+                value = raw.strip()  # a plain string as typed: ' #' is no comment, 'text: x' no mapping
+            out[key.strip()] = value
         except yaml.YAMLError:
             raise ConfigError(
                 f"--set {item}: the value is not valid YAML (quote a string: {key.strip()}='\"...\"')"

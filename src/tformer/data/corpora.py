@@ -477,9 +477,10 @@ def _known(name: str) -> str:
 def load_corpus(name: str, **options: Hashable) -> Corpus:
     """Load a corpus by registry name (see CORPORA) or `text:<file or folder>`; options go to its loader."""
     if name.startswith("text:"):
-        if not name[len("text:") :].strip():
+        path = name[len("text:") :].strip()
+        if not path:
             raise ValueError("corpus 'text:' needs a file or folder after the colon, e.g. text:notes/")
-        return load_text(name[len("text:") :], **options)
+        return load_text(path, **options)
     return CORPORA[_known(name)](**options)
 
 

@@ -171,9 +171,18 @@ class Trainer:
         try:
             self._build(task, cfg, meta, resume_from)
         except BaseException:  # bad data or model settings, a missing package: leave no directory behind
+            self._release_lock()
             if created is not None and self.env.is_main:  # the outermost directory this run made
                 shutil.rmtree(created, ignore_errors=True)
             raise
+        try:
+            self._start(cfg, resume_from)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _start(self, cfg: TrainConfig, resume_from: Path | None) -> None:
+        """Metrics, the compiled forward, then the checkpoint's state (or a clean log) and config.json."""
         self.state = TrainState()
         self._saved: tuple[int, Path] | None = None
         self.metrics = MetricsLog(self.run_dir) if self.env.is_main else NullMetrics()
@@ -203,6 +212,12 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
         self.loader = train_loader(task, cfg, self.env)
         self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            _LOCKS.pop(self.run_dir.resolve(), None)
+            self._lock.close()  # releases the run directory
+            self._lock = None
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -254,9 +269,7 @@ class Trainer:
     def close(self) -> None:
         """Finish background saves, release model, optimizer and mesh, then leave the process group."""
         self.checkpointer.close()
-        if self._lock is not None:
-            self._lock.close()  # releases the run directory
-            self._lock = None
+        self._release_lock()
         self.parallel.release()
         self.model = self.forward_model = self.optimizer = self.scheduler = None
         self.env.shutdown()
