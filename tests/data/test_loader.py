@@ -95,7 +95,7 @@ def test_drop_last_and_no_shuffle():
     lo = make_loader(Ids(10), 3, shuffle=False, collate_fn=ids, drop_last=True)
     assert len(lo) == 3 and take(lo, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     empty = make_loader(Ids(2), 3, drop_last=True, collate_fn=ids)
-    with pytest.raises(ValueError, match="no batches"):
+    with pytest.raises(ValueError, match="makes no full batch per process"):
         next(batches(empty))
 
 

@@ -169,7 +169,7 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     "argv, needle",
     [
         (["--lr", "nan"], "OptimConfig.lr must be a finite number"),
-        (["--batch-size", "100000"], "has no batches"),
+        (["--batch-size", "100000"], "makes no full batch per process"),
     ],
 )
 def test_a_study_that_fails_before_training_leaves_no_directory(argv, needle, tmp_path, capsys):

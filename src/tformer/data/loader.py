@@ -186,7 +186,13 @@ class ResumableLoader:
         """Endless batches, walking epochs."""
         while True:
             if len(self) == 0:
-                raise ValueError(f"epoch {self.epoch} has no batches (dataset smaller than one batch?)")
+                world = self.batch_sampler.world_size
+                raise ValueError(
+                    f"the training data ({len(self.loader.dataset)} samples) makes no full batch per process "
+                    f"in epoch {self.epoch}"
+                    + (f" for {world} processes" if world > 1 else "")
+                    + ": lower batch_size (or data.max_tokens), or train on more data"
+                )
             yield from self
 
     def state_dict(self) -> dict[str, int]:

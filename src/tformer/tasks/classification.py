@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -140,7 +141,8 @@ class ClassificationTask:
         result, scores = evaluate_dataset(
             model, ds, self.collate, self.labels, self.cfg.batch_size, max_batches
         )
-        write_confusion(scores, self.run_dir, split)
+        if not dist.is_initialized() or dist.get_rank() == 0:  # under torchrun every rank evaluates alike
+            write_confusion(scores, self.run_dir, split)
         return result
 
     def tokenizer_json(self) -> str:
