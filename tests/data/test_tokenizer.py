@@ -74,3 +74,20 @@ def test_bad_settings_fail_loudly(texts):
         Tokenizer.train_bpe(texts, vocab_size=100)
     with pytest.raises(ValueError, match="special_tokens"):
         Tokenizer.train_bpe(texts, vocab_size=600, special_tokens=("<pad>",))
+
+
+def test_bad_tokenizer_input_is_named(tmp_path):
+    """The library had raised a bare Exception for a bad file, trained on a string's characters or on
+    nothing, and dropped unknown ids from decode."""
+    (tmp_path / "bad.json").write_text("{1: 2}")
+    with pytest.raises(ValueError, match="bad.json is not a tokenizer.json file"):
+        Tokenizer.load(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match=r"wrap one text in a list: \[text\]"):
+        Tokenizer.train_bpe("just one text", 300)
+    for empty in ([], ["", "  "]):
+        with pytest.raises(ValueError, match="no text to train a tokenizer on"):
+            Tokenizer.train_bpe(empty, 300)
+    tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
+    with pytest.raises(ValueError, match="token id 99999 is outside this tokenizer's vocabulary"):
+        tok.decode([99999, 5])
+    assert tok.save(tmp_path / "tok.JSON").name == "tok.JSON" and (tmp_path / "tok.JSON").is_file()

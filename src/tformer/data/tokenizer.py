@@ -48,6 +48,11 @@ class Tokenizer:
         """
         if len(special_tokens) != 4:
             raise ValueError(f"special_tokens must be (pad, bos, eos, unk), got {tuple(special_tokens)}")
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+        texts = [t for t in texts if t.strip()]
+        if not texts:
+            raise ValueError("no text to train a tokenizer on (every text is empty)")
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + len(special_tokens):
             raise ValueError(f"vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
@@ -108,7 +113,11 @@ class Tokenizer:
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+        ids = list(ids)
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:  # the library drops such ids silently
+            raise ValueError(f"token id {bad} is outside this tokenizer's vocabulary of {self.vocab_size}")
+        return self._backend.decode(ids, skip_special_tokens=skip_special)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
         return self._backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special)
@@ -126,7 +135,7 @@ class Tokenizer:
     def save(self, path: str | Path) -> Path:
         """Write tokenizer.json (to `path` if it names a .json file, else to `path/tokenizer.json`)."""
         path = Path(path)
-        if path.suffix != ".json":
+        if path.suffix.lower() != ".json":
             path = path / "tokenizer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_json_str(), encoding="utf-8")
@@ -137,7 +146,12 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        return cls.from_json_str(path.read_text(encoding="utf-8"))
+        try:
+            return cls.from_json_str(path.read_text(encoding="utf-8"))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            raise ValueError(f"{path} is not a tokenizer.json file ({' '.join(str(e).split())})") from None
 
     def fingerprint(self) -> str:
         """Short sha256 of the JSON: equal fingerprints mean identical tokenizers."""
