@@ -281,6 +281,32 @@ def test_a_run_directory_in_use_by_another_process_is_refused(
     assert {d: files(d) for d in (early, later)} == before
 
 
+def test_a_run_on_a_text_folder_notices_that_its_splits_changed(
+    trained_run: Path, capsys, tmp_path: Path
+) -> None:
+    """The LM task records its splits (data.json); files added to the folder since move documents between
+    splits, so a resume would go on with other data: refused, naming the split."""
+    config = json.loads((trained_run / "config.json").read_text())
+    manifest = json.loads((trained_run / "data.json").read_text())
+    assert set(manifest["ids_sha256"]) == {"train", "val", "test"}
+    corpus = tmp_path / "corpus"
+    shutil.copytree(config["data"]["corpus"].removeprefix("text:"), corpus)
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    config["data"]["corpus"] = f"text:{corpus}"
+    (run / "config.json").write_text(json.dumps(config))
+    argv = ["train", "--out", str(run), "--resume", "--no-progress", "--no-sample", "--set"]
+    assert main([*argv, "steps=5"]) == 0  # the folder moved: fine; step 5 records the new place
+    for i in range(12):
+        (corpus / f"new{i}.txt").write_text(" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(300)))
+    capsys.readouterr()
+    assert main([*argv, "steps=6"]) == 2
+    err = capsys.readouterr().err
+    assert "split(s) of" in err and "differ from those this run recorded" in err, err
+    assert main(["eval", "--run", str(run), "--split", "train", "--max-batches", "1", "--json"]) == 0
+    assert "warning: the train split differs from the one this run recorded" in capsys.readouterr().err
+
+
 def test_generate_errors(trained_run: Path, capsys) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "  "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err

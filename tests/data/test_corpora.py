@@ -76,7 +76,8 @@ def test_text_folder_splits_by_file(tmp_path):
     assert sum(len(corpus[s]) for s in SPLITS) == 30
     assert len(corpus["val"]) == 2 and len(corpus["test"]) == 2
     _assert_disjoint(corpus)
-    assert load_corpus(f"text:{tmp_path}") is corpus  # cached
+    (tmp_path / "sub" / "f30.txt").write_text("text number 30\n")
+    assert sum(len(load_corpus(f"text:{tmp_path}")[s]) for s in SPLITS) == 31  # read afresh: no stale cache
 
 
 def test_text_single_file_splits_by_chunks(tmp_path):

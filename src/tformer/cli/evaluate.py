@@ -29,9 +29,15 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.tasks.corpus import load_task_corpus
+        from tformer.cli.translate import warn
+        from tformer.tasks.corpus import load_task_corpus, split_changes
+        from tformer.tasks.translation import run_dir_of
 
-        texts = list(load_task_corpus(cfg.data, "lm").texts(args.split))
+        corpus = load_task_corpus(cfg.data, "lm")
+        if args.split in split_changes(run_dir_of(run_.checkpoint), corpus):
+            warn("eval", f"the {args.split} split differs from the one this run recorded (data.json): "
+                 "documents were added, removed or renamed since it trained")  # fmt: skip
+        texts = list(corpus.texts(args.split))
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
     if len(ds) == 0:

@@ -238,9 +238,9 @@ def _chunks(text: str, size: int) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
 def load_text(path: str | Path) -> Corpus:
-    """The user's text: a folder (split by whole file) or one file (split by ~50 line-aligned chunks)."""
+    """The user's text: a folder (split by whole file) or one file (split by ~50 line-aligned chunks).
+    Read afresh on every call (not cached like the installed corpora): the user may edit it."""
     path = Path(path).expanduser()
     if path.is_dir():
         files = sorted(

@@ -224,7 +224,7 @@ class StudyData:
         self.device = resolve_device(setting.device)
         self.task = make_task(task)
         self.task.setup(self.cfg, Path(run_dir), self.device)
-        if hasattr(self.task, "corpus") and not (Path(run_dir) / "data.json").exists():
+        if hasattr(self.task, "corpus"):  # the task's manifest plus the study's data settings
             manifest = {
                 **self.task.corpus.manifest(),
                 "max_train_docs": data.max_train_docs,

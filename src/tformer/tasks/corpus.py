@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tformer.data.corpora import Corpus, corpus_task, load_corpus
 from tformer.schema import ConfigError
 from tformer.train.config import DataConfig
@@ -23,3 +26,17 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
             raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
         options[PATH_OPTION[data.corpus]] = data.path
     return load_corpus(data.corpus, **options)
+
+
+MANIFEST = "data.json"
+
+
+def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
+    """The splits whose documents differ from those the run recorded in data.json (files added,
+    removed or renamed in a text folder since); [] when they match or nothing was recorded."""
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        return []
+    recorded = json.loads(path.read_text()).get("ids_sha256", {})
+    now = corpus.manifest()["ids_sha256"]
+    return [s for s in now if s in recorded and recorded[s] != now[s]]

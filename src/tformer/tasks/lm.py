@@ -6,6 +6,7 @@ own token/character ratio: bits/char = loss * tokens / characters / ln 2.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import load_task_corpus
+from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -43,6 +44,16 @@ class LMTask:
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
         corpus = load_task_corpus(cfg.data, "lm")  # checks the corpus is text for a language model
+        if (run_dir / "tokenizer.json").exists():  # a run going on (a fresh one deleted its tokenizer)
+            changed = split_changes(run_dir, corpus)
+            if changed:
+                raise ConfigError(
+                    f"the {', '.join(changed)} split(s) of {cfg.data.corpus!r} differ from those this run "
+                    f"recorded in {run_dir / MANIFEST} (documents added, removed or renamed since): the run "
+                    "would go on with other data; restore the corpus or start a new run"
+                )
+        else:
+            (run_dir / MANIFEST).write_text(json.dumps(corpus.manifest(), indent=2))
         train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
