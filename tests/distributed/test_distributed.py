@@ -45,7 +45,9 @@ def torchrun(*args: str, timeout: float = 240, nproc: int = 2, popen: bool = Fal
     ]
     if popen:
         pipes = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        return subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
+        # Ctrl-C as in a terminal, even when the tests run as a background job (which ignores SIGINT)
+        default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=default_sigint, **pipes)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -15,6 +15,18 @@ from tformer.train.interrupt import Stopped
 from tformer.train.loop import Trainer
 
 
+@pytest.fixture(autouse=True)
+def _signals_as_in_a_terminal():
+    """A job started in the background by a non-interactive shell inherits SIGINT ignored (which tformer
+    leaves ignored, as asked); these tests play a terminal's Ctrl-C, so they start from the defaults."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 class SignalTask:
     """Wraps the LM task; sends `signals` to this process from inside the loss of the step `at` (1-based),
     i.e. in the middle of that step, as a Ctrl-C typed while it runs would."""
