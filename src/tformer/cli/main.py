@@ -171,12 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: say things once, from rank 0
-    formatwarning, filters = warnings.formatwarning, warnings.filters[:]
+    formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"
-    if rank:
-        warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
     try:
-        return int(func(args) or 0)
+        with warnings.catch_warnings():  # the caller's filters come back afterwards
+            if rank:
+                warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
+            return int(func(args) or 0)
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank; anything else may be this rank's own, so it is named
         if not rank or not isinstance(err, ConfigError):
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
     finally:
-        warnings.formatwarning, warnings.filters[:] = formatwarning, filters
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":
