@@ -32,8 +32,7 @@ def _best(fn, repeats: int, device: torch.device) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from tformer import build_model
-    from tformer.cli.options import resolve_train_config
-    from tformer.cli.translate import warn
+    from tformer.cli.options import resolve_train_config, warn
     from tformer.distributed.env import resolve_device
     from tformer.generate.engine import generate
     from tformer.generate.sampling import SamplingConfig

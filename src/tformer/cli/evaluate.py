@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.cli.translate import warn
+        from tformer.cli.options import warn
         from tformer.tasks.corpus import load_task_corpus, split_changes
         from tformer.tasks.translation import run_dir_of
 

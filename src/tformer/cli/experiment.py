@@ -22,6 +22,7 @@ from tformer.cli.options import nonnegative_int, positive_int
 from tformer.distributed.env import resolve_device
 from tformer.experiments import STUDIES
 from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
+from tformer.train.loop import outermost_missing
 
 # CLI flag -> Setting field; a flag left out keeps the setting's value
 OVERRIDES = {
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         setting = resolve_setting(args, module)
         resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
         module.make_arms(setting)  # an arm's model or optimizer setting out of range
-        created = next((d for d in [*reversed(out.parents), out] if not d.exists()), None)
+        created = outermost_missing(out)
         out = prepare_run_dir(out, args.overwrite)
         write_setting(out, args.study, "quick" if args.quick else "full", setting)
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
@@ -104,3 +105,7 @@ def read_input_file(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file")
     return read_text(path, warn=True)
+
+
+def warn(command: str, message: str) -> None:
+    print(f"tformer {command}: warning: {message}", file=sys.stderr)

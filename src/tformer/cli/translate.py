@@ -10,12 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import read_input_file, utf8_text
+from tformer.cli.options import read_input_file, utf8_text, warn
 from tformer.generate.beam import SearchConfig
-
-
-def warn(command: str, message: str) -> None:
-    print(f"tformer {command}: warning: {message}", file=sys.stderr)
 
 
 def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int]]:

@@ -105,6 +105,11 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         )
 
 
+def outermost_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what a mkdir(parents=True) makes)."""
+    return next((d for d in [*reversed(path.parents), path] if not d.exists()), None)
+
+
 _LOCKS: dict[Path, Any] = {}  # run directories this process holds (its Trainers may follow one another)
 
 
@@ -161,7 +166,7 @@ class Trainer:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
         refuse_unfinished(self.run_dir, resume_from)
-        created = next((d for d in [*reversed(self.run_dir.parents), self.run_dir] if not d.exists()), None)
+        created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run_dir(self.run_dir) if self.env.is_main else None
