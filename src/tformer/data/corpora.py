@@ -243,29 +243,52 @@ def load_text(path: str | Path) -> Corpus:
     Read afresh on every call (not cached like the installed corpora): the user may edit it."""
     path = Path(path).expanduser()
     if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and p.suffix.lower() in TEXT_SUFFIXES
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        files = _folder_texts(path)
         docs = [Document(str(p.relative_to(path)), read_text(p, warn=True)) for p in files]
         unit = "files"
+        if len(docs) < 3:
+            raise ValueError(
+                f"text folder {str(path)!r} has {len(docs)} text file(s) ({', '.join(TEXT_SUFFIXES)}); "
+                "need at least 3 to split into train / val / test"
+            )
     elif path.is_file():
         text = read_text(path, warn=True)
         size = min(4096, max(256, len(text) // 50))
         docs = [Document(f"{path.name}:{i}", chunk) for i, chunk in enumerate(_chunks(text, size))]
         unit = f"chunks of >= {size} chars cut at line ends"
+        if len(docs) < 3:
+            raise ValueError(
+                f"text file {str(path)!r} ({len(text):,} chars on {len(text.splitlines())} line(s)) cuts into "
+                f"{len(docs)} piece(s) of >= {size} chars at line ends; need at least 3 to split into "
+                "train / val / test: give it more text or more line breaks"
+            )
     else:
         raise FileNotFoundError(f"text corpus path {str(path)!r} is neither a file nor a folder")
-    if len(docs) < 3:
-        raise ValueError(
-            f"text corpus {str(path)!r} has {len(docs)} {unit.split()[0]}; need at least 3 to split"
-        )
     n_val, n_test = _fraction_counts(len(docs), 0.05, 0.05, 1)
     rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
     return Corpus(f"text:{path}", "lm", split_by_hash(docs, lambda d: d.text, n_val, n_test), rule, str(path))
+
+
+def _folder_texts(path: Path) -> list[Path]:
+    """A text folder's files with a text suffix, sorted; hidden files and folders are left out silently,
+    other files (wrong suffix, broken links) with a warning naming them."""
+    found = sorted(
+        p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    skipped = [
+        p.relative_to(path).as_posix() + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
+        for p in found
+        if p not in files and not p.is_dir()
+    ]
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        warnings.warn(
+            f"text folder {str(path)!r}: skipped {len(skipped)} file(s) that are not text files "
+            f"({', '.join(TEXT_SUFFIXES)}): {shown}",
+            stacklevel=3,
+        )
+    return files
 
 
 # ---------------------------------------------------------------- translation
@@ -416,7 +439,13 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
             if text and text not in seen:
                 seen.add(text)
                 docs.append(Document(f"{label}/{p.stem}", text, label))
-        n_val, n_test = _fraction_counts(len(docs), val_frac, test_frac, 1)
+        try:
+            n_val, n_test = _fraction_counts(len(docs), val_frac, test_frac, 1)
+        except ValueError as error:
+            raise ValueError(
+                f"BBC News topic {label!r} ({data / label}) has {len(docs)} distinct non-empty article(s) "
+                f"in {len(files)} file(s): {error}"
+            ) from None
         first: dict[str, str] = {}  # headline -> the whitespace-normalised text of its first article
         for d in docs:
             first.setdefault(bbc_headline(d), " ".join(d.text.split()))
@@ -480,8 +509,25 @@ def load_corpus(name: str, **options: Hashable) -> Corpus:
         path = name[len("text:") :].strip()
         if not path:
             raise ValueError("corpus 'text:' needs a file or folder after the colon, e.g. text:notes/")
-        return load_text(path, **options)
-    return CORPORA[_known(name)](**options)
+        return _check_splits(load_text(path, **options))
+    return _check_splits(CORPORA[_known(name)](**options))
+
+
+def _check_splits(corpus: Corpus) -> Corpus:
+    """The corpus, if none of its splits is empty; else an error naming the split, the counts and the rule."""
+    empty = [s for s in SPLITS if not corpus.splits.get(s)]
+    if empty:
+        counts = ", ".join(f"{s} {len(corpus.splits.get(s, ()))}" for s in SPLITS)
+        same = ""
+        if corpus.task == "lm":
+            distinct = len({d.text for s in SPLITS for d in corpus.splits.get(s, ())})
+            total = sum(len(corpus.splits.get(s, ())) for s in SPLITS)
+            same = f"; identical texts, empty ones too, stay in one split: {distinct} distinct of {total}"
+        raise ValueError(
+            f"corpus {corpus.name!r} ({corpus.source}) leaves its {' and '.join(empty)} split(s) empty "
+            f"({counts}; split: {corpus.split_rule}{same})"
+        )
+    return corpus
 
 
 def iter_texts(corpus: Corpus, split: str) -> Iterable[str]:

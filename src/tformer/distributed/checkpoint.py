@@ -86,9 +86,12 @@ def is_dcp_checkpoint(path: str | Path) -> bool:
 
 def _dcp_call(what: str, path: Path, fn, *args, **kwargs):
     """DCP's CheckpointException derives from BaseException: re-raise it (and DCP's other errors) as
-    the toolkit's CheckpointError, naming the directory."""
+    the toolkit's CheckpointError, naming the directory. DCP's note that it runs in one process (a run
+    without torchrun) is that run's intent, and is not shown."""
     try:
-        return fn(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return fn(*args, **kwargs)
     except dcp.CheckpointException as e:
         raise CheckpointError(f"{path}: DCP {what} failed: {_first_failure(e)}") from None
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as e:
@@ -470,9 +473,7 @@ def load_dcp_weights(checkpoint: str | Path, model: nn.Module, train_cfg: TrainC
     scheduler = make_scheduler(optimizer, train_cfg.steps, train_cfg.optim)
     rng = capture_rng_state()
     try:
-        with warnings.catch_warnings():  # DCP notes that it reads in one process: that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            DCPCheckpointer(Local(), train_cfg.seed).load(path, model, optimizer, scheduler)
+        DCPCheckpointer(Local(), train_cfg.seed).load(path, model, optimizer, scheduler)
     finally:
         restore_rng_state(rng)
     return int(_Reader(path, verify=False).pair("trainer")["step"])
