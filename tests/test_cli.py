@@ -424,7 +424,7 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert main([*argv, "--set", "parallel.checkpoint=dcp"]) == 0
-    assert [str(w.message) for w in seen] == []  # not DCP's note that it saves in one process
+    assert not [w for w in seen if "distributed" in str(w.message)]  # DCP's note that it saves in one process
     direct = load_run(out)
     assert (direct.checkpoint / ".metadata").is_file() and direct.step == 2
     exported = load_run(export_single_process(direct.checkpoint, tmp_path / "exported"))

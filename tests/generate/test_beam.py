@@ -210,6 +210,28 @@ def test_sampling_is_seeded_and_greedy_ignores_the_seed() -> None:
         assert BOS not in h.tokens and PAD not in h.tokens and EOS not in h.tokens
 
 
+@pytest.mark.parametrize("method", ["beam", "greedy", "sample"])
+def test_search_runs_a_training_mode_model_without_dropout_and_keeps_its_mode(method: str) -> None:
+    """A model straight from build_model is in training mode: search had decoded it with dropout on."""
+    model = seq2seq(dropout=0.3)
+    src, mask = sources()
+    cfg = SearchConfig(method=method, max_len=8, seed=3)
+    expected = tokens(search(model, src, mask, cfg, bos_id=BOS, eos_id=EOS))  # seq2seq() is in eval mode
+    model.train()
+    for _ in range(2):
+        assert tokens(search(model, src, mask, cfg, bos_id=BOS, eos_id=EOS)) == expected
+        assert model.training
+
+
+def test_a_tiny_sampling_temperature_is_greedy_not_nan() -> None:
+    """Log-probabilities over a temperature of 1e-39 overflow to -inf: the draw had raised from torch."""
+    model = seq2seq()
+    src, mask = sources()
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, banned=(PAD, BOS))
+    cold = sample_search(model, src, mask, temperature=1e-39, seed=4, **common)
+    assert tokens(cold) == tokens(sample_search(model, src, mask, **common))
+
+
 def test_search_config_dispatch_and_validation() -> None:
     model = seq2seq()
     src, mask = sources()
@@ -221,7 +243,14 @@ def test_search_config_dispatch_and_validation() -> None:
     assert all(len(h.tokens) + h.finished <= 6 for h in greedy)
     lens = SearchConfig().max_lens(torch.tensor([4, 40]), max_seq_len=32)
     assert lens.tolist() == [16, 32]  # 1.5 * 4 + 10, then capped by the context
-    for bad in ({"beam_size": 0}, {"max_len": 0}, {"top_p": 0.0}, {"method": "nucleus"}):
+    for bad in (
+        {"beam_size": 0},
+        {"max_len": 0},
+        {"top_p": 0.0},
+        {"method": "nucleus"},
+        {"seed": -3},
+        {"seed": 2**64},
+    ):
         with pytest.raises(ConfigError):
             SearchConfig(**bad)
     with pytest.raises(ValueError, match="context"):

@@ -89,6 +89,24 @@ def test_temperature_to_zero_is_greedy():
     assert torch.equal(cold, greedy)
 
 
+def test_tiny_temperature_or_penalty_picks_the_top_token_instead_of_nan():
+    """Values this small take finite logits to +-inf; the softmax had given NaN and torch had raised."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)) * 5
+    greedy = logits.argmax(-1)
+    for t in (1e-39, 1e-45):
+        assert torch.equal(sample_next(logits, temperature=t, generator=make_generator(0)), greedy)
+        assert torch.equal(sample_next(logits - 100, temperature=t, generator=make_generator(0)), greedy)
+    masked = logits.clone()
+    masked[:, greedy[0]] = NEG_INF  # a filtered token stays filtered
+    cold = sample_next(masked, temperature=1e-39, generator=make_generator(0))
+    assert torch.equal(cold, masked.argmax(-1))
+    prev = torch.arange(50).repeat(6, 1)  # every token seen
+    for penalty in (1e-40, 1e40):
+        penalised = apply_repetition_penalty(logits, prev, penalty)
+        assert torch.isfinite(penalised).all()
+        assert sample_next(penalised, temperature=1.0, generator=make_generator(0)).shape == (6,)
+
+
 def test_seeded_sampling_is_deterministic():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2))
 
@@ -155,6 +173,7 @@ def test_config_defaults_and_round_trip():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"top_k": 2.5}, "top_k"),
         ({"temperature": "hot"}, "temperature"),
         ({"stop_strings": "###"}, "stop_strings"),

@@ -12,6 +12,7 @@ import torch
 from tformer.tasks import make_task
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.loop import Trainer
+from tformer.train.optim import lr_factor
 from tformer.train.presets import tiny_lm
 from tformer.train.step import NonFiniteError
 
@@ -94,8 +95,14 @@ class NaNTask:
 def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, max_nonfinite=3, steps=10)
     trainer = Trainer(cfg, tmp_path / "n", NaNTask(bad_from=3), progress=False)
-    with pytest.raises(NonFiniteError, match="step 5: 3 consecutive steps with a non-finite loss"):
+    with pytest.raises(NonFiniteError, match="step 5: 3 consecutive steps with a non-finite loss") as info:
         trainer.fit()
+    assert str(info.value).endswith(
+        f"the last checkpoint, {tmp_path / 'n' / 'checkpoints' / 'step_000004'}, is intact."
+    )
+    again = Trainer(cfg.replace(save_every=10), tmp_path / "m", NaNTask(bad_from=3), progress=False)
+    with pytest.raises(NonFiniteError, match=r"no checkpoint was written\.$"):  # it had called one intact
+        again.fit()
     assert trainer.state.skipped_steps == 3
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     skips = [json.loads(x) for x in (tmp_path / "n" / "metrics.jsonl").read_text().splitlines()]
@@ -333,3 +340,47 @@ def test_distributed_checkpoint_retention_keeps_the_newest(corpus_dir: Path, tmp
         "step_000004",
         "step_000005",
     ]
+
+
+def test_a_resume_with_more_steps_lays_the_schedule_over_them_from_the_next_step(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """The first resumed step had run at the old schedule's rate (its floor), the next ones jumped to the
+    new schedule's; now every resumed step runs at the new schedule's rate, and a warning says so."""
+    cfg = small_config(corpus_dir, optim=OptimConfig(lr=1e-2, warmup_steps=2, fused=False, min_lr_ratio=0.1))
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
+    longer = cfg.replace(steps=16)
+    with pytest.warns(UserWarning, match=r"steps 8 -> 16: the cosine schedule now spans 16 steps, so step 9"):
+        Trainer(longer, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
+    assert lr[8] == pytest.approx(1e-3)  # the first schedule's floor
+    for step in range(9, 17):
+        assert lr[step] == pytest.approx(1e-2 * lr_factor(step - 1, 16, longer.optim)), step
+    with pytest.raises(
+        ValueError, match=r"the run is at step 16 \(step_000016\); steps=12 would end before it"
+    ):
+        Trainer(cfg.replace(steps=12), tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 16  # untouched
+
+
+def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, steps=2, optim=OptimConfig(lr=1e-2, warmup_steps=4, fused=False))
+    with pytest.warns(UserWarning, match=r"warmup_steps 4 >= steps 2: the cosine schedule never decays"):
+        Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False)
+
+
+def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
+    for i in range(40):  # one long file per name; the val split (by hash) gets one of the short ones
+        (tmp_path / "c" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "c" / f"{i:02d}.txt").write_text(("many words here " * 200) if i % 2 else f"w{i}\n")
+    cfg = small_config(tmp_path / "c", steps=1)
+    from tformer.data import load_corpus
+
+    short = [s for s in ("val", "test") if all(len(t) < 10 for t in load_corpus(cfg.data.corpus).texts(s))]
+    assert short, "the corpus above must leave a held-out split of short files"
+    with pytest.raises(
+        ValueError, match=rf"the {short[0]} split of 'text:.*' is \d+ tokens, too few for one window"
+    ):
+        trainer = Trainer(cfg, tmp_path / "s", make_task("lm"), progress=False)
+        trainer.task.split_dataset(short[0])

@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
         text = read_input_file(path)
         if not text.strip():
             raise ValueError(f"text file {path} is empty")
-        ds = PackedLMDataset.from_texts(run_.tokenizer, [text], min(cfg.data.seq_len, max(2, len(text) // 4)))
+        seq_len = min(cfg.data.seq_len, max(2, len(text) // 4))
+        ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}")
         chars, what = len(text) + 1, str(path)
     else:
         from tformer.cli.options import warn
@@ -38,10 +39,9 @@ def run(args: argparse.Namespace) -> int:
             warn("eval", f"the {args.split} split differs from the one this run recorded (data.json): "
                  "documents were added, removed or renamed since it trained")  # fmt: skip
         texts = list(corpus.texts(args.split))
-        ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len)
+        name = f"the {args.split} split of {cfg.data.corpus!r}"
+        ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
-    if len(ds) == 0:
-        raise ValueError(f"{what}: too short to score (fewer tokens than one window)")
     result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, torch.device("cpu"))
     result = {"data": what, "checkpoint_step": run_.step, **result}
     if args.json:

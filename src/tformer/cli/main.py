@@ -59,7 +59,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument(
-        "--stop", action="append", default=[], help="stop string, repeatable; \\n stands for a newline"
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string, repeatable; \\n stands for a newline. Looked for in the new text only; "
+        "the text is printed once, cut before it (no streaming)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")

@@ -40,7 +40,7 @@ class PackedLMDataset(Dataset):
     is dropped.
     """
 
-    def __init__(self, docs: Sequence[Sequence[int]], seq_len: int, eos_id: int):
+    def __init__(self, docs: Sequence[Sequence[int]], seq_len: int, eos_id: int, what: str = "the text"):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         stream: list[int] = []
@@ -52,12 +52,16 @@ class PackedLMDataset(Dataset):
         self.n_windows = max(0, (len(stream) - 1) // seq_len)
         if self.n_windows == 0:
             raise ValueError(
-                f"{len(stream)} tokens are too few for one window of seq_len + 1 = {seq_len + 1}"
+                f"{what} is {len(stream)} tokens, too few for one window of seq_len + 1 = {seq_len + 1} "
+                "(give it more text, or lower data.seq_len)"
             )
 
     @classmethod
-    def from_texts(cls, tokenizer: Tokenizer, texts: Sequence[str], seq_len: int) -> PackedLMDataset:
-        return cls(tokenizer.encode_batch(texts), seq_len, tokenizer.eos_id)
+    def from_texts(
+        cls, tokenizer: Tokenizer, texts: Sequence[str], seq_len: int, what: str = "the text"
+    ) -> PackedLMDataset:
+        """`what` names the texts in the error a too-short stream raises (e.g. "the val split of ...")."""
+        return cls(tokenizer.encode_batch(texts), seq_len, tokenizer.eos_id, what)
 
     @property
     def n_tokens(self) -> int:

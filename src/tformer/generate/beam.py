@@ -23,6 +23,7 @@ that the cached search is tested against.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class SearchConfig(Config):
         self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
         self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self._require(0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
 
     def max_lens(self, src_lens: Tensor, max_seq_len: int) -> Tensor:
         """(B,) most target tokens per sentence, from the (B,) source lengths."""
@@ -185,9 +187,26 @@ def _as_lens(max_len: int | Tensor, b: int, device: torch.device) -> Tensor:
     return torch.full((b,), int(max_len), dtype=torch.long, device=device)
 
 
+def _evaluating(search_fn):
+    """Run a search with the model in eval mode (no dropout), putting its mode back afterwards, also
+    when the search raises: a model straight from build_model, or mid-training, is in training mode."""
+
+    @functools.wraps(search_fn)
+    def run(model: nn.Module, *args, **kwargs):
+        was_training = model.training
+        model.eval()
+        try:
+            return search_fn(model, *args, **kwargs)
+        finally:
+            model.train(was_training)
+
+    return run
+
+
 # ----------------------------------------------------------------------------- beam search
 
 
+@_evaluating
 @torch.no_grad()
 def beam_search(
     model: nn.Module,
@@ -267,6 +286,7 @@ def _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, lp) 
 # ----------------------------------------------------------------------------- greedy and sampling
 
 
+@_evaluating
 @torch.no_grad()
 def sample_search(
     model: nn.Module,

@@ -43,7 +43,11 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         raise ValueError(
             f"temperature must be > 0 here (0 means greedy, handled by sample_next), got {temperature}"
         )
-    return logits / temperature
+    scaled = logits / temperature
+    # a tiny temperature can take finite logits to +-inf (and the softmax to NaN): such rows are
+    # scaled after subtracting their largest logit, which keeps it at 0; other rows are left as they are
+    overflow = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)
+    return torch.where(overflow, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, scaled)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -106,6 +110,8 @@ def apply_repetition_penalty(
     counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)  # (B, V)
     present = counts.scatter_add_(-1, ids, mask.long()) > 0  # padding adds 0, never un-marks a token
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    big = torch.finfo(logits.dtype).max  # a tiny or huge penalty must not take a finite logit to +-inf
+    penalised = torch.where(torch.isfinite(logits), penalised.clamp(-big, big), penalised)
     return torch.where(present, penalised, logits)
 
 
@@ -186,7 +192,7 @@ class SamplingConfig(Config):
             "must be finite and > 0 (1 means off)",
         )
         self._require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        self._require(self.seed >= 0, "seed", "must be >= 0")
+        self._require(0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "stop_strings": list(self.stop_strings)}  # plain JSON / YAML list

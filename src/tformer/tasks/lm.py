@@ -57,14 +57,16 @@ class LMTask:
         train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
-        self.train_ds = PackedLMDataset.from_texts(self.tokenizer, train_texts, cfg.data.seq_len)
+        self.train_ds = PackedLMDataset.from_texts(
+            self.tokenizer, train_texts, cfg.data.seq_len, f"the train split of {cfg.data.corpus!r}"
+        )
         self.val_ds, self.val_chars = self.split_dataset("val")
 
     def split_dataset(self, split: str) -> tuple[PackedLMDataset, int]:
         texts = list(self.corpus.texts(split))
-        return PackedLMDataset.from_texts(self.tokenizer, texts, self.cfg.data.seq_len), sum(
-            len(t) + 1 for t in texts
-        )
+        what = f"the {split} split of {self.cfg.data.corpus!r}"
+        ds = PackedLMDataset.from_texts(self.tokenizer, texts, self.cfg.data.seq_len, what)
+        return ds, sum(len(t) + 1 for t in texts)
 
     def model_config(self, cfg: TrainConfig):
         if cfg.model.arch != "decoder":

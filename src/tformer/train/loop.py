@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from tformer.train.checkpoint import (
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
-from tformer.train.optim import make_optimizer, make_scheduler
+from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
 __all__ = ["TrainState", "Trainer", "resolve_device"]
@@ -165,6 +166,12 @@ class Trainer:
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
+            at = int(resume_from.name.rpartition("_")[2])
+            if cfg.steps < at:
+                raise ValueError(
+                    f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
+                    f"before it. Pass steps >= {at}, or start a new run with another --out"
+                )
         refuse_unfinished(self.run_dir, resume_from)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
@@ -181,20 +188,31 @@ class Trainer:
                 shutil.rmtree(created, ignore_errors=True)
             raise
         try:
-            self._start(cfg, resume_from)
+            self._start(cfg, resume_from, meta)
         except BaseException:
             self._release_lock()
             raise
 
-    def _start(self, cfg: TrainConfig, resume_from: Path | None) -> None:
+    def _start(self, cfg: TrainConfig, resume_from: Path | None, meta: dict | None) -> None:
         """Metrics, the compiled forward, then the checkpoint's state (or a clean log) and config.json."""
         self.state = TrainState()
         self._saved: tuple[int, Path] | None = None
         self.metrics = MetricsLog(self.run_dir) if self.env.is_main else NullMetrics()
         self.forward_model = torch.compile(self.parallel.model) if cfg.compile else self.parallel.model
         self.autocast = autocast_context(self.device, cfg.dtype)
+        optim = cfg.optim
+        if optim.schedule != "constant" and self.env.is_main:
+            end = lr_factor(cfg.steps - 1, cfg.steps, optim)
+            if end > optim.min_lr_ratio + 1e-9:  # the warm-up takes every step: the rate never decays
+                warnings.warn(
+                    f"optim.warmup_steps {optim.warmup_steps} >= steps {cfg.steps}: the {optim.schedule} "
+                    f"schedule never decays (the last step runs at {end:.3g} x optim.lr, not at "
+                    f"min_lr_ratio {optim.min_lr_ratio:g})",
+                    stacklevel=2,
+                )
         if resume_from is not None:
             self._restore(resume_from)
+            self._relay_schedule(meta)
         else:
             self.metrics.truncate_after(-1)  # records a crashed run left without a checkpoint: redone now
         if self.env.is_main:  # a resumed run may have changed its cadence or length (RESUMABLE)
@@ -261,6 +279,26 @@ class Trainer:
         self.metrics.truncate_after(self.state.step)
         self._saved = (self.state.step, path)  # resuming a finished run must not save its step again
 
+    def _relay_schedule(self, meta: dict | None) -> None:
+        """A resume with another `steps` lays the schedule over the new length from the next step on
+        (the optimizer's restored rate was the old schedule's), and says where the rate moves."""
+        saved = ((meta or {}).get("train_config") or {}).get("steps")
+        sched, optim = self.scheduler, self.cfg.optim
+        if not isinstance(saved, int) or saved == self.cfg.steps or sched.last_epoch >= self.cfg.steps:
+            return
+        before = self.optimizer.param_groups[0]["lr"]
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        after = self.optimizer.param_groups[0]["lr"]
+        if optim.schedule != "constant" and self.env.is_main:
+            warnings.warn(
+                f"steps {saved} -> {self.cfg.steps}: the {optim.schedule} schedule now spans "
+                f"{self.cfg.steps} steps, so step {sched.last_epoch + 1} runs at lr {after:.3g} "
+                f"(the old schedule's {before:.3g})",
+                stacklevel=2,
+            )
+
     def _name_the_previous(self, path: Path, error: CheckpointError) -> CheckpointError:
         """A damaged newest checkpoint is an error (never a silent step back); it names the one before."""
         earlier = [p for p in list_checkpoints(self.run_dir) if p != path]
@@ -314,8 +352,7 @@ class Trainer:
             if isinstance(e, Stopped):
                 print(f"\n{e}", file=sys.stderr)
             else:  # a second Ctrl-C, maybe mid-step: a checkpoint of this moment could not resume exactly
-                last = latest_checkpoint(self.run_dir)
-                where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
+                where = self._last_checkpoint_words()
                 print(f"\nstopped without saving (at step {s.step}); {where}", file=sys.stderr)
             raise
         finally:
@@ -383,10 +420,14 @@ class Trainer:
                 raise NonFiniteError(
                     f"step {s.step}: {s.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
                     f"norm{where} (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the "
-                    f"learning rate or check the data; the last checkpoint is intact."
+                    f"learning rate or check the data; {self._last_checkpoint_words()}."
                 )
         else:
             s.nonfinite_in_a_row = 0
+
+    def _last_checkpoint_words(self) -> str:
+        last = latest_checkpoint(self.run_dir)
+        return f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written"
 
     SPIKE_WARMUP = 20  # finite steps before the running mean is trusted
     SPIKE_DECAY = 0.95  # EMA decay: the mean follows the last ~20 steps
