@@ -66,6 +66,7 @@ def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path) -
         trainer.fit()
     assert stopped.value.signum == signal.SIGTERM
     assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step_000003"]
+    assert (tmp_path / "t" / "loss.png").is_file()  # the curve so far (it had waited for the run's end)
 
 
 def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(

@@ -104,6 +104,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_pat
     with pytest.raises(NonFiniteError, match=r"no checkpoint was written\.$"):  # it had called one intact
         again.fit()
     assert trainer.state.skipped_steps == 3
+    assert (tmp_path / "n" / "loss.png").is_file()  # the curve up to the stop
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     skips = [json.loads(x) for x in (tmp_path / "n" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in skips if r["kind"] == "skip"] == [3, 4, 5]

@@ -351,9 +351,14 @@ class Trainer:
                 raise
             if isinstance(e, Stopped):
                 print(f"\n{e}", file=sys.stderr)
+                self._plot_so_far()
             else:  # a second Ctrl-C, maybe mid-step: a checkpoint of this moment could not resume exactly
                 where = self._last_checkpoint_words()
                 print(f"\nstopped without saving (at step {s.step}); {where}", file=sys.stderr)
+            raise
+        except NonFiniteError:
+            if self.env.is_main:
+                self._plot_so_far()
             raise
         finally:
             if bar is not None:
@@ -364,6 +369,10 @@ class Trainer:
             plot_loss_curve(self.run_dir)
         self.metrics.close()
         return self.final_report()
+
+    def _plot_so_far(self) -> None:
+        """loss.png of a run that stops early (Ctrl-C, SIGTERM, the non-finite guard): the steps so far."""
+        plot_loss_curve(self.run_dir)  # metrics.jsonl is written line by line: it holds every step so far
 
     def _one_step(self, bar, t0: float, tok0: int) -> None:
         """One optimizer step and its cadence: log, progress bar, evaluation, checkpoint."""
