@@ -36,6 +36,11 @@ def test_defaults_are_the_paper_layer() -> None:
         ({"d_model": "512"}, "ModelConfig.d_model must be int, got '512'"),
         ({"tie_embeddings": 1}, "ModelConfig.tie_embeddings must be bool, got 1"),
         ({"positions": "rope", "rope": RopeConfig(fraction=0.01)}, "even number >= 2"),
+        (  # an encoder's depth is n_layers: the setting had been ignored silently
+            {"arch": "encoder", "n_encoder_layers": 12},
+            "ModelConfig.n_encoder_layers is for arch 'encoder_decoder' only (arch 'encoder' uses n_layers)",
+        ),
+        ({"arch": "decoder", "src_vocab_size": 300}, "(arch 'decoder' uses vocab_size); leave it null"),
     ],
 )
 def test_bad_values_name_the_field(changes: dict, needle: str) -> None:

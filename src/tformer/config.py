@@ -26,9 +26,12 @@ class RopeConfig(Config):
         2i + 1 (the RoFormer paper). The two are permutations of each other.
     fraction: share of each head's features that is rotated (partial rotary, as in GPT-NeoX).
     scaling: "linear" position interpolation (Chen et al., 2023), "ntk" NTK-aware base change,
-        "yarn" (Peng et al., 2023); `factor` stretches the trained context `original_max_seq_len`.
+        "yarn" (Peng et al., 2023); `factor` stretches the trained context. `original_max_seq_len`
+        (the trained context; default max_seq_len) and the yarn_beta_* are read by "yarn" only.
     cross_attention: rotate queries and keys in encoder-decoder cross-attention too (default no:
         source and target positions are different sequences, so their difference has no meaning).
+
+    Read only when ModelConfig.positions is "rope" (so switching positions keeps one config whole).
     """
 
     theta: float = 10000.0
@@ -61,7 +64,8 @@ class MoEConfig(Config):
     Layers: the first `first_dense` layers stay dense, then every `every`-th layer is MoE.
     Experts: n_experts routed FFNs of the model's kind (cfg.ffn) and width d_expert (default: the dense
         d_ff), top_k of them per token, plus n_shared shared experts of width d_shared (default
-        d_expert) that see every token (DeepSeekMoE), run as one dense FFN of width n_shared * d_shared.
+        d_expert) that see every token (DeepSeekMoE), run as one dense FFN of width n_shared * d_shared
+        (d_shared is kept, unread, when n_shared is 0: the no-shared ablations drop only n_shared).
     Router: logits = x . centroid_e (fp32); scores = score_func(logits); the top_k experts by score
         (+ expert_bias, selection only); weights = the chosen scores, renormalised to sum 1 if
         norm_topk and top_k > 1 (with top_k = 1 that would make every weight 1 and cut the router off
@@ -79,9 +83,11 @@ class MoEConfig(Config):
         aux_loss_coef     Switch/GShard = DeepSeekMoE expert-level: E * sum_i f_i P_i per layer
                           (f_i: share of the layer's assignments, P_i: mean router probability); 1 when
                           uniform, E / top_k when collapsed.
-        device_loss_coef  DeepSeekMoE device-level: experts in n_devices equal groups.
+        device_loss_coef  DeepSeekMoE device-level: experts in n_devices equal groups (n_devices is
+                          read by this term only; expert parallelism takes its layout from torchrun).
         seq_aux_loss_coef DeepSeek-V3 sequence-wise: the expert-level loss per sequence, averaged.
-        z_loss_coef       ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2.
+        z_loss_coef       ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 ((ln E)^2
+                          when every logit is 0; the only term that is not 1 at uniform routing).
         bias_update_rate  DeepSeek-V3 auxiliary-loss-free balancing: after each optimizer step
                           expert_bias_i += rate * sign(mean load - load_i).
     """
@@ -227,6 +233,14 @@ class ModelConfig(Config):
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("src_vocab_size", "n_encoder_layers"):  # an encoder's own depth and vocabulary are
+            if self.arch != "encoder_decoder":  # n_layers and vocab_size: a setting it would ignore
+                self._require(
+                    getattr(self, name) is None,
+                    name,
+                    f"is for arch 'encoder_decoder' only (arch {self.arch!r} uses "
+                    f"{'vocab_size' if name == 'src_vocab_size' else 'n_layers'}); leave it null",
+                )
         if self.src_vocab_size is not None:
             self._require(
                 self.src_vocab_size >= 1, "src_vocab_size", "must be >= 1 (or null: same as vocab_size)"

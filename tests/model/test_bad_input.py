@@ -30,8 +30,17 @@ def test_token_id_out_of_range(lm) -> None:
 
 
 def test_wrong_dtype(lm) -> None:
-    with pytest.raises(TypeError, match=r"must be an integer tensor \(torch.long\), got dtype torch.float32"):
-        lm(torch.zeros(2, 5))
+    for dtype in (torch.float32, torch.int16, torch.uint8):  # uint8 / int16 had failed inside torch
+        with pytest.raises(
+            TypeError, match=rf"must be a torch.long \(or torch.int32\) tensor, got dtype {dtype}"
+        ):
+            lm(torch.zeros(2, 5, dtype=dtype))
+    ids = torch.ones(1, 2, dtype=torch.long)  # uint8 positions had indexed the table as a mask
+    with pytest.raises(
+        TypeError, match=r"positions must be a torch.long \(or torch.int32\) tensor, got torch.uint8"
+    ):
+        lm(ids, positions=torch.tensor([0, 1], dtype=torch.uint8))
+    assert torch.equal(lm(ids.int()), lm(ids))
     with pytest.raises(TypeError, match="must be a torch.Tensor of token ids, got list"):
         lm([[1, 2, 3]])
 

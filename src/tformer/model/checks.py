@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_INT_DTYPES = (
+    torch.int64,
+    torch.int32,
+)  # what embedding lookups and index_select take (uint8 indexes as a mask)
 
 
 def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:
@@ -17,7 +20,7 @@ def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tenso
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
     if tokens.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must be an integer tensor (torch.long), got dtype {tokens.dtype}")
+        raise TypeError(f"{name} must be a torch.long (or torch.int32) tensor, got dtype {tokens.dtype}")
     if tokens.dim() != 2:
         raise ValueError(f"{name} must have shape (batch, seq_len), got {tuple(tokens.shape)}")
     if tokens.shape[0] == 0:
@@ -59,7 +62,8 @@ def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int
     """positions: (T,) or (B, T) integer positions in [0, max_seq_len)."""
     if not isinstance(positions, Tensor) or positions.dtype not in _INT_DTYPES:
         raise TypeError(
-            f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}"
+            "positions must be a torch.long (or torch.int32) tensor, got "
+            f"{getattr(positions, 'dtype', type(positions))}"
         )
     if positions.shape not in ((length,), (batch, length)):
         raise ValueError(

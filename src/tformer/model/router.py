@@ -9,7 +9,8 @@ Router (Shazeer et al., 2017; Switch; GShard; DeepSeekMoE):
     scores   = softmax(logits) | sigmoid(logits)
     idx      = topK(limit_groups(scores + expert_bias))     the bias steers selection only
     weights  = scale * renorm(scores[idx])                   never sees the bias
-Balance losses all equal 1 at uniform routing (see `MoEConfig` for their coefficients).
+The balance losses equal 1 at uniform routing, except the z-loss, (ln E)^2 when every logit is 0 (see
+`MoEConfig` for their coefficients).
 """
 
 from __future__ import annotations
