@@ -239,3 +239,28 @@ def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, caps
         ["train", "--preset", "tiny-translation", "--set", "data.corpus=bbc-news", "--out", out]
     )
     assert "not a classification run" in error(["classify", "--run", run, "--text", "Hund"])
+    assert "length_penalty must be in [-10, 10]" in error(  # it had overflowed in a traceback
+        ["translate", "--run", run, "--text", "Hund", "--length-penalty", "1000"]
+    )
+    assert "no pair of the train split fits data.seq_len=4" in error(  # a val loss had read 0 over 0 tokens
+        ["train", "--preset", "tiny-translation", "--set", "data.seq_len=4", "--out", out]
+    )
+    assert not Path(out).exists()
+
+
+def test_one_output_line_per_input_line(trained_run: Path, tmp_path: Path, capsys) -> None:
+    """Input is split at newlines only (U+2028 and form feeds had split a line); an output the byte-level
+    vocabulary spells with line breaks or tabs is kept on one line."""
+    from tformer.generate.beam import Hypothesis
+    from tformer.runs import load_run
+    from tformer.tasks.translation import load_translator
+
+    path = tmp_path / "in.txt"
+    path.write_text("Der Hund\u2028sieht die Katze.\nDer Mann\x0cmag das Kind.\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", "--run", str(trained_run), "--file", str(path), "--greedy"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split("\n")) == 3 and "empty" not in captured.err  # 2 lines and the last \n
+    translator = load_translator(load_run(trained_run))
+    ids = translator.tgt_tok.encode("a\nb\tc\r\nd")
+    assert translator.text(Hypothesis(ids, 0.0, 0.0, True)) == "a b c  d"

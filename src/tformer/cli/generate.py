@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import read_input_file, utf8_text
+from tformer.cli.options import input_lines, read_input_file, utf8_text
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -28,7 +28,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if args.prompt is not None:
             raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        prompts = [line.replace("\\n", "\n") for line in read_input_file(path).splitlines()]
+        prompts = [line.replace("\\n", "\n") for line in input_lines(read_input_file(path))]
         prompts = [p for p in prompts if p.strip()]
         if not prompts:
             raise ValueError(f"prompts file {path} holds no non-empty line")

@@ -107,5 +107,12 @@ def read_input_file(path: Path) -> str:
     return read_text(path, warn=True)
 
 
+def input_lines(text: str) -> list[str]:
+    """The lines of an input file or stdin: split at "\n" only (str.splitlines would also split inside a
+    line at U+2028, form feeds and the like, and number the lines after them wrongly)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
 def warn(command: str, message: str) -> None:
     print(f"tformer {command}: warning: {message}", file=sys.stderr)

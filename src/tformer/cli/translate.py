@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import read_input_file, utf8_text, warn
+from tformer.cli.options import input_lines, read_input_file, utf8_text, warn
 from tformer.generate.beam import SearchConfig
 
 
@@ -24,9 +24,9 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
         return [utf8_text(args.text, "--text").strip()], [1]
     if args.file is not None:
         path = Path(args.file)
-        lines, where = read_input_file(path).splitlines(), str(path)
+        lines, where = input_lines(read_input_file(path)), str(path)
     else:
-        lines, where = utf8_text(sys.stdin.read(), "stdin").splitlines(), "stdin"
+        lines, where = input_lines(utf8_text(sys.stdin.read(), "stdin")), "stdin"
     texts, numbers = [], []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -67,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
     for i in cut:
         warn("translate", f"line {numbers[i]} is longer than {translator.max_src_len} tokens: truncated")
     for hyp in translator.hypotheses(sources, search_cfg):
-        text = translator.tgt_tok.decode(hyp.tokens)
+        text = translator.text(hyp)
         print(f"{text}\t{hyp.score:.4f}" if args.scores else text, flush=True)
     return 0

@@ -84,7 +84,9 @@ class SearchConfig(Config):
             "must be finite and > 0 (method='greedy' for argmax)",
         )
         self._require(
-            math.isfinite(self.length_penalty), "length_penalty", "must be a finite number (0 means none)"
+            abs(self.length_penalty) <= MAX_ALPHA,
+            "length_penalty",
+            f"must be in [-{MAX_ALPHA:g}, {MAX_ALPHA:g}] (0 means none; GNMT used 0.6 to 1)",
         )
         self._require(math.isfinite(self.max_len_a), "max_len_a", "must be finite")
         self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
@@ -95,10 +97,13 @@ class SearchConfig(Config):
     def max_lens(self, src_lens: Tensor, max_seq_len: int) -> Tensor:
         """(B,) most target tokens per sentence, from the (B,) source lengths."""
         if self.max_len is not None:
-            lens = torch.full_like(src_lens, self.max_len)
+            lens = torch.full_like(src_lens, min(self.max_len, max_seq_len))  # (a huge one overflowed int64)
         else:
             lens = (src_lens.double() * self.max_len_a).floor().long() + self.max_len_b
         return lens.clamp(1, max_seq_len)
+
+
+MAX_ALPHA = 10.0  # ((5 + length) / 6) ** alpha stays finite at any context length up to here
 
 
 def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
@@ -228,6 +233,10 @@ def beam_search(
     never generated (pass the pad and BOS ids). flat: run the cached steps after the first as the flat
     `Seq2SeqDecodeStep` where the model is one it knows (False: `model.decode` every step).
     """
+    if not abs(alpha) <= MAX_ALPHA:
+        raise ValueError(
+            f"alpha (the length penalty) must be in [-{MAX_ALPHA:g}, {MAX_ALPHA:g}], got {alpha}"
+        )
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)

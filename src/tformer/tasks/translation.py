@@ -37,6 +37,9 @@ SRC_TOKENIZER = "src_tokenizer.json"
 DATA_MANIFEST = "data.json"
 EVAL_SEARCH = SearchConfig(method="greedy", batch_size=64)
 TEST_SEARCH = SearchConfig(method="beam", beam_size=4, length_penalty=0.6)
+ONE_LINE = str.maketrans(
+    dict.fromkeys("\n\r\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " ")
+)  # what splits a line
 
 
 def load_translation_corpus(data: DataConfig) -> Corpus:
@@ -103,7 +106,12 @@ class Translator:
 
     def translate(self, texts: Sequence[str], cfg: SearchConfig) -> list[str]:
         sources, _ = self.encode(texts)
-        return [self.tgt_tok.decode(h.tokens) for h in self.hypotheses(sources, cfg)]
+        return [self.text(h) for h in self.hypotheses(sources, cfg)]
+
+    def text(self, hypothesis: Hypothesis) -> str:
+        """A hypothesis as one line of text: the byte-level vocabulary can spell line breaks and tabs,
+        which become spaces, so a translation file keeps one output line per input line."""
+        return self.tgt_tok.decode(hypothesis.tokens).translate(ONE_LINE)
 
 
 def seq2seq_loss_sum(
@@ -125,6 +133,8 @@ class TranslationTask:
         self.collate = Seq2SeqCollator(self.tgt_tok.pad_id, self.tgt_tok.bos_id, self.tgt_tok.eos_id)
         self.train_ds = self.dataset(train)
         self.val_ds = self.dataset(self.corpus["val"])
+        for name, ds in (("train", self.train_ds), ("val", self.val_ds)):
+            check_scoreable(ds, f"the {name} split", cfg.data.seq_len)
         write_manifest(
             run_dir, self.corpus, train_pairs_used=len(train), train_pairs_too_long=self.train_ds.n_filtered
         )
@@ -207,6 +217,16 @@ class TranslationTask:
         return "\n".join(lines[:-1]) + "\n---"
 
 
+def check_scoreable(ds: Seq2SeqDataset, what: str, seq_len: int) -> None:
+    """ConfigError when no pair of `ds` fits data.seq_len (its loss would be 0 over 0 tokens)."""
+    if len(ds) == 0:
+        raise ConfigError(
+            f"no pair of {what} fits data.seq_len={seq_len} (the source with EOS, and the target with "
+            f"BOS or EOS, must each be at most {seq_len} tokens): all {ds.n_filtered} are longer; "
+            "raise data.seq_len"
+        )
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module, ds: Seq2SeqDataset, collate: Callable, batch_size: int, max_batches: int, device
@@ -255,7 +275,7 @@ def evaluate_run(
         pairs = pairs[: max_batches * search_cfg.batch_size]
     sources, cut = translator.encode([p.src for p in pairs])
     t0 = time.perf_counter()
-    hyps = [translator.tgt_tok.decode(h.tokens) for h in translator.hypotheses(sources, search_cfg)]
+    hyps = [translator.text(h) for h in translator.hypotheses(sources, search_cfg)]
     seconds = time.perf_counter() - t0
     refs = [p.tgt for p in pairs]
     tokenize = bleu_tokenizer(cfg.data.direction)
@@ -264,6 +284,7 @@ def evaluate_run(
     ds = Seq2SeqDataset.from_texts(
         pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
     )
+    check_scoreable(ds, f"the {split} split", cfg.data.seq_len)
     collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
     loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
     out = run_dir_of(run.checkpoint) / f"translations_{split}.txt"
