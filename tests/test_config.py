@@ -49,6 +49,16 @@ def test_bad_values_name_the_field(changes: dict, needle: str) -> None:
     assert needle in str(err.value)
 
 
+def test_a_saved_or_written_config_with_a_seq2seq_only_setting_loads_without_it() -> None:
+    """The constructor refuses n_encoder_layers / src_vocab_size outside the encoder-decoder; a run saved
+    when they were silently ignored (or a YAML file, or --set) still loads, with a warning."""
+    with pytest.warns(UserWarning, match=r"n_encoder_layers=4, src_vocab_size=300 dropped: arch 'encoder'"):
+        cfg = ModelConfig.from_dict({"arch": "encoder", "n_encoder_layers": 4, "src_vocab_size": 300})
+    assert cfg == ModelConfig(arch="encoder")
+    seq2seq = ModelConfig.from_dict({"arch": "encoder_decoder", "n_encoder_layers": 4})
+    assert seq2seq.n_encoder_layers == 4
+
+
 def test_nested_errors_name_the_nested_class() -> None:
     with pytest.raises(
         ConfigError, match=r"RopeConfig.layout must be one of 'half', 'interleaved', got 'spiral'"

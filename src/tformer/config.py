@@ -7,8 +7,9 @@ All are frozen dataclasses validated at construction (see `tformer.schema`).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tformer.schema import Config, ConfigError
 
@@ -27,7 +28,7 @@ class RopeConfig(Config):
     fraction: share of each head's features that is rotated (partial rotary, as in GPT-NeoX).
     scaling: "linear" position interpolation (Chen et al., 2023), "ntk" NTK-aware base change,
         "yarn" (Peng et al., 2023); `factor` stretches the trained context. `original_max_seq_len`
-        (the trained context; default max_seq_len) and the yarn_beta_* are read by "yarn" only.
+        (the trained context; default max_seq_len / factor) and the yarn_beta_* are read by "yarn" only.
     cross_attention: rotate queries and keys in encoder-decoder cross-attention too (default no:
         source and target positions are different sequences, so their difference has no meaning).
 
@@ -83,8 +84,9 @@ class MoEConfig(Config):
         aux_loss_coef     Switch/GShard = DeepSeekMoE expert-level: E * sum_i f_i P_i per layer
                           (f_i: share of the layer's assignments, P_i: mean router probability); 1 when
                           uniform, E / top_k when collapsed.
-        device_loss_coef  DeepSeekMoE device-level: experts in n_devices equal groups (n_devices is
-                          read by this term only; expert parallelism takes its layout from torchrun).
+        device_loss_coef  DeepSeekMoE device-level: experts in n_devices equal groups (n_devices must
+                          divide n_experts, and only this term reads it; expert parallelism takes its
+                          layout from torchrun).
         seq_aux_loss_coef DeepSeek-V3 sequence-wise: the expert-level loss per sequence, averaged.
         z_loss_coef       ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 ((ln E)^2
                           when every logit is 0; the only term that is not 1 at uniform routing).
@@ -187,6 +189,9 @@ class MoEConfig(Config):
         return self.d_shared if self.d_shared is not None else self.expert_width(d_ff)
 
 
+SEQ2SEQ_ONLY = ("n_encoder_layers", "src_vocab_size")  # ModelConfig fields only arch encoder_decoder reads
+
+
 @dataclass(frozen=True)
 class ModelConfig(Config):
     """Everything that decides what a tformer model computes.
@@ -233,8 +238,8 @@ class ModelConfig(Config):
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("src_vocab_size", "n_encoder_layers"):  # an encoder's own depth and vocabulary are
-            if self.arch != "encoder_decoder":  # n_layers and vocab_size: a setting it would ignore
+        for name in SEQ2SEQ_ONLY:  # an encoder's own depth and vocabulary are n_layers and vocab_size:
+            if self.arch != "encoder_decoder":  # a setting it would ignore
                 self._require(
                     getattr(self, name) is None,
                     name,
@@ -291,6 +296,23 @@ class ModelConfig(Config):
                     f"MoE layer among the model's {depth} layers; lower first_dense, or set moe to null for a "
                     "dense model"
                 )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], _path: str | None = None) -> ModelConfig:
+        """As Config.from_dict; a file, override or saved run that sets n_encoder_layers or src_vocab_size
+        for an arch without a separate encoder (which never read them) has them dropped with a warning,
+        so such runs still load (the constructor refuses them)."""
+        if isinstance(data, dict) and data.get("arch", "decoder") != "encoder_decoder":
+            unused = [k for k in SEQ2SEQ_ONLY if data.get(k) is not None]
+            if unused:
+                warnings.warn(
+                    f"{_path or 'ModelConfig'}: {', '.join(f'{k}={data[k]}' for k in unused)} dropped: "
+                    f"arch {data.get('arch', 'decoder')!r} has no separate encoder (it uses n_layers and "
+                    "vocab_size)",
+                    stacklevel=2,
+                )
+                data = {k: v for k, v in data.items() if k not in unused}
+        return super().from_dict(data, _path=_path)
 
     # ----------------------------------------------------------------- resolved values
     @property

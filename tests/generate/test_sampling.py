@@ -101,10 +101,13 @@ def test_tiny_temperature_or_penalty_picks_the_top_token_instead_of_nan():
     cold = sample_next(masked, temperature=1e-39, generator=make_generator(0))
     assert torch.equal(cold, masked.argmax(-1))
     prev = torch.arange(50).repeat(6, 1)  # every token seen
-    for penalty in (1e-40, 1e40):
-        penalised = apply_repetition_penalty(logits, prev, penalty)
-        assert torch.isfinite(penalised).all()
-        assert sample_next(penalised, temperature=1.0, generator=make_generator(0)).shape == (6,)
+    tiny = apply_repetition_penalty(logits, prev, 1e-40)  # positive logits grow 1e40-fold: the top wins
+    for seed in range(5):
+        assert torch.equal(sample_next(tiny, temperature=1.0, generator=make_generator(seed)), greedy)
+    assert torch.equal(tiny.argmax(-1), greedy) and bool((tiny.amax(-1) == 0).all())  # shifted, top kept
+    huge = apply_repetition_penalty(logits, prev, 1e40)  # positive logits shrink to ~0, negative to -inf
+    draws = sample_next(huge, temperature=1.0, generator=make_generator(0))
+    assert bool((logits.gather(1, draws[:, None]) > 0).all())
 
 
 def test_seeded_sampling_is_deterministic():

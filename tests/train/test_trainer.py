@@ -368,7 +368,7 @@ def test_a_resume_with_more_steps_lays_the_schedule_over_them_from_the_next_step
 def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, steps=2, optim=OptimConfig(lr=1e-2, warmup_steps=4, fused=False))
     with pytest.warns(UserWarning, match=r"warmup_steps 4 >= steps 2: the cosine schedule never decays"):
-        Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False)
+        Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False).close()
 
 
 def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
@@ -384,4 +384,7 @@ def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
         ValueError, match=rf"the {short[0]} split of 'text:.*' is \d+ tokens, too few for one window"
     ):
         trainer = Trainer(cfg, tmp_path / "s", make_task("lm"), progress=False)
-        trainer.task.split_dataset(short[0])
+        try:
+            trainer.task.split_dataset(short[0])
+        finally:
+            trainer.close()

@@ -108,9 +108,9 @@ def read_input_file(path: Path) -> str:
 
 
 def input_lines(text: str) -> list[str]:
-    """The lines of an input file or stdin: split at "\n" only (str.splitlines would also split inside a
-    line at U+2028, form feeds and the like, and number the lines after them wrongly)."""
-    lines = text.split("\n")
+    """The lines of an input file or stdin, split at line ends ("\n", "\r\n", "\r") only: str.splitlines
+    would also split inside a line at U+2028, form feeds and the like, and misnumber the lines after."""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # stdin keeps \r; files do not
     return lines[:-1] if lines and not lines[-1] else lines
 
 

@@ -276,10 +276,11 @@ def _folder_texts(path: Path) -> list[Path]:
         p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
     )
     files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    taken = set(files)
     skipped = [
         p.relative_to(path).as_posix() + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
         for p in found
-        if p not in files and not p.is_dir()
+        if p not in taken and not p.is_dir()
     ]
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
@@ -519,7 +520,7 @@ def _check_splits(corpus: Corpus) -> Corpus:
     if empty:
         counts = ", ".join(f"{s} {len(corpus.splits.get(s, ()))}" for s in SPLITS)
         same = ""
-        if corpus.task == "lm":
+        if corpus.name.startswith("text:"):  # split by text hash (the installed corpora split by name)
             distinct = len({d.text for s in SPLITS for d in corpus.splits.get(s, ())})
             total = sum(len(corpus.splits.get(s, ())) for s in SPLITS)
             same = f"; identical texts, empty ones too, stay in one split: {distinct} distinct of {total}"

@@ -53,7 +53,7 @@ class PackedLMDataset(Dataset):
         if self.n_windows == 0:
             raise ValueError(
                 f"{what} is {len(stream)} tokens, too few for one window of seq_len + 1 = {seq_len + 1} "
-                "(give it more text, or lower data.seq_len)"
+                "(it needs more text, or a run with a smaller data.seq_len)"
             )
 
     @classmethod

@@ -110,9 +110,13 @@ def apply_repetition_penalty(
     counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)  # (B, V)
     present = counts.scatter_add_(-1, ids, mask.long()) > 0  # padding adds 0, never un-marks a token
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    big = torch.finfo(logits.dtype).max  # a tiny or huge penalty must not take a finite logit to +-inf
-    penalised = torch.where(torch.isfinite(logits), penalised.clamp(-big, big), penalised)
-    return torch.where(present, penalised, logits)
+    # a tiny or huge penalty can take finite logits to +-inf, which the softmax turns into NaN: such rows
+    # are penalised in float64 and shifted so that their largest value is 0, which keeps the order
+    overflow = (present & torch.isfinite(logits) & ~torch.isfinite(penalised)).any(dim=-1, keepdim=True)
+    wide, big = logits.double(), torch.finfo(torch.float64).max
+    wide = torch.where(present, torch.where(wide > 0, wide / penalty, wide * penalty).clamp(-big, big), wide)
+    shifted = (wide - wide.amax(dim=-1, keepdim=True)).to(logits.dtype)
+    return torch.where(overflow, shifted, torch.where(present, penalised, logits))
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:

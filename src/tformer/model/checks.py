@@ -9,10 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_INT_DTYPES = (
-    torch.int64,
-    torch.int32,
-)  # what embedding lookups and index_select take (uint8 indexes as a mask)
+# what embedding lookups and index_select take (a uint8 index tensor would index as a mask)
+_INT_DTYPES = (torch.int64, torch.int32)
 
 
 def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:

@@ -75,8 +75,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _moved(key: str, before: Any, now: Any) -> bool:
     """Where the data lives may change (a moved run or corpus); what it is may not."""
-    if key == "data.path":
-        return True
+    if key == "data.path" or (key in ("model.n_encoder_layers", "model.src_vocab_size") and now is None):
+        return (
+            True  # (the second: dropped from a saved config whose arch never read it, ModelConfig.from_dict)
+        )
     texts = isinstance(before, str) and isinstance(now, str) and before.startswith("text:")
     return key == "data.corpus" and texts and now.startswith("text:")
 
@@ -201,9 +203,9 @@ class Trainer:
         self.forward_model = torch.compile(self.parallel.model) if cfg.compile else self.parallel.model
         self.autocast = autocast_context(self.device, cfg.dtype)
         optim = cfg.optim
-        if optim.schedule != "constant" and self.env.is_main:
-            end = lr_factor(cfg.steps - 1, cfg.steps, optim)
-            if end > optim.min_lr_ratio + 1e-9:  # the warm-up takes every step: the rate never decays
+        if optim.schedule != "constant" and optim.warmup_steps >= cfg.steps and self.env.is_main:
+            end = lr_factor(cfg.steps - 1, cfg.steps, optim)  # the warm-up takes every step
+            if end > optim.min_lr_ratio:
                 warnings.warn(
                     f"optim.warmup_steps {optim.warmup_steps} >= steps {cfg.steps}: the {optim.schedule} "
                     f"schedule never decays (the last step runs at {end:.3g} x optim.lr, not at "
@@ -372,7 +374,10 @@ class Trainer:
 
     def _plot_so_far(self) -> None:
         """loss.png of a run that stops early (Ctrl-C, SIGTERM, the non-finite guard): the steps so far."""
-        plot_loss_curve(self.run_dir)  # metrics.jsonl is written line by line: it holds every step so far
+        try:  # metrics.jsonl is written line by line: it holds every step so far
+            plot_loss_curve(self.run_dir)
+        except Exception as error:  # never in place of the reason the run stopped
+            warnings.warn(f"loss.png not drawn: {error}", stacklevel=2)
 
     def _one_step(self, bar, t0: float, tok0: int) -> None:
         """One optimizer step and its cadence: log, progress bar, evaluation, checkpoint."""
