@@ -280,16 +280,16 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
         Verdict(
             "At initialisation Post-Norm's gradients grow toward the output layer; Pre-Norm's do not",
             "gradient norm of the last block / the first block (of the decoder, for an encoder-decoder) at "
-            "initialisation is > 1 and larger for Post-Norm than for Pre-Norm, at every depth and seed",
-            all_hold(g.cases(lambda post, pre: init_ratio(post) > max(1.0, init_ratio(pre)))),
+            "initialisation is > 1 for Post-Norm and <= 1 for Pre-Norm, at every depth and seed",
+            all_hold(g.cases(lambda post, pre: init_ratio(post) > 1.0 >= init_ratio(pre))),
             f"ratio last/first (mean over seeds): Post {g.by_depth(init_ratio, 'post')}; "
             f"Pre {g.by_depth(init_ratio, 'pre')}",
             f"{XIONG}, Fig. 3: Post-LN gradients grow with the layer index, Pre-LN's stay flat",
         ),
         Verdict(
             "Pre-Norm converges faster",
-            "Pre-Norm's final validation loss is lower than Post-Norm's at every depth, with and without "
-            "warm-up, for every seed",
+            "Pre-Norm's final validation loss (the end point of the same budget, standing in for speed) is "
+            "lower than Post-Norm's at every depth, with and without warm-up, for every seed",
             all_hold(g.cases(lambda post, pre: pre.final_eval < post.final_eval, (True, False))),
             f"final val loss with warm-up: Post {g.by_depth(lambda a: a.final_eval, 'post')}; "
             f"Pre {g.by_depth(lambda a: a.final_eval, 'pre')}",
