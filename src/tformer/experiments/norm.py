@@ -532,7 +532,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
         "Gradient norm of each block's parameters at initialisation (mean over the init batches); "
         "faint lines: other seeds.",
         "Training loss per step, seed 0; dotted line: end of the warm-up window.",
-        "Gradient norm (before clipping) per step, seed 0.",
+        "Gradient norm (before clipping) per step, seed 0; dotted line: end of the warm-up window.",
         "Gradient norm of each block during training at the largest depth, seed 0.",
     ]
     for path, caption in zip(figs, captions):

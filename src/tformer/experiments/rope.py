@@ -337,7 +337,9 @@ def plot_positions(c: dict, s: RopeSetting, path: Path) -> Path:
             title=f"evaluated at {n}L = {n * L}", xlabel=f"position (buckets of {width})", ylabel="perplexity"
         )
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1)
+    )  # beside the panels, off the curves
     fig.suptitle(f"Perplexity by position, trained at L = {L} (seed 0)")
     return save_figure(fig, path)
 
@@ -356,10 +358,14 @@ def plot_lengths(c: dict, s: RopeSetting, path: Path) -> Path:
             color=COLORS[v],
             label=LABELS[v],
         )
-    for ax, title in zip(axes, ("whole window", "positions >= L only")):
+    for ax, title, ticks in zip(
+        axes,
+        ("whole window", "positions >= L only"),
+        (list(s.eval_factors), [n for n in s.eval_factors if n > 1]),  # no positions >= L at 1L
+    ):
         ax.set(xlabel="evaluation length / L", ylabel="perplexity", title=title)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(s.eval_factors), [str(n) for n in s.eval_factors])
+        ax.set_xticks(ticks, [str(n) for n in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
         fit_yscale(ax)
         ax.grid(alpha=0.3)
