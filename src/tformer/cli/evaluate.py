@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.cli.options import read_input_file
+from tformer.cli.options import read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 
 
@@ -30,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}")
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.cli.options import warn
         from tformer.tasks.corpus import load_task_corpus, split_changes
         from tformer.tasks.translation import run_dir_of
 

@@ -49,6 +49,7 @@ from tformer.model.moe import (
     update_expert_biases,
 )
 from tformer.tasks import make_task
+from tformer.tasks.corpus import MANIFEST, write_manifest
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.optim import make_optimizer, make_scheduler
@@ -149,7 +150,7 @@ class Arm:
         }
 
 
-STUDY_FILES = (SETTING, "data.json", "tokenizer.json", "src_tokenizer.json", "report.md", "report.html")
+STUDY_FILES = (SETTING, MANIFEST, "tokenizer.json", "src_tokenizer.json", "report.md", "report.html")
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
@@ -225,13 +226,13 @@ class StudyData:
         self.task = make_task(task)
         self.task.setup(self.cfg, Path(run_dir), self.device)
         if hasattr(self.task, "corpus"):  # the task's manifest plus the study's data settings
-            manifest = {
-                **self.task.corpus.manifest(),
-                "max_train_docs": data.max_train_docs,
-                "vocab_size": data.vocab_size,
-                "seq_len": data.seq_len,
-            }
-            (Path(run_dir) / "data.json").write_text(json.dumps(manifest, indent=2))
+            write_manifest(
+                run_dir,
+                self.task.corpus,
+                max_train_docs=data.max_train_docs,
+                vocab_size=data.vocab_size,
+                seq_len=data.seq_len,
+            )
 
     @classmethod
     def prepare(cls, setting: Setting, run_dir: Path) -> StudyData:

@@ -32,10 +32,10 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun, check_texts, require_task
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import load_task_corpus
+from tformer.tasks.corpus import MANIFEST, load_task_corpus, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
-from tformer.tasks.translation import DATA_MANIFEST, run_dir_of, write_manifest
+from tformer.tasks.translation import run_dir_of
 from tformer.train.config import TrainConfig
 
 
@@ -210,7 +210,7 @@ def write_confusion(scores: ClassificationScores, run_dir: Path, split: str) -> 
 
 def run_labels(run: LoadedRun) -> tuple[str, ...]:
     """A run's class names: from its data.json, else from its corpus."""
-    path = run_dir_of(run.checkpoint) / DATA_MANIFEST
+    path = run_dir_of(run.checkpoint) / MANIFEST
     if path.exists():
         labels = json.loads(path.read_text()).get("labels")
         if labels:

@@ -31,6 +31,11 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
 MANIFEST = "data.json"
 
 
+def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
+    """run_dir/data.json: the corpus manifest (source, split rule, counts, split hashes) and `extra`."""
+    (Path(run_dir) / MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
+
+
 def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
     """The splits whose documents differ from those the run recorded in data.json (files added,
     removed or renamed in a text folder since); [] when they match or nothing was recorded."""

@@ -6,7 +6,6 @@ own token/character ratio: bits/char = loss * tokens / characters / ln 2.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes
+from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -53,7 +52,7 @@ class LMTask:
                     "would go on with other data; restore the corpus or start a new run"
                 )
         else:
-            (run_dir / MANIFEST).write_text(json.dumps(corpus.manifest(), indent=2))
+            write_manifest(run_dir, corpus)
         train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus

@@ -12,7 +12,6 @@ reports the copy-the-source baseline beside it.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -28,13 +27,12 @@ from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun, check_texts, require_task
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import load_task_corpus
+from tformer.tasks.corpus import load_task_corpus, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
 
 SRC_TOKENIZER = "src_tokenizer.json"
-DATA_MANIFEST = "data.json"
 EVAL_SEARCH = SearchConfig(method="greedy", batch_size=64)
 TEST_SEARCH = SearchConfig(method="beam", beam_size=4, length_penalty=0.6)
 # every character str.splitlines splits at, and tab (a column separator): a space in a translation
@@ -44,10 +42,6 @@ ONE_LINE = str.maketrans(dict.fromkeys("\n\r\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u20
 def load_translation_corpus(data: DataConfig) -> Corpus:
     terms = dict(terms=data.dictionary_terms) if data.dictionary_terms else {}
     return load_task_corpus(data, "translation", direction=data.direction, **terms)
-
-
-def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
-    (run_dir / DATA_MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
 
 
 def run_dir_of(checkpoint: Path) -> Path:

@@ -301,6 +301,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def step_of(checkpoint: Path) -> int:
+    """The step a `step_*` checkpoint directory holds (its name's number)."""
+    return int(_STEP_DIR.match(Path(checkpoint).name).group(1))
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Committed checkpoint directories of a run, oldest step first (partial ones left out)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
@@ -346,7 +351,7 @@ def refuse_unfinished(run_dir: str | Path, resume_from: Path | None) -> None:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return
-    start = -1 if resume_from is None else int(_STEP_DIR.match(resume_from.name).group(1))
+    start = -1 if resume_from is None else step_of(resume_from)
     found = sorted(
         p for p in root.iterdir()
         if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > start and not _is_complete(p)

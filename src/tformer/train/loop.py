@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tformer.config import SEQ2SEQ_ONLY
 from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer
 from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
 from tformer.distributed.parallelize import global_routing_stats, parallelize
@@ -38,6 +39,7 @@ from tformer.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     refuse_unfinished,
+    step_of,
 )
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
@@ -74,11 +76,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _moved(key: str, before: Any, now: Any) -> bool:
-    """Where the data lives may change (a moved run or corpus); what it is may not."""
-    if key == "data.path" or (key in ("model.n_encoder_layers", "model.src_vocab_size") and now is None):
-        return (
-            True  # (the second: dropped from a saved config whose arch never read it, ModelConfig.from_dict)
-        )
+    """Where the data lives may change (a moved run or corpus); what it is may not. A setting that
+    ModelConfig.from_dict dropped from a saved config (its arch never read it) is no change either."""
+    if key == "data.path" or (key.removeprefix("model.") in SEQ2SEQ_ONLY and now is None):
+        return True
     texts = isinstance(before, str) and isinstance(now, str) and before.startswith("text:")
     return key == "data.corpus" and texts and now.startswith("text:")
 
@@ -168,7 +169,7 @@ class Trainer:
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
-            at = int(resume_from.name.rpartition("_")[2])
+            at = step_of(resume_from)
             if cfg.steps < at:
                 raise ValueError(
                     f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
