@@ -32,7 +32,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun, check_texts, require_task
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import MANIFEST, load_task_corpus, write_manifest
+from tformer.tasks.corpus import MANIFEST, load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.tasks.translation import run_dir_of
@@ -98,7 +98,7 @@ class ClassificationTask:
         if path.exists():  # resuming: the run's own vocabulary
             self.tokenizer = Tokenizer.load(path)
         else:
-            self.tokenizer = Tokenizer.train_bpe([d.text for d in train], cfg.data.vocab_size)
+            self.tokenizer = train_tokenizer([d.text for d in train], cfg.data.vocab_size)
             self.tokenizer.save(path)
         self.add_bos = cfg.model.pooling == "cls"
         self.collate = ClassificationCollator(self.tokenizer.pad_id)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 from tformer.data.corpora import Corpus, corpus_task, load_corpus
+from tformer.data.tokenizer import Tokenizer
 from tformer.schema import ConfigError
 from tformer.train.config import DataConfig
 
@@ -26,6 +29,24 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
             raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
         options[PATH_OPTION[data.corpus]] = data.path
     return load_corpus(data.corpus, **options)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, field: str = "data.vocab_size") -> Tokenizer:
+    """Byte-level BPE on `texts`; warns, naming `field`, when the texts run out of merges first.
+
+    The model is sized to the vocabulary the tokenizer learned, so a short one costs nothing but
+    is worth knowing: the config asked for more.
+    """
+    tokenizer = Tokenizer.train_bpe(texts, vocab_size)
+    if tokenizer.vocab_size < vocab_size:
+        warnings.warn(
+            f"the tokenizer learned {tokenizer.vocab_size:,} tokens, fewer than {field}={vocab_size:,}: "
+            "the training texts ran out of merges (pairs seen at least twice); the model uses "
+            f"{tokenizer.vocab_size:,}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return tokenizer
 
 
 MANIFEST = "data.json"

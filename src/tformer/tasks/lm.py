@@ -18,7 +18,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes, write_manifest
+from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -34,7 +34,7 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
     path = run_dir / "tokenizer.json"
     if path.exists():
         return Tokenizer.load(path)
-    tokenizer = Tokenizer.train_bpe(texts, vocab_size)
+    tokenizer = train_tokenizer(texts, vocab_size)
     tokenizer.save(path)
     return tokenizer
 

@@ -27,7 +27,7 @@ from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun, check_texts, require_task
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import load_task_corpus, write_manifest
+from tformer.tasks.corpus import load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
@@ -142,11 +142,15 @@ class TranslationTask:
             tgt = Tokenizer.load(tgt_path)
             return (Tokenizer.load(src_path) if data.tokenizer == "separate" else tgt), tgt
         if data.tokenizer == "joint":
-            tgt = Tokenizer.train_bpe([t for p in train for t in (p.src, p.tgt)], data.vocab_size)
+            tgt = train_tokenizer([t for p in train for t in (p.src, p.tgt)], data.vocab_size)
             src = tgt
         else:
-            tgt = Tokenizer.train_bpe([p.tgt for p in train], data.vocab_size)
-            src = Tokenizer.train_bpe([p.src for p in train], data.src_vocab_size or data.vocab_size)
+            tgt = train_tokenizer([p.tgt for p in train], data.vocab_size)
+            src = train_tokenizer(
+                [p.src for p in train],
+                data.src_vocab_size or data.vocab_size,
+                "data.src_vocab_size" if data.src_vocab_size else "data.vocab_size",
+            )
             src.save(src_path)
         tgt.save(tgt_path)
         return src, tgt
