@@ -128,13 +128,16 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["train", "--preset", "tiny-lm", "--set", "model.d_model=[1,"], "the value is not valid YAML"),
         (
             ["train", "--preset", "tiny-lm", "--set", "model.moe.foo=1"],
-            "unknown key 'foo' in ModelConfig.moe",
+            "unknown key 'foo' in TrainConfig.model.moe",
         ),
         (
             ["train", "--preset", "tiny-lm", "--set", "optim.lr=.inf"],
-            "OptimConfig.lr must be a finite number",
+            "TrainConfig.optim.lr must be a finite number",
         ),
-        (["train", "--preset", "tiny-lm", "--set", "optim.eps=-1"], "OptimConfig.eps must be finite and > 0"),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "optim.eps=-1"],
+            "TrainConfig.optim.eps must be finite and > 0",
+        ),
         (["train", "--preset", "tiny-lm", "--out", "afile"], "the run directory afile is a file"),
         (
             ["train", "--preset", "tiny-lm", "--set", "model.arch=encoder"],

@@ -3,7 +3,8 @@
 A config class derives from `Config`, declares its fields with type annotations (`int`, `float`,
 `bool`, `str`, `Literal[...]`, `X | None`, or a nested `Config`) and may add cross-field checks in
 `check()`. Every field is type-checked at construction; errors name the class, the field, the bad
-value and what is allowed. `from_dict` rejects unknown keys and lists the allowed ones.
+value and what is allowed (a config built from a mapping inside another names the path from the
+outermost one: "TrainConfig.model.moe.top_k"). `from_dict` rejects unknown keys and lists the allowed ones.
 """
 
 from __future__ import annotations
@@ -81,8 +82,17 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, tp):
             return value
         if isinstance(value, dict):
-            return tp.from_dict(value, _path=f"{owner}.{name}")
+            try:
+                return tp.from_dict(value, _path=f"{owner}.{name}")
+            except ConfigError as e:  # "MoEConfig.top_k ..." -> "ModelConfig.moe.top_k ...": the path typed
+                raise ConfigError(_relocate(str(e), tp.__name__, f"{owner}.{name}")) from None
     raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
+
+
+def _relocate(message: str, name: str, path: str) -> str:
+    """`message` with its first mention of config class `name` (as the head of a field path, or the
+    owner of an unknown key) replaced by `path`, the field that holds that config in its parent."""
+    return re.sub(rf"(?<![\w.]){re.escape(name)}(?=[.:;]|$)", path, message, count=1)
 
 
 @dataclasses.dataclass(frozen=True)
