@@ -125,6 +125,11 @@ class TorchSeq2Seq(nn.Module):
         )
         self.head = nn.Linear(d, s["vocab"], bias=False)
         self.head.weight = self.embed.weight
+        # the embedding initialised as tformer's (and the paper's, fairseq's): N(0, 1/d_model), so the
+        # scaled embedding has unit variance. nn.Embedding's default N(0, 1) makes the tied output
+        # projection's logits ~22 wide: the softmax gradients underflow to subnormal floats, which cost
+        # a CPU microcode assist each (mm ran 4x slower on an Intel Xeon), a handicap that is not the peer's
+        nn.init.normal_(self.embed.weight, 0.0, d**-0.5)
         self.register_buffer("pe", sinusoids(max(s["src"], s["tgt"]), d), persistent=False)
         self.scale = math.sqrt(d)
 
