@@ -73,7 +73,8 @@ def test_make_rotary_picks_the_fast_twin_only_where_it_applies() -> None:
 # ----------------------------------------------------------------------------- stacked GEMMs
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_stacked_linear_equals_separate_layers(bias: bool, autocast: bool) -> None:
+def test_stacked_linear_equals_separate_layers(bias: bool, autocast: bool, monkeypatch) -> None:
+    monkeypatch.setattr(linear_module, "FUSE_UNDER_AUTOGRAD", True)
     layers = [nn.Linear(16, n, bias=bias) for n in (16, 8, 8)]
     x = torch.randn(4, 6, 16, requires_grad=True)
     outs, grads = [], []
@@ -93,11 +94,20 @@ def test_stacked_linear_equals_separate_layers(bias: bool, autocast: bool) -> No
         torch.testing.assert_close(a, b, **tol)
 
 
+@torch.no_grad()
 def test_stacked_linear_switches_on_at_fuse_min_rows() -> None:
     layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
     few = stacked_linear(torch.randn(FUSE_MIN_ROWS - 1, 4), layers)
     many = stacked_linear(torch.randn(FUSE_MIN_ROWS, 4), layers)
     assert few[0].is_contiguous() and not many[0].is_contiguous()  # views of one stacked output
+
+
+def test_stacked_linear_under_autograd_only_when_asked(monkeypatch) -> None:
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    x = torch.randn(FUSE_MIN_ROWS, 4)
+    assert stacked_linear(x, layers)[0].is_contiguous()  # a training step: separate layers
+    monkeypatch.setattr(linear_module, "FUSE_UNDER_AUTOGRAD", True)
+    assert not stacked_linear(x, layers)[0].is_contiguous()
 
 
 # ----------------------------------------------------------------------------- attention kernels
@@ -192,6 +202,7 @@ def test_training_sized_forward_equals_separate_gemms_and_cached_decoding(monkey
 
 
 def test_training_sized_gradients_equal_separate_gemms(monkeypatch) -> None:
+    monkeypatch.setattr(linear_module, "FUSE_UNDER_AUTOGRAD", True)
     model = make(tiny(), n_kv_heads=2, max_seq_len=FUSE_MIN_ROWS).train()
     tokens = rand_tokens(model.cfg, b=2, t=FUSE_MIN_ROWS // 2 + 1)  # inputs: 2 x FUSE_MIN_ROWS / 2 rows
     grads = []
