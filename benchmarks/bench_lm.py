@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from harness import (  # noqa: E402
     MatmulShape,
     cpu_info,
     linear_train_shapes,
+    paired_median,
     print_table,
     round_robin,
     setup,
@@ -241,6 +243,7 @@ def run_section(
         "shape": {k: s[k] for k in ("batch", "seq")},
         "rounds": rounds,
         "rows": {n: r.as_dict() for n, r in rows.items()},
+        "times_s": {n: [round(t, 5) for t in times[n]] for n in steps},
         "matmul_peak_gflops": {k: round(g, 2) for k, g in peak_gflops.items()},
         "load": load.result,
         "notes": notes,
@@ -321,39 +324,53 @@ def moe_section(s: dict, m: dict, rounds: int) -> dict:
     return run_section(title, steps, flops, {"fp32": MatmulPeak(shapes)}, s, rounds, notes)
 
 
-def compile_section(s: dict, rounds: int) -> dict:
+def compile_section(s: dict, rounds: int, dtype: str) -> dict:
+    """Both sides eager and under torch.compile (inductor, default mode) of the model forward."""
     torch.manual_seed(0)
     hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
-    eager, compiled = tformer_dense(s), tformer_dense(s)
-    compiled.load_state_dict(eager.state_dict())
+    ours = tformer_dense(s)
+    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
+    hf_c, ours_c = hf_llama(s, max(512, s["seq"]), use_cache=False), tformer_dense(s)
+    hf_c.load_state_dict(hf.state_dict())
+    ours_c.load_state_dict(ours.state_dict())
+    hf_fwd, ours_fwd = torch.compile(hf_c), torch.compile(ours_c)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
-    fwd = torch.compile(compiled)
+    autocast = bf16_autocast if dtype == "bf16" else contextlib.nullcontext
     steps = {
-        "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, contextlib.nullcontext),
-        "tformer eager": make_step(eager, call_tformer, tokens, contextlib.nullcontext),
-        "tformer torch.compile": make_step(compiled, lambda m, x: fwd(x), tokens, contextlib.nullcontext),
+        "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
+        "HF torch.compile": make_step(hf_c, lambda m, x: call_hf(hf_fwd, x), tokens, autocast),
+        "tformer eager": make_step(ours, call_tformer, tokens, autocast),
+        "tformer torch.compile": make_step(ours_c, lambda m, x: ours_fwd(x), tokens, autocast),
     }
-    flops = {n: train_flops(eager, s) for n in steps}
-    peaks = {"fp32": MatmulPeak(dense_gemm_shapes(s, s["batch"] * s["seq"]))}
+    flops = {n: train_flops(ours, s) for n in steps}
+    shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
+    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
+    if dtype == "bf16":
+        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+    for name, step in steps.items():  # compile here, untimed (run_section's warm-up is one more call)
+        t = time.perf_counter()
+        step()
+        print(f"  {name}: first call {time.perf_counter() - t:.1f} s", file=sys.stderr)
     notes = [
-        "torch.compile (inductor) of the model forward; the first call (compile) is the warm-up, untimed"
+        "torch.compile (inductor) of each model's forward; the first calls (compile) are untimed; "
+        "x HF is against HF eager: compiled vs compiled is the ratio of the two compiled rows"
     ]
-    return run_section(
-        f"dense LM, torch.compile, fp32, batch {s['batch']} x {s['seq']}",
-        steps,
-        flops,
-        peaks,
-        s,
-        rounds,
-        notes,
-    )
+    title = f"dense LM, eager and torch.compile, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} x {s['seq']}"
+    out = run_section(title, steps, flops, peaks, s, rounds, notes)
+    ratio = paired_median(out["times_s"], "HF torch.compile", "tformer torch.compile")
+    out["compiled_vs_compiled_paired"] = round(ratio, 3)
+    print(f"  tformer torch.compile vs HF torch.compile, paired median: {ratio:.3f}x")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds: a smoke check in < 1 minute")
     ap.add_argument(
-        "--only", nargs="+", choices=["dense", "bf16", "moe", "compile"], default=["dense", "bf16", "moe"]
+        "--only",
+        nargs="+",
+        choices=["dense", "bf16", "moe", "compile", "compile-bf16"],
+        default=["dense", "bf16", "moe"],
     )
     ap.add_argument("--compile", action="store_true", help="add the torch.compile section")
     ap.add_argument("--rounds", type=int, default=None)
@@ -383,7 +400,9 @@ def main() -> None:
         elif name == "moe":
             results["moe_fp32"] = moe_section(s, MOE_QUICK if args.quick else MOE, rounds)
         elif name == "compile":
-            results["compile_fp32"] = compile_section(s, rounds)
+            results["compile_fp32"] = compile_section(s, rounds, "fp32")
+        elif name == "compile-bf16":
+            results["compile_bf16"] = compile_section(s, rounds, "bf16")
     out = args.out or ("lm_quick.json" if args.quick else "lm.json")
     write_json(out, {"config": s, "moe": MOE_QUICK if args.quick else MOE, "sections": results})
 
