@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tformer.model.linear as linear_module
 from tformer import ModelConfig
 from tformer.presets import tiny
 
@@ -12,6 +13,14 @@ from tformer.presets import tiny
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _decoding_layout(monkeypatch) -> None:
+    """Decoding takes the row-blocked layout in every test, as it did before the layout was measured
+    per machine (`row_blocking_pays`): the tests do not depend on the machine's timings. Tests of the
+    measurement and of the plain layout set DECODE_ROW_BLOCKED themselves."""
+    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", True)
 
 
 @pytest.fixture

@@ -179,6 +179,40 @@ def test_generate_fast_equals_slow_twin(model, n_prompts: int, count_calls) -> N
     assert len(calls) + len(step_calls) == 24 * 2 * 4 and len(step_calls) == 23 * 2 * 2
 
 
+def test_generate_without_row_blocks_where_they_do_not_pay(model, monkeypatch, count_calls) -> None:
+    """DECODE_ROW_BLOCKED False (what the measurement gives on a CPU whose F.linear of one row uses every
+    core): the flat step with the layers' own products, the same tokens as the slow twin."""
+    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", False)
+    calls = count_calls(linear_module, "row_blocked_linear")
+    step_calls = count_calls(decode_step_module, "row_blocked_linear")
+    forwards = count_calls(DecoderLM, "forward")
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    slow = generate(model, [[5, 6, 7, 8], [9, 10]], cfg, fast_decode=False)
+    fast = generate(model, [[5, 6, 7, 8], [9, 10]], cfg)
+    assert fast == slow and not calls and not step_calls
+    assert len(forwards) == 17  # the slow twin: prompt + 15 steps; the fast run: its prompt (steps: flat)
+
+
+def test_row_blocking_pays_is_measured_once_per_thread_count(model, monkeypatch, count_calls) -> None:
+    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", None)
+    monkeypatch.setattr(linear_module, "_PAYS", {})
+    calls = count_calls(linear_module, "row_blocked_linear")
+    first = linear_module.row_blocking_pays(model)
+    assert isinstance(first, bool) and calls  # timed: row-blocked passes over the model's layers
+    n = len(calls)
+    assert linear_module.row_blocking_pays(model) is first and len(calls) == n  # cached
+    assert {torch.get_num_threads(): first} == linear_module._PAYS
+    monkeypatch.setattr(linear_module, "_PAYS", {torch.get_num_threads(): not first})
+    assert linear_module.row_blocking_pays(model) is (not first)
+    for forced in (True, False):
+        monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", forced)
+        assert linear_module.row_blocking_pays(model) is forced
+    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", None)
+    monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 10**9)  # no layer the layout would block
+    monkeypatch.setattr(linear_module, "_PAYS", {})
+    assert linear_module.row_blocking_pays(model) is False and linear_module._PAYS == {}
+
+
 def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:
     """The MoE experts' loop kernel takes the row-blocked path only inside the decoding context."""
     torch.manual_seed(0)

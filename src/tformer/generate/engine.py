@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
 from tformer.model.decode_step import DecodeStep
-from tformer.model.linear import row_blocked_linears
+from tformer.model.linear import decoding_layout
 from tformer.model.norms import rms_norms_as_layer_norm
 
 
@@ -115,10 +115,11 @@ def generate(
 
     decode: turns a row's new ids into text; needed for `sampling.stop_strings`.
     on_step: called with the (B,) tokens of each step, for streaming.
-    fast_decode: on the CPU, compute the linear layers' products of a few rows (each decoding step) as
-        row-blocked products (`tformer.model.linear.row_blocked_linears`: 1.3-2.2x faster at 1 to 64
-        rows; q/k/v and gate/up as one product each over their weights stacked once per call, a copy
-        held until the call returns) and RMSNorm as one LayerNorm
+    fast_decode: on the CPU, where it pays on this machine (`tformer.model.linear.row_blocking_pays`,
+        measured once per process), compute the linear layers' products of a few rows (each decoding
+        step) as row-blocked products (`tformer.model.linear.row_blocked_linears`: 1.3-2.2x faster at 1
+        to 64 rows where MKL runs a one-row product on one core; q/k/v and gate/up as one product each
+        over their weights stacked once per call, a copy held until the call returns); RMSNorm as one LayerNorm
         (`tformer.model.norms.rms_norms_as_layer_norm`: fewer small ops per step); after the prompt,
         run each step as the flat `tformer.model.decode_step.DecodeStep` read from the model once
         (no module calls, checks or mask objects per step: 1.27x at batch 1 on the benchmark model)
@@ -143,7 +144,7 @@ def generate(
     with contextlib.ExitStack() as layout:
         layout.callback(model.train, was_training)  # also when a step raises
         if fast_decode:
-            layout.enter_context(row_blocked_linears(model))
+            layout.enter_context(decoding_layout(model))
             layout.enter_context(rms_norms_as_layer_norm(model))
         return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode)
 
