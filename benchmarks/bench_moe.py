@@ -35,7 +35,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from tformer import ModelConfig, MoEConfig
 from tformer.model import moe as moe_module
 from tformer.model.ffn import SwiGLU
-from tformer.model.linear import row_blocked_linears
+from tformer.model.linear import decoding_layout
 from tformer.model.moe import MoE
 
 D, BATCH, SEQ, DECODE_BATCH = 512, 8, 256, 8
@@ -175,10 +175,10 @@ def train_step(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def decode_step(block: nn.Module, x: torch.Tensor, reps: int) -> None:
-    """HF's blocks as they are; tformer's inside `row_blocked_linears`, the decoding mode `generate`
-    enters (few-row products as row-blocked batched products, docs/performance.md)."""
+    """HF's blocks as they are; tformer's in the decoding mode `generate` enters (`decoding_layout`: few-row
+    products as row-blocked batched products where they pay on this machine, docs/performance.md)."""
     ours = not type(block).__module__.startswith("transformers")
-    with torch.inference_mode(), row_blocked_linears(block) if ours else contextlib.nullcontext():
+    with torch.inference_mode(), decoding_layout(block) if ours else contextlib.nullcontext():
         for _ in range(reps):
             block(x)
 
