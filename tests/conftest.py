@@ -15,12 +15,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _decoding_layout(monkeypatch) -> None:
-    """Decoding takes the row-blocked layout in every test, as it did before the layout was measured
-    per machine (`row_blocking_pays`): the tests do not depend on the machine's timings. Tests of the
-    measurement and of the plain layout set DECODE_ROW_BLOCKED themselves."""
-    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", True)
+@pytest.fixture(autouse=True, scope="session")
+def _decoding_layout():
+    """Decoding takes the row-blocked layout in every test (module and session fixtures included), as it
+    did before the layout was measured per machine (`row_blocking_pays`): no test depends on the
+    machine's timings. Tests of the measurement and of the plain layout set DECODE_ROW_BLOCKED themselves
+    (with monkeypatch, which puts True back)."""
+    before, linear_module.DECODE_ROW_BLOCKED = linear_module.DECODE_ROW_BLOCKED, True
+    yield
+    linear_module.DECODE_ROW_BLOCKED = before
 
 
 @pytest.fixture

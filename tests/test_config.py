@@ -74,6 +74,8 @@ def test_nested_errors_name_the_path_from_the_outermost_config() -> None:
         ConfigError, match=r"^unknown key 'bogus' in TrainConfig.model.moe; allowed: n_experts"
     ):
         TrainConfig.from_dict({"model": {"moe": {"bogus": 1}}})
+    with pytest.raises(ConfigError, match=r"^unknown key 'a ModelConfig.b' in TrainConfig.model.moe;"):
+        TrainConfig.from_dict({"model": {"moe": {"a ModelConfig.b": 1}}})  # the key itself stays as typed
     # built directly, a nested config names its own class
     with pytest.raises(ConfigError, match=r"^MoEConfig.top_k must be in \[1, n_experts=4\], got 5"):
         MoEConfig(n_experts=4, top_k=5)

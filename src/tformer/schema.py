@@ -92,7 +92,8 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
 def _relocate(message: str, name: str, path: str) -> str:
     """`message` with its first mention of config class `name` (as the head of a field path, or the
     owner of an unknown key) replaced by `path`, the field that holds that config in its parent."""
-    return re.sub(rf"(?<![\w.]){re.escape(name)}(?=[.:;]|$)", path, message, count=1)
+    name = re.escape(name)
+    return re.sub(rf"^{name}(?=[.:])|(?<= in ){name}(?=[.;])", path, message, count=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -364,13 +364,15 @@ TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
 def tensor(env, out_dir: Path, out: dict) -> None:
     """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
     a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients). Every
-    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0): the sharded layers must refuse it."""
+    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0, also under autograd): the sharded layers
+    must refuse it."""
     from tformer.data.datasets import Seq2SeqBatch
     from tformer.distributed.env import ProcessGroup
     from tformer.model import linear
     from tformer.tasks.translation import seq2seq_loss_sum
 
     linear.FUSE_MIN_ROWS = 0
+    linear.FUSE_UNDER_AUTOGRAD = True
     tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
     plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
     ref, model = twins(tiny().replace(bias=True, **TP_CFG))

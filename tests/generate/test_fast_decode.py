@@ -193,21 +193,36 @@ def test_generate_without_row_blocks_where_they_do_not_pay(model, monkeypatch, c
     assert len(forwards) == 17  # the slow twin: prompt + 15 steps; the fast run: its prompt (steps: flat)
 
 
-def test_row_blocking_pays_is_measured_once_per_thread_count(model, monkeypatch, count_calls) -> None:
+def test_row_blocking_pays_is_measured_once_per_layer_set(model, monkeypatch, count_calls) -> None:
     monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", None)
+    monkeypatch.delenv(linear_module.ENV_ROW_BLOCKED, raising=False)
     monkeypatch.setattr(linear_module, "_PAYS", {})
     calls = count_calls(linear_module, "row_blocked_linear")
-    first = linear_module.row_blocking_pays(model)
+    rng = torch.get_rng_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # measured in fp32 all the same
+        first = linear_module.row_blocking_pays(model)
     assert isinstance(first, bool) and calls  # timed: row-blocked passes over the model's layers
+    assert torch.equal(torch.get_rng_state(), rng)  # no random numbers drawn: an exact resume stays exact
     n = len(calls)
     assert linear_module.row_blocking_pays(model) is first and len(calls) == n  # cached
-    assert {torch.get_num_threads(): first} == linear_module._PAYS
-    monkeypatch.setattr(linear_module, "_PAYS", {torch.get_num_threads(): not first})
+    (key,) = linear_module._PAYS
+    assert key[0] == torch.get_num_threads() and len(key[1]) > 0
+    linear_module._PAYS[key] = not first
     assert linear_module.row_blocking_pays(model) is (not first)
+    other = DecoderLM(llama_like(97, 48, 1, 4, 2, 96, 64)).eval()  # other layer shapes: measured again
+    linear_module.row_blocking_pays(other)
+    assert len(linear_module._PAYS) == 2 and len(calls) > n
     for forced in (True, False):
         monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", forced)
         assert linear_module.row_blocking_pays(model) is forced
     monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", None)
+    for value, pinned in (("1", True), ("0", False), ("off", False)):
+        monkeypatch.setenv(linear_module.ENV_ROW_BLOCKED, value)
+        assert linear_module.row_blocking_pays(model) is pinned
+    monkeypatch.setenv(linear_module.ENV_ROW_BLOCKED, "sometimes")
+    with pytest.raises(ValueError, match="TFORMER_DECODE_ROW_BLOCKED='sometimes': use 1"):
+        linear_module.row_blocking_pays(model)
+    monkeypatch.delenv(linear_module.ENV_ROW_BLOCKED)
     monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 10**9)  # no layer the layout would block
     monkeypatch.setattr(linear_module, "_PAYS", {})
     assert linear_module.row_blocking_pays(model) is False and linear_module._PAYS == {}

@@ -141,7 +141,7 @@ def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: 
             autocast_context(trainer.device, "float32"),
         )
         grads.append([b - p.detach() for p, b in zip(trainer.model.parameters(), before)])
-    assert any(g.abs().max() > 0 for g in grads[0])
+    assert max(float(g.abs().max()) for g in grads[0]) > 1e-3  # gradients that the tolerance can see
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 

@@ -9,7 +9,8 @@ torch >= 2.5), which saves copying K/V (and the whole KV cache at every decoding
 picks the GQA kernel where torch has it. All honour the same `Mask` and attention dropout.
 
 Self-attention computes q, k, v with `stacked_linear`: one GEMM over the stacked weights when the
-batch has enough rows to pay for stacking them (training), three GEMMs otherwise (decoding).
+batch has enough rows to pay for stacking them and no graph is recorded (prefill, evaluation), three
+GEMMs otherwise (training, decoding).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Shapes: x (B, T, D) -> (B, T, D). Hidden width F = d_ff (or an expert's d_expert
 - GeluFFN:  down(gelu(up(x)))                  (BERT / GPT-2)
 - SwiGLU:   down(silu(gate(x)) * up(x))        (Shazeer, 2020; Llama)
 `make_ffn(cfg, layer_idx)` decides per layer whether the slot holds a dense FFN or an MoE layer.
-SwiGLU computes gate and up with `stacked_linear` (one GEMM over [W_gate; W_up] at training sizes).
+SwiGLU computes gate and up with `stacked_linear` (one GEMM over [W_gate; W_up] for many rows without a graph).
 """
 
 from __future__ import annotations

@@ -2,14 +2,17 @@
 
 Shapes: x (..., D_in) -> (..., D_out).
 
-Training: q/k/v of self-attention and gate/up of SwiGLU read the same x; one GEMM over the stacked
-weights [W_1; W_2; ...] is 15-20% faster than separate ones at training sizes on CPU (wider output,
-one pass over x; docs/performance.md), but stacking copies the weights at every call, which costs more
-than it saves when there are few rows. So `stacked_linear` runs the stacked GEMM from `FUSE_MIN_ROWS`
-rows on, the separate layers (the slow twin, same result up to summation order) below. Parameters
-and checkpoint keys stay those of the separate `nn.Linear` layers.
+Many rows: q/k/v of self-attention and gate/up of SwiGLU read the same x; one GEMM over the stacked
+weights [W_1; W_2; ...] was 15-20% faster than separate ones at training sizes on an AVX2 CPU (wider
+output, one pass over x; docs/performance.md), but stacking copies the weights at every call, which
+costs more than it saves when there are few rows. So `stacked_linear` runs the stacked GEMM from
+`FUSE_MIN_ROWS` rows on, the separate layers (the slow twin, same result up to summation order)
+below; and, since an AVX512 CPU measured the training step faster without it (the backward's extra
+copies), only where no graph is recorded unless `FUSE_UNDER_AUTOGRAD`. Parameters and checkpoint
+keys stay those of the separate `nn.Linear` layers.
 
-Decoding (a few rows per step): `row_blocked_linears` makes every CPU `nn.Linear` (and the MoE
+Decoding (a few rows per step), where `row_blocking_pays` measures it faster on the machine:
+`row_blocked_linears` makes every CPU `nn.Linear` (and the MoE
 experts' kernel, through `decoding_row_blocks`) compute x W^T as a batch of products of W's row blocks
 with x^T (`row_blocked_linear`), which CPU BLAS spreads over the cores and streams at about twice the
 rate of `F.linear` for one row. Layers that read the same input (q/k/v, gate/up) go through
@@ -20,6 +23,8 @@ of an 8-layer SwiGLU model).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -117,38 +122,64 @@ def row_blocks(weight: Tensor, n_blocks: int = DECODE_BLOCKS, min_weight: int | 
 
 
 # Whether the decoding callers (`generate`, the encoder-decoder `search`) enter `row_blocked_linears`:
-# None measures it once per process and thread count (`row_blocking_pays`); True / False: always / never.
+# None measures it (`row_blocking_pays`) unless the environment variable TFORMER_DECODE_ROW_BLOCKED says
+# 1 / 0 (auto: measure); True / False here: always / never.
 DECODE_ROW_BLOCKED: bool | None = None
-DECODE_PROBE_BYTES = 256 * 2**20  # at most this much of a model's weights is read by the measurement
-_PAYS: dict[int, bool] = {}  # thread count -> the measured answer
+ENV_ROW_BLOCKED = "TFORMER_DECODE_ROW_BLOCKED"
+DECODE_PROBE_BYTES = 256 * 2**20  # the measurement reads at most this much of a model's weights (>= 1 layer)
+_PAYS: dict[tuple, bool] = {}  # (thread count, the probed layers' shapes and block counts) -> the answer
+_PAYS_LOCK = threading.Lock()
 
 
 def row_blocking_pays(model: nn.Module, margin: float = 1.1) -> bool:
     """Whether one-row products with `model`'s linear layers run at least `margin` times faster as
-    row-blocked products than through `F.linear` on this CPU: DECODE_ROW_BLOCKED where set, else timed
-    once per process and thread count over the layers `row_blocks` accepts (up to DECODE_PROBE_BYTES of
-    them, each read once per pass: 2 warm-up and 3 timed passes of each, interleaved; ~60 ms for a 118 MB
-    model), then cached. A model with no such layer gets False, not cached.
+    row-blocked products than through `F.linear` on this CPU: DECODE_ROW_BLOCKED or the environment
+    variable TFORMER_DECODE_ROW_BLOCKED where set (to pin the layout, and with it the summation order,
+    across runs), else timed over the layers `row_blocks` accepts (up to DECODE_PROBE_BYTES of them,
+    each read once per pass: 2 warm-up and 3 timed passes of each, interleaved; ~60 ms for a 118 MB
+    model) once per process, thread count and set of layer shapes, then cached. A model with no such
+    layer gets False.
 
     Why measured: the layout exists because MKL computes `F.linear` of one row on one core on some CPUs
     (an AMD EPYC with AVX2: ~5 GB/s, row blocks on both cores ~11-13 GB/s, 2.0x faster decoding), while
     on others it uses every core (an Intel Xeon with AVX512/AMX: `generate` 0.83x as fast with the row
     blocks as without them, 2026-11-30)."""
-    if DECODE_ROW_BLOCKED is not None:
-        return DECODE_ROW_BLOCKED
-    threads = torch.get_num_threads()
-    if threads in _PAYS:
-        return _PAYS[threads]
+    forced = DECODE_ROW_BLOCKED if DECODE_ROW_BLOCKED is not None else _env_row_blocked()
+    if forced is not None:
+        return forced
     probe, size = [], 0
     for m in model.modules():
-        if type(m) is nn.Linear and size < DECODE_PROBE_BYTES:
+        if type(m) is nn.Linear:
             blocks = row_blocks(m.weight)
-            if blocks is not None:
+            nbytes = m.weight.numel() * m.weight.element_size()
+            if blocks is not None and (not probe or size + nbytes <= DECODE_PROBE_BYTES):
                 probe.append((m.weight.detach(), blocks))
-                size += m.weight.numel() * m.weight.element_size()
+                size += nbytes
     if not probe:
         return False
-    rows = {w.shape[1]: torch.randn(1, w.shape[1]) for w, _ in probe}
+    key = (torch.get_num_threads(), tuple((tuple(w.shape), n) for w, n in probe))
+    with _PAYS_LOCK:  # one measurement at a time (another thread's decoding would skew it)
+        if key not in _PAYS:
+            _PAYS[key] = _measure_row_blocking(probe) >= margin
+        return _PAYS[key]
+
+
+def _env_row_blocked() -> bool | None:
+    value = os.environ.get(ENV_ROW_BLOCKED, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_ROW_BLOCKED}={value!r}: use 1 (row blocks), 0 (F.linear) or auto (measure)")
+
+
+def _measure_row_blocking(probe: list[tuple[Tensor, int]]) -> float:
+    """Median over 3 interleaved passes of (F.linear time / row-blocked time) over the probe's weights,
+    after 2 warm-up passes of each; fp32 rows of ones (no random numbers: the RNG streams stay as they
+    are), outside autocast and autograd."""
+    rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype) for w, _ in probe}
 
     def linear_pass() -> float:
         t = time.perf_counter()
@@ -162,7 +193,7 @@ def row_blocking_pays(model: nn.Module, margin: float = 1.1) -> bool:
             row_blocked_linear(rows[w.shape[1]], w, None, n)
         return time.perf_counter() - t
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for _ in range(2):
             linear_pass(), blocked_pass()
         ratios = []
@@ -173,8 +204,7 @@ def row_blocking_pays(model: nn.Module, margin: float = 1.1) -> bool:
             else:
                 linear = linear_pass()
                 ratios.append(linear / blocked_pass())
-    _PAYS[threads] = sorted(ratios)[1] >= margin
-    return _PAYS[threads]
+    return sorted(ratios)[1]
 
 
 def decoding_layout(model: nn.Module):
