@@ -251,13 +251,30 @@ def run_section(
     }
 
 
-def dense_section(s: dict, rounds: int, dtype: str) -> dict:
-    torch.manual_seed(0)
+def dense_pair(s: dict) -> tuple[nn.Module, nn.Module]:
+    """HF Llama and tformer's dense LM with the same weights (the same first loss)."""
     hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
     ours = tformer_dense(s)
-    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)  # same weights, same first loss
+    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
+    return hf, ours
+
+
+def dense_peaks(s: dict, dtype: str) -> dict[str, MatmulPeak]:
+    """The matmul peak on the dense model's GEMM shapes: fp32, and bf16 first for a bf16 section."""
+    shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
+    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
+    return {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks} if dtype == "bf16" else peaks
+
+
+def autocast_for(dtype: str) -> Callable:
+    return bf16_autocast if dtype == "bf16" else contextlib.nullcontext
+
+
+def dense_section(s: dict, rounds: int, dtype: str) -> dict:
+    torch.manual_seed(0)
+    hf, ours = dense_pair(s)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
-    autocast = bf16_autocast if dtype == "bf16" else contextlib.nullcontext
+    autocast = autocast_for(dtype)
     steps = {
         "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
         "tformer DecoderLM": make_step(ours, call_tformer, tokens, autocast),
@@ -265,10 +282,7 @@ def dense_section(s: dict, rounds: int, dtype: str) -> dict:
     flops = {
         name: train_flops(m, s) for name, m in (("HF LlamaForCausalLM", hf), ("tformer DecoderLM", ours))
     }
-    shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
-    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
-    if dtype == "bf16":
-        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+    peaks = dense_peaks(s, dtype)
     notes = ["same weights both sides; the first-step losses are printed in the JSON (first_step_loss)"]
     title = f"dense LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} x {s['seq']}"
     return run_section(title, steps, flops, peaks, s, rounds, notes)
@@ -327,15 +341,13 @@ def moe_section(s: dict, m: dict, rounds: int) -> dict:
 def compile_section(s: dict, rounds: int, dtype: str) -> dict:
     """Both sides eager and under torch.compile (inductor, default mode) of the model forward."""
     torch.manual_seed(0)
-    hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
-    ours = tformer_dense(s)
-    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
-    hf_c, ours_c = hf_llama(s, max(512, s["seq"]), use_cache=False), tformer_dense(s)
+    hf, ours = dense_pair(s)
+    hf_c, ours_c = dense_pair(s)  # the compiled twins, with the eager pair's weights
     hf_c.load_state_dict(hf.state_dict())
     ours_c.load_state_dict(ours.state_dict())
     hf_fwd, ours_fwd = torch.compile(hf_c), torch.compile(ours_c)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
-    autocast = bf16_autocast if dtype == "bf16" else contextlib.nullcontext
+    autocast = autocast_for(dtype)
     steps = {
         "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
         "HF torch.compile": make_step(hf_c, lambda m, x: call_hf(hf_fwd, x), tokens, autocast),
@@ -343,10 +355,7 @@ def compile_section(s: dict, rounds: int, dtype: str) -> dict:
         "tformer torch.compile": make_step(ours_c, lambda m, x: ours_fwd(x), tokens, autocast),
     }
     flops = {n: train_flops(ours, s) for n in steps}
-    shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
-    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
-    if dtype == "bf16":
-        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+    peaks = dense_peaks(s, dtype)
     for name, step in steps.items():  # compile here, untimed (run_section's warm-up is one more call)
         t = time.perf_counter()
         step()

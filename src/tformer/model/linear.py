@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -181,29 +181,28 @@ def _measure_row_blocking(probe: list[tuple[Tensor, int]]) -> float:
     are), outside autocast and autograd."""
     rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype) for w, _ in probe}
 
-    def linear_pass() -> float:
-        t = time.perf_counter()
-        for w, _ in probe:
-            F.linear(rows[w.shape[1]], w)
-        return time.perf_counter() - t
-
-    def blocked_pass() -> float:
+    def timed(product: Callable[[Tensor, Tensor, int], Tensor]) -> float:
         t = time.perf_counter()
         for w, n in probe:
-            row_blocked_linear(rows[w.shape[1]], w, None, n)
+            product(rows[w.shape[1]], w, n)
         return time.perf_counter() - t
+
+    def linear(x: Tensor, w: Tensor, n: int) -> Tensor:
+        return F.linear(x, w)
+
+    def blocked(x: Tensor, w: Tensor, n: int) -> Tensor:
+        return row_blocked_linear(x, w, None, n)
 
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for _ in range(2):
-            linear_pass(), blocked_pass()
+            timed(linear), timed(blocked)
         ratios = []
-        for i in range(3):  # alternate which goes first
-            if i % 2:
-                blocked = blocked_pass()
-                ratios.append(linear_pass() / blocked)
+        for linear_first in (True, False, True):  # alternate which goes first
+            if linear_first:
+                t_linear, t_blocked = timed(linear), timed(blocked)
             else:
-                linear = linear_pass()
-                ratios.append(linear / blocked_pass())
+                t_blocked, t_linear = timed(blocked), timed(linear)
+            ratios.append(t_linear / t_blocked)
     return sorted(ratios)[1]
 
 
