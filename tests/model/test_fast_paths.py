@@ -110,6 +110,62 @@ def test_stacked_linear_under_autograd_only_when_asked(monkeypatch) -> None:
     assert not stacked_linear(x, layers)[0].is_contiguous()
 
 
+def test_separate_layers_share_one_autocast_cast(monkeypatch) -> None:
+    """Under autocast the separate layers read x cast once (`autocast_input`): the same outputs and
+    weight gradients as casting x once per layer (the slow twin), x's gradient summed in bf16 instead."""
+    layers = [nn.Linear(16, n) for n in (16, 8, 8)]
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    outs, grads = [], []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(linear_module, "autocast_input", lambda t: t)
+        for p in (x, *(p for layer in layers for p in layer.parameters())):
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = stacked_linear(x, layers)
+        sum((t.float() * torch.arange(t.shape[-1])).sum() for t in y).backward()
+        outs.append(y)
+        grads.append([p.grad for layer in layers for p in layer.parameters()])
+        dx = x.grad
+    for a, b in zip(*outs):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sum((t.float() * torch.arange(t.shape[-1])).sum() for t in stacked_linear(x, layers)).backward()
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, dx, rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_input_casts_only_what_autocast_would() -> None:
+    x = torch.randn(2, 3)
+    assert linear_module.autocast_input(x) is x  # no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_module.autocast_input(x).dtype == torch.bfloat16
+        doubles = x.double()
+        assert linear_module.autocast_input(doubles) is doubles  # autocast leaves fp64 alone
+
+
+def test_encoder_memory_is_cast_once_under_autocast(monkeypatch) -> None:
+    """Under autocast the memory is handed to the decoder in bf16 (one cast for every layer's K/V
+    projections): the same logits as casting it in each layer; outside autocast it stays fp32."""
+    import tformer.model.transformer as transformer_module
+
+    cfg = tiny("encoder_decoder")
+    model = make(cfg)
+    src, tgt = rand_tokens(cfg, t=11), rand_tokens(cfg, t=9)
+    assert model.encode(src).states.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.encode(src).states.dtype == torch.bfloat16
+        once = model(src, tgt)
+        monkeypatch.setattr(transformer_module, "autocast_input", lambda t: t)
+        assert model.encode(src).states.dtype == torch.float32
+        per_layer = model(src, tgt)
+    assert torch.equal(once, per_layer)
+
+
 # ----------------------------------------------------------------------------- attention kernels
 def _masks(t_q: int, t_k: int) -> dict[str, Mask]:
     pad = torch.ones(2, t_k, dtype=torch.bool)

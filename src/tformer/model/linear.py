@@ -48,6 +48,19 @@ def _records_graph(x: Tensor, linears: Sequence[nn.Linear]) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or any(lin.weight.requires_grad for lin in linears))
 
 
+def autocast_input(x: Tensor) -> Tensor:
+    """x cast to the autocast dtype where autocast would cast it (fp32 under an enabled autocast), else x.
+
+    Layers that read the same x under autocast then share one cast instead of casting x once each: one
+    copy of x forward and one of its gradient backward instead of one per layer (the layers' input
+    gradients are summed in the autocast dtype, as one stacked GEMM's would come out). Measured on the
+    bf16 LM training step: see docs/performance.md."""
+    kind = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+        return x
+    return x.to(torch.get_autocast_dtype(kind))
+
+
 def stacked_linear(
     x: Tensor, linears: Sequence[nn.Linear], min_rows: int | None = None
 ) -> tuple[Tensor, ...]:
@@ -70,6 +83,7 @@ def stacked_linear(
             stacked = decoding.stacked(linears)
             if stacked is not None:
                 return row_blocked_linear(x, *stacked).split(sizes, dim=-1)
+        x = autocast_input(x) if len(linears) > 1 else x  # cast once, not once per layer
         return tuple(linear(x) for linear in linears)  # few rows: the separate layers
     weight = torch.cat([linear.weight for linear in linears])  # (sum D_out_i, D_in)
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])

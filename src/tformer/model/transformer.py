@@ -19,6 +19,7 @@ from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
 from tformer.model.cache import NO_CACHE, KVCache, NoCache
 from tformer.model.checks import check_key_padding, check_positions, check_tokens
 from tformer.model.init import init_weights
+from tformer.model.linear import autocast_input
 from tformer.model.masks import causal_mask, padding_mask
 from tformer.model.norms import make_norm
 from tformer.model.positions import NoRotary, make_positions
@@ -179,7 +180,8 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.tok_embed.weight
 
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Memory:
-        states = self.encoder(src, src_key_padding_mask)  # (B, S, D)
+        # under autocast, in its dtype: every decoder layer projects the memory, one cast serves them all
+        states = autocast_input(self.encoder(src, src_key_padding_mask))  # (B, S, D)
         b, s = src.shape
         positions = torch.arange(s, device=src.device)  # (S,)
         return Memory(states, positions, padding_mask(1, src_key_padding_mask, s, src.device))
