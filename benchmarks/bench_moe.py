@@ -32,7 +32,7 @@ from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from tformer import ModelConfig, MoEConfig
+from tformer import ModelConfig, MoEConfig, keep_freed_memory
 from tformer.model import moe as moe_module
 from tformer.model.ffn import SwiGLU
 from tformer.model.linear import decoding_layout
@@ -242,6 +242,7 @@ def main() -> None:
     args.decode_reps = args.decode_reps or (3 if args.quick else 30)
     results_dir = Path(__file__).parent / "results"
     args.out = args.out or str(results_dir / ("moe_quick.json" if args.quick else "moe.json"))
+    keep_freed_memory()  # as the tformer command line does; TFORMER_MALLOC=default: glibc's default
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results = {}
@@ -319,7 +320,12 @@ def report(results: dict, load: dict, args) -> None:
                     "torch": torch.__version__,
                     "transformers": transformers.__version__,
                 },
-                "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads()},
+                "machine": {
+                    "cpu": _cpu_name(),
+                    "cores": os.cpu_count(),
+                    "threads": torch.get_num_threads(),
+                    "malloc": keep_freed_memory(),
+                },
                 "load": load,
                 "results": results,
             },

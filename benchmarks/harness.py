@@ -27,13 +27,18 @@ from pathlib import Path
 
 import torch
 
+from tformer.allocator import keep_freed_memory
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 UNRELIABLE_FOREIGN_SHARE = 0.15  # above this share of the machine used by others, say so
 
 
 # ----------------------------------------------------------------------------- setup and machine
 def setup(threads: int = 2, seed: int = 0) -> None:
-    """Fix the thread count and seed everything the benchmarks use."""
+    """Fix the thread count and seed everything the benchmarks use; set the host allocator as the
+    `tformer` command line does (TFORMER_MALLOC=default measures glibc's default instead). Peers and
+    tformer run in one process, so they share the setting; `machine_info()` records it."""
+    keep_freed_memory()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
 
@@ -71,7 +76,7 @@ def versions() -> dict:
 
 
 def machine_info() -> dict:
-    return {**cpu_info(), "threads": torch.get_num_threads(), **versions()}
+    return {**cpu_info(), "threads": torch.get_num_threads(), "malloc": keep_freed_memory(), **versions()}
 
 
 # ----------------------------------------------------------------------------- machine load

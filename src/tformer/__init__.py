@@ -4,10 +4,20 @@ from tformer import ModelConfig, build_model
 model = build_model(ModelConfig(arch="decoder", norm_placement="pre", positions="rope"))
 """
 
+from tformer.allocator import keep_freed_memory
 from tformer.config import ConfigError, ModelConfig, MoEConfig, RopeConfig
 from tformer.model import build_model
 from tformer.presets import PRESETS, get_preset
 
 __version__ = "0.1.0"
 
-__all__ = ["PRESETS", "ConfigError", "MoEConfig", "ModelConfig", "RopeConfig", "build_model", "get_preset"]
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "MoEConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "build_model",
+    "get_preset",
+    "keep_freed_memory",
+]

@@ -8,6 +8,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
+from tformer.allocator import keep_freed_memory
 from tformer.cli.options import nonnegative_int, positive_int
 from tformer.data.corpora import MissingDataError
 from tformer.schema import ConfigError
@@ -181,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # the caller's filters come back afterwards
             if rank:
                 warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
+            keep_freed_memory()  # glibc keeps what a step frees for the next (tformer/allocator.py)
             return int(func(args) or 0)
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank; anything else may be this rank's own, so it is named

@@ -1,0 +1,67 @@
+"""The host allocator settings (tformer/allocator.py): who decides, and that freed memory is reused."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from tformer.allocator import ENV, users_choice
+
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+# Allocates, touches and frees a 64 MiB tensor (above glibc's largest mmap threshold) a few times, as
+# training steps do, then counts the page faults of doing it once more.
+PROBE = """
+import resource, sys, torch, tformer
+state = tformer.keep_freed_memory()
+def touch():
+    x = torch.ones(16 * 2**20)  # 64 MiB, every page written
+    del x
+for _ in range(4):
+    touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, state)
+"""
+
+
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({}, None),
+        ({ENV: "keep"}, None),
+        ({ENV: "default"}, f"{ENV}=default"),
+        ({"MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX is set"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES sets glibc.malloc"),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD loads an allocator"),
+    ],
+)
+def test_the_users_environment_decides(env: dict, reason: str | None) -> None:
+    assert users_choice(env) == reason
+
+
+def test_a_bad_setting_is_named() -> None:
+    with pytest.raises(ValueError, match="TFORMER_MALLOC must be 'keep' or 'default', not 'yes'"):
+        users_choice({ENV: "yes"})
+
+
+def _probe(setting: str) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env[ENV] = setting
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    faults, state = out.stdout.strip().split(" ", 1)
+    return state, int(faults)
+
+
+def test_freed_memory_is_reused_without_page_faults() -> None:
+    kept_state, kept = _probe("keep")
+    left_state, left = _probe("default")
+    assert left_state == f"left: {ENV}=default" and left > 8_000  # glibc's default: the block is mapped afresh, 16k pages
+    if GLIBC:
+        assert kept_state == "kept" and kept < 1_000
+    else:
+        assert kept_state == "left: not glibc"
