@@ -60,7 +60,9 @@ def _probe(setting: str) -> tuple[str, int]:
 def test_freed_memory_is_reused_without_page_faults() -> None:
     kept_state, kept = _probe("keep")
     left_state, left = _probe("default")
-    assert left_state == f"left: {ENV}=default" and left > 8_000  # glibc's default: the block is mapped afresh, 16k pages
+    assert (
+        left_state == f"left: {ENV}=default" and left > 8_000
+    )  # glibc's default: the block is mapped afresh, 16k pages
     if GLIBC:
         assert kept_state == "kept" and kept < 1_000
     else:
