@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import tformer.model.linear as linear_module
 from tformer import ModelConfig
 from tformer.presets import tiny
+
+# The command line tests run `tformer.cli.main.main` in this process, which would apply the allocator
+# setting (tformer/allocator.py) to the whole test session; tests of the setting choose it themselves.
+os.environ.setdefault("TFORMER_MALLOC", "default")
 
 
 @pytest.fixture(autouse=True)

@@ -3,21 +3,22 @@
 A training step allocates and frees the same large activations, gradients and logits at every step.
 glibc's malloc returns blocks above its mmap threshold to the system when they are freed, and trims
 the top of its heap, so the next step page-faults on every 4 KB page of them again (and the kernel
-zeroes each page). On the benchmark machine that was 75,000-160,000 faults and 0.2-0.45 s of system
-time per LM training step (docs/performance.md). `keep_freed_memory()` sets three glibc parameters
-(mallopt(3))
-so that freed memory stays in the process for reuse:
+zeroes each page). On the benchmark machine that was 53,000-137,000 faults and 0.17-0.38 s of system
+CPU time per LM training step (docs/performance.md). `keep_freed_memory()` sets three glibc
+parameters (mallopt(3)) so that freed memory stays in the process for reuse:
 
-- M_MMAP_MAX 0: no block gets its own mapping (glibc maps blocks above 128 KB-32 MB afresh and unmaps
-  them when freed); every block comes from the heap, whose freed blocks the next step reuses;
-- M_TRIM_THRESHOLD 2 GiB: free memory at the top of the heap is not handed back;
+- M_MMAP_MAX 0: the main heap serves every block (glibc maps blocks above 128 KB-32 MB afresh and
+  unmaps them when freed); its freed blocks serve the next step. Other threads' arenas still map
+  blocks that do not fit one of their 64 MiB heaps;
+- M_TRIM_THRESHOLD 2 GiB: free memory at the top of the heap is handed back only beyond that;
 - M_TOP_PAD 64 MiB: the heap grows in steps of at least that (fewer brk calls).
 
-The price: the process keeps its peak heap until it exits, as PyTorch's CUDA caching allocator keeps
-device memory. The `tformer` command line calls it before every command; Python users call it
-themselves. It changes nothing where the user already chose (TFORMER_MALLOC=default, any MALLOC_*
-variable, glibc.malloc tunables in GLIBC_TUNABLES, or an allocator in LD_PRELOAD such as jemalloc or
-tcmalloc) and nothing off glibc (macOS, Windows, musl).
+The price: memory the process freed stays with it until it exits (holes inside the heap always did),
+as PyTorch's CUDA caching allocator keeps device memory; processes forked from it (data loader
+workers) inherit the setting. The `tformer` command line calls it before every command; Python users
+call it themselves. It changes nothing where the user already chose (TFORMER_MALLOC=default, any
+MALLOC_* variable, glibc.malloc tunables in GLIBC_TUNABLES, or an allocator in LD_PRELOAD such as
+jemalloc or tcmalloc) and nothing off glibc (macOS, Windows, musl).
 """
 
 from __future__ import annotations

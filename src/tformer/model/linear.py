@@ -53,12 +53,18 @@ def autocast_input(x: Tensor) -> Tensor:
 
     Layers that read the same x under autocast then share one cast instead of casting x once each: one
     copy of x forward and one of its gradient backward instead of one per layer (the layers' input
-    gradients are summed in the autocast dtype, as one stacked GEMM's would come out). Measured on the
-    bf16 LM training step: see docs/performance.md."""
+    gradients are summed in the autocast dtype before their one cast back). Measured on the bf16 LM
+    training step: see docs/performance.md."""
     kind = x.device.type
-    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+    if x.dtype != torch.float32 or not autocast_enabled(kind):
         return x
     return x.to(torch.get_autocast_dtype(kind))
+
+
+def autocast_enabled(kind: str) -> bool:
+    """torch.is_autocast_enabled(kind), False for device types autocast does not know (meta)."""
+    available = getattr(torch.amp, "is_autocast_available", lambda k: k in ("cpu", "cuda", "xpu", "mps"))
+    return available(kind) and torch.is_autocast_enabled(kind)
 
 
 def stacked_linear(

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig, MoEConfig
 from tformer.model.ffn import make_dense_ffn
-from tformer.model.linear import decoding_max_rows, decoding_row_blocks, row_blocked_linear
+from tformer.model.linear import autocast_enabled, decoding_max_rows, decoding_row_blocks, row_blocked_linear
 from tformer.model.router import BalanceLoss, Routing, TopKRouter, probabilities
 
 
@@ -125,7 +125,7 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) ->
     """x (S, in) rows sorted by expert, counts[e] of them for expert e; W (E, out, in) -> (S, out).
     Honours autocast like F.linear: inputs are cast to the autocast dtype, the kernel runs without it."""
     kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    dtype = torch.get_autocast_dtype(kind) if autocast_enabled(kind) else x.dtype
     x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
     with torch.autocast(kind, enabled=False):
         return GROUPED_LINEAR_KERNELS[pick_grouped_kernel(x, w)](x, w, b, counts)

@@ -9,6 +9,7 @@ inputs on the host, builds the mask as data, then runs the blocks.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -157,6 +158,8 @@ class Decoder(Stack):
         memory: Memory,
     ) -> Tensor:
         mask = causal_mask(cache.seq_len, tokens.shape[1], key_padding_mask, tokens.device)
+        states = autocast_input(memory.states)  # under autocast: one cast for every block's K/V products
+        memory = memory if states is memory.states else replace(memory, states=states)
         x = self.embed(tokens, positions)
         for block in self.blocks:
             x = block(x, positions, mask, cache, memory)
@@ -180,8 +183,7 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.tok_embed.weight
 
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Memory:
-        # under autocast, in its dtype: every decoder layer projects the memory, one cast serves them all
-        states = autocast_input(self.encoder(src, src_key_padding_mask))  # (B, S, D)
+        states = self.encoder(src, src_key_padding_mask)  # (B, S, D)
         b, s = src.shape
         positions = torch.arange(s, device=src.device)  # (S,)
         return Memory(states, positions, padding_mask(1, src_key_padding_mask, s, src.device))
