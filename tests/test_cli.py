@@ -402,6 +402,8 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
     assert "--new-tokens 1000 does not fit after the 8-token prompt in the context of 64 tokens" in (
         capsys.readouterr().err
     )
+    assert main([*argv, "--seq-len", "16"]) == 0  # the default: 64 tokens, or what fits (56 here)
+    assert json.loads(capsys.readouterr().out)["decode_new_tokens"] == 56
 
 
 def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, capsys) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 PROMPT = 8  # tokens of the decoding prompt
+DEFAULT_NEW = 64  # tokens to decode unless --new-tokens says otherwise (fewer where the context is shorter)
 
 
 def _best(fn, repeats: int, device: torch.device) -> float:
@@ -54,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.device)
     b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
     mcfg = cfg.model.replace(max_seq_len=max(cfg.model.max_seq_len, t))  # as training sizes it
-    if args.new_tokens > mcfg.max_seq_len - PROMPT:
+    room = mcfg.max_seq_len - PROMPT
+    args.new_tokens = min(DEFAULT_NEW, room) if args.new_tokens is None and room > 0 else args.new_tokens
+    if args.new_tokens is None or args.new_tokens > room:
         raise ValueError(
-            f"--new-tokens {args.new_tokens} does not fit after the {PROMPT}-token prompt in the context of "
+            f"--new-tokens {args.new_tokens or DEFAULT_NEW} does not fit after the {PROMPT}-token prompt in the context of "
             f"{mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer): at most "
             f"{mcfg.max_seq_len - PROMPT}"
         )
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "train_mfu": train_flops / train_s / peak,
         "decode_tokens_per_s": n_new / decode_s,
         "decode_ms_per_token": 1000 * decode_s / n_new,
+        "decode_new_tokens": n_new,
     }
     if args.json:
         print(json.dumps(result))
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"matmul peak ({cfg.dtype}, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
     print(f"training: {result['train_tokens_per_s']:,.0f} tokens/s, MFU {100 * result['train_mfu']:.1f}%")
     print(
-        f"greedy decoding (batch 1, KV cache): {result['decode_tokens_per_s']:,.1f} tokens/s "
+        f"greedy decoding (batch 1, KV cache, {n_new} tokens): {result['decode_tokens_per_s']:,.1f} tokens/s "
         f"({result['decode_ms_per_token']:.2f} ms/token)"
     )
     return 0

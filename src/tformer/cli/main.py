@@ -127,7 +127,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's batch size")
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the preset's data.seq_len")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (the best is reported)")
-    p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens to decode")
+    p.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens to decode (default 64, or what fits after the 8-token prompt in a shorter context)",
+    )
     p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
