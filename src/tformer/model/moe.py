@@ -109,12 +109,14 @@ GROUPED_LINEAR_KERNELS = {
     "split": split_grouped_linear,
     "grouped_mm": torch_grouped_linear,
 }
-CPU_KERNEL = "loop"  # measured fastest on CPU (docs/moe.md); benchmarks/bench_moe.py compares the others
+# The CPU kernel. benchmarks/bench_moe.py times all three; on an Intel Xeon grouped_mm ran a block 2-22% faster
+# but whole models within noise of the loop, which decoding needs for its row-blocked path (docs/moe.md).
+CPU_KERNEL = "loop"
 
 
 def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
-    """grouped_mm on CUDA (SM80+, bf16, aligned); `CPU_KERNEL` elsewhere. On this project's CPUs torch
-    2.13 runs grouped_mm in fp32 too, but slower than the loop (docs/moe.md has the numbers)."""
+    """grouped_mm on CUDA (SM80+, bf16, aligned); `CPU_KERNEL` elsewhere (torch 2.13 runs grouped_mm on the
+    CPU too, in fp32 and bf16; see CPU_KERNEL)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")):
         return CPU_KERNEL
     aligned = x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
