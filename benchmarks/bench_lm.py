@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -342,9 +343,7 @@ def compile_section(s: dict, rounds: int, dtype: str) -> dict:
     """Both sides eager and under torch.compile (inductor, default mode) of the model forward."""
     torch.manual_seed(0)
     hf, ours = dense_pair(s)
-    hf_c, ours_c = dense_pair(s)  # the compiled twins, with the eager pair's weights
-    hf_c.load_state_dict(hf.state_dict())
-    ours_c.load_state_dict(ours.state_dict())
+    hf_c, ours_c = copy.deepcopy(hf), copy.deepcopy(ours)  # the compiled twins, with the same weights
     hf_fwd, ours_fwd = torch.compile(hf_c), torch.compile(ours_c)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
     autocast = autocast_for(dtype)

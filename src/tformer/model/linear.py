@@ -71,9 +71,10 @@ def stacked_linear(
     x: Tensor, linears: Sequence[nn.Linear], min_rows: int | None = None
 ) -> tuple[Tensor, ...]:
     """(linear(x) for linear in linears); one GEMM over the stacked weights when x has >= min_rows rows
-    (default FUSE_MIN_ROWS, read at call time) and no graph is recorded (or FUSE_UNDER_AUTOGRAD). While `row_blocked_linears` is active, inputs of at
-    most its max_rows rows use one row-blocked product over weights stacked once for the context
-    (without gradients: under autograd they take the separate layers)."""
+    (default FUSE_MIN_ROWS, read at call time) and no graph is recorded (or FUSE_UNDER_AUTOGRAD). While
+    `row_blocked_linears` is active, inputs of at most its max_rows rows use one row-blocked product over
+    weights stacked once for the context (without gradients: under autograd they take the separate
+    layers). The separate layers read x cast once under autocast (`autocast_input`)."""
     plain = all(type(linear.weight) is nn.Parameter for linear in linears)  # not tensor-parallel shards
     sizes = [linear.out_features for linear in linears]
     few = x.numel() < (FUSE_MIN_ROWS if min_rows is None else min_rows) * x.shape[-1]
