@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,13 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 
 
+SELF_CONTAINED = {"parity", "tensor", "tensor2d"}  # scenarios that write their results and read nothing
+
+
 def torchrun(*args: str, timeout: float = 240, nproc: int = 2, popen: bool = False):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # a worker that dies from a signal prints the Python stack of every thread (faulthandler)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     cmd = [
         sys.executable,
         "-m",
@@ -53,6 +58,14 @@ def torchrun(*args: str, timeout: float = 240, nproc: int = 2, popen: bool = Fal
 
 def launch(scenario: str, out: Path, timeout: float = 240, nproc: int = 2) -> list[dict]:
     proc = torchrun(str(HERE / "worker.py"), scenario, str(out), timeout=timeout, nproc=nproc)
+    if proc.returncode != 0 and "(SIGSEGV)" in proc.stderr and scenario in SELF_CONTAINED:
+        # A worker crashed inside native code (the workers are pure Python over torch and gloo): seen once,
+        # in CI, in `parity`'s gloo collectives, and in none of 39 launches since. A scenario that reads
+        # nothing from an earlier launch runs once more from scratch and must pass; the crash's stacks
+        # (faulthandler) are reported as a warning.
+        warning = f"{scenario}: a worker died with SIGSEGV; launching once more\n{proc.stderr[-6000:]}"
+        warnings.warn(warning, stacklevel=2)
+        proc = torchrun(str(HERE / "worker.py"), scenario, str(out), timeout=timeout, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "terminate called" not in proc.stderr  # every worker released its objects before exiting
     return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(nproc)]
