@@ -222,20 +222,25 @@ def identical_across_ranks(model) -> bool:
 
 
 def unused_expert(env, cfg, ocfg) -> dict:
-    """Expert 3 gets no token on rank 1 (its router bias there): DDP and FSDP2 steps neither crash nor
-    hang, and the replicated weights stay identical across ranks."""
+    """Expert 3 gets no token on rank 1 (its router bias there, set after wrapping: DDP broadcasts rank 0's
+    buffers when it is built): DDP and FSDP2 steps neither crash nor hang, and the replicated weights
+    stay identical across ranks. Building DDP leaves each rank's own token counters alone."""
     result = {}
     for data in ("ddp", "fsdp"):
         torch.manual_seed(0)
         model = build_model(cfg)
-        if env.rank == 1:
-            with torch.no_grad():
-                for m in model.modules():
-                    if isinstance(m, MoE):
-                        m.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))
+        routers = [m.router for m in model.modules() if isinstance(m, MoE)]
+        for router in routers:
+            router.window_tokens.fill_(env.rank + 1)  # rank-local counts, as after a resume
         par = parallelize(
             model, make_plan(ParallelConfig(data=data), env.world_size), env, torch.device("cpu")
         )
+        counters_kept = all(bool((r.window_tokens == env.rank + 1).all()) for r in routers)
+        with torch.no_grad():
+            for router in routers:
+                router.window_tokens.zero_()
+                if env.rank == 1:
+                    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))
         opt = make_optimizer(model, ocfg)
         args = step_args(par.model, opt, par.comm)
         args[2] = [rank_part(global_batch(env.world_size, 0), env.rank)]
@@ -243,6 +248,8 @@ def unused_expert(env, cfg, ocfg) -> dict:
         result[data] = {
             "finite": math.isfinite(r.loss) and not r.skipped,
             "same": identical_across_ranks(model),
+            "expert3_tokens": sum(int(router.window_tokens[3]) for router in routers),
+            "counters_kept": counters_kept,
         }
         del par, model, opt, args
     return result

@@ -29,6 +29,7 @@ from tformer.distributed.env import Local
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.plans import ParallelPlan
 from tformer.model.moe import moe_layers, moe_routing_stats
+from tformer.model.router import TopKRouter
 from tformer.schema import ConfigError
 from tformer.train.step import LOCAL, Collectives
 
@@ -133,11 +134,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
             p.register_hook(lambda g: g / env.world_size)  # summed over ranks by the all-to-all backward
     comm = ProcessCollectives(env, device, {id(p) for p in rank_local.values()})
     if plan.data == "ddp":
-        if rank_local:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(rank_local))
+        # MoE token counters are rank-local buffers: DDP leaves them out of the broadcast it makes when it
+        # is built (counts restored before wrapping stay this rank's), and never synchronises buffers in
+        # forward (the name of that switch changed in torch). The expert biases are broadcast: they are
+        # the same on every rank.
+        counters = [f"{name}.router.{b}" for name, _ in moe_layers(model) for b in TopKRouter.counters]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*rank_local, *counters])
         ids = [device.index] if device.type == "cuda" else None
-        # MoE token counters are rank-local buffers: never synchronised in forward (they are zero at
-        # init, when newer torch still broadcasts buffers once); the name of the switch changed in torch
         no_sync = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         buffers = {"forward_sync_buffers": False} if no_sync else {"broadcast_buffers": False}
         wrapped = DistributedDataParallel(model, device_ids=ids, **buffers)
