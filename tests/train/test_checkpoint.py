@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -311,6 +313,31 @@ def test_export_import_weights(tmp_path, trained):
     (tmp_path / "cut.safetensors").write_bytes(data[:-3])
     with pytest.raises(CheckpointError, match="cut.safetensors"):
         load_weights(TinyLM(), tmp_path / "cut.safetensors")
+
+
+def test_exported_weights_carry_a_checksum(tmp_path, trained):
+    """B7 outside checkpoint directories: a flipped byte in an exported file's tensors is refused before
+    anything is copied; the file stays plain safetensors (other readers open it), and files exported by
+    other tools (no checksum) load."""
+    model = trained[0]
+    path = tmp_path / "w.safetensors"
+    save_weights(model, path)
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert len(f.metadata()["tformer.sha256"]) == 64
+        assert torch.equal(f.get_tensor("ffn.weight"), model.ffn.weight)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a mantissa bit of the last tensor: still a well-formed file
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(data))
+    fresh = TinyLM()
+    before = params(fresh)
+    with pytest.raises(CheckpointError, match="flipped.safetensors: the tensor bytes' sha256 differs"):
+        load_weights(fresh, tmp_path / "flipped.safetensors")
+    assert same(params(fresh), before)
+    safetensors.torch.save_file(
+        {k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "plain.safetensors"
+    )
+    load_weights(fresh, tmp_path / "plain.safetensors")
+    assert same(params(fresh), params(model))
 
 
 class _Payload:

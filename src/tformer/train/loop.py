@@ -427,11 +427,11 @@ class Trainer:
                 }
             )
             if s.nonfinite_in_a_row >= self.cfg.max_nonfinite:
-                where = (
-                    f" (non-finite loss on rank {', '.join(map(str, result.nonfinite_ranks))})"
-                    if result.nonfinite_ranks and self.env.world_size > 1
-                    else ""
-                )
+                where = ""
+                if self.env.world_size > 1 and result.nonfinite_ranks:
+                    where = f" (non-finite loss on rank {', '.join(map(str, result.nonfinite_ranks))})"
+                elif self.env.world_size > 1:  # found in the gradients, which backward summed over ranks
+                    where = " (every rank's loss was finite; the gradients were summed over ranks, so no rank is named)"
                 raise NonFiniteError(
                     f"step {s.step}: {s.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
                     f"norm{where} (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the "

@@ -1,10 +1,14 @@
 """Model weights in and out of tformer, outside the checkpoint directories: export one safetensors file,
 import a safetensors file or a tensors-only torch `.pt` (pickled objects refused unless the caller
 opts in with trust_pickle=True). Every import checks each key and shape before anything is copied
-(`tformer.train.checkpoint.load_state_dict_checked`, shared with checkpoint loading)."""
+(`tformer.train.checkpoint.load_state_dict_checked`, shared with checkpoint loading). An exported file
+records the sha256 of its tensor bytes in its header (`tformer.sha256`); import checks it when present
+(checkpoint directories have their own manifest)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import uuid
@@ -30,7 +34,7 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        _write_file(tmp.parent, tmp.name, _weights_bytes(model), {})
+        _write_file(tmp.parent, tmp.name, _with_digest(_weights_bytes(model)), {})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -55,9 +59,51 @@ def load_weights(
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read weights ({e.strerror})") from None
+    _check_digest(data, path)
     return load_state_dict_checked(
         model, _weights_from_bytes(data, str(path)), strict=strict, source=str(path)
     )
+
+
+DIGEST_KEY = "tformer.sha256"
+
+
+def _header(data: bytes) -> tuple[dict, int] | None:
+    """The safetensors header (JSON) and where the tensor bytes start; None if there is no readable
+    header (the safetensors parser then says what is wrong)."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 < n <= len(data) - 8:
+        return None
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return None
+    return (header, 8 + n) if isinstance(header, dict) else None
+
+
+def _with_digest(data: bytes) -> bytes:
+    """The same safetensors file with the sha256 of its tensor bytes added to the header's metadata (the
+    tensor bytes and their offsets, which count from the end of the header, are unchanged)."""
+    header, start = _header(data)
+    digest = hashlib.sha256(memoryview(data)[start:]).hexdigest()
+    header.setdefault("__metadata__", {})[DIGEST_KEY] = digest
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header with spaces to 8-byte alignment
+    return len(raw).to_bytes(8, "little") + raw + data[start:]
+
+
+def _check_digest(data: bytes, path: Path) -> None:
+    parsed = _header(data)
+    if parsed is None:
+        return
+    header, start = parsed
+    metadata = header.get("__metadata__")
+    want = metadata.get(DIGEST_KEY) if isinstance(metadata, dict) else None
+    if want is not None and hashlib.sha256(memoryview(data)[start:]).hexdigest() != want:
+        raise CheckpointError(
+            f"{path}: the tensor bytes' sha256 differs from the one recorded when the file was exported "
+            "(corrupted); nothing was loaded"
+        )
 
 
 def import_torch_weights(
