@@ -99,12 +99,21 @@ def test_drop_last_and_no_shuffle():
         next(batches(empty))
 
 
-def test_ranks_get_disjoint_equal_shares():
-    per_rank = [take(loader(n=11, batch_size=2, rank=r, world_size=2), 2) for r in (0, 1)]
-    assert len(per_rank[0]) == len(per_rank[1]) == 2  # 6 global batches -> 3 each; epoch length equal
-    assert len(loader(n=11, batch_size=2, rank=0, world_size=2)) == 3
-    flat = [set(sum(b, [])) for b in per_rank]
-    assert not (flat[0] & flat[1])
+@pytest.mark.parametrize("n, dropped", [(11, 0), (13, 1)])
+def test_ranks_get_disjoint_equal_shares(n, dropped):
+    """D8: every rank gets the same number of batches in every epoch (a count that does not divide by the
+    world size drops the surplus batches on every rank), the ranks' samples are disjoint, and together
+    they cover the epoch but the dropped batch. 11 samples in batches of 2: 6 batches, the ragged one
+    (1 sample) on rank 1; 13: 7 batches, the last one (1 sample) dropped."""
+    ranks = [loader(n=n, batch_size=2, rank=r, world_size=2) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    epochs = [take(lo, 6) for lo in ranks]  # two whole epochs per rank
+    for epoch in range(2):
+        shares = [e[3 * epoch : 3 * epoch + 3] for e in epochs]
+        flat = [sum(share, []) for share in shares]
+        assert len(set(flat[0]) & set(flat[1])) == 0
+        assert len(set(flat[0]) | set(flat[1])) == len(flat[0]) + len(flat[1]) == n - dropped
+    assert sorted(len(b) for b in epochs[1][:3]) == ([1, 2, 2] if n == 11 else [2, 2, 2])
 
 
 @pytest.mark.parametrize("mode", [{"batch_size": 8}, {"max_tokens": 64}])
