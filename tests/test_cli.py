@@ -124,6 +124,7 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["generate", "--run", "/nonexistent", "--prompt", "x"], "/nonexistent does not exist"),
         (["train", "--config", "bad.yaml"], "bad.yaml: not a readable TrainConfig file (while parsing"),
         (["train", "--config", "bad.json"], "bad.json: not a readable TrainConfig file (Expecting"),
+        (["train", "--config", "empty.yaml"], "empty.yaml: holds no TrainConfig fields"),
         (["train", "--config", "adir"], "config file adir does not exist or is not a file"),
         (["train", "--preset", "tiny-lm", "--set", "model.d_model=[1,"], "the value is not valid YAML"),
         (
@@ -179,6 +180,7 @@ def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.yaml").write_text("steps: [1, 2\nmodel: {\n")
     (tmp_path / "bad.json").write_text('{"steps": 3,')
+    (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("not a directory")
     try:

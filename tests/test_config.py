@@ -179,6 +179,10 @@ def test_from_json_and_from_yaml_name_a_malformed_text() -> None:
         ModelConfig.from_yaml("d_model: [1,")
     with pytest.raises(ConfigError, match="ModelConfig must be a mapping, got list"):
         ModelConfig.from_yaml("- 1")
+    for empty in ("", "# only a comment\n"):  # a mistake, not a request for the defaults
+        with pytest.raises(ConfigError, match="the YAML text holds no fields"):
+            ModelConfig.from_yaml(empty)
+    assert ModelConfig.from_yaml("{}") == ModelConfig()
 
 
 def test_set_takes_a_plain_string_as_typed() -> None:

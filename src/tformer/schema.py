@@ -188,7 +188,7 @@ class Config:
         import yaml
 
         try:
-            return json.loads(text) if fmt == "JSON" else (yaml.safe_load(text) or {})
+            data = json.loads(text) if fmt == "JSON" else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as e:
             reason = " ".join(str(e).split())
             what = (
@@ -197,6 +197,12 @@ class Config:
                 else f"not a valid {fmt} text for {cls.__name__}"
             )
             raise ConfigError(f"{what} ({reason})") from None
+        if data is None:  # an empty file, or only comments: a mistake, not a request for the defaults
+            what = f"{where}: holds no {cls.__name__} fields" if where else f"the {fmt} text holds no fields"
+            raise ConfigError(
+                f"{what}; write the fields to change (an empty mapping {{}} keeps every default)"
+            )
+        return data
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
