@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -74,6 +75,19 @@ def test_train_writes_the_run_directory(trained_run: Path) -> None:
     assert json.loads((trained_run / "config.json").read_text())["steps"] == 4
     assert sorted(p.name for p in (trained_run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert (trained_run / "tensorboard").is_dir()
+
+
+def test_no_progress_prints_plain_lines(trained_run: Path, capsys, tmp_path: Path) -> None:
+    """--no-progress replaces the bar with lines a log file can hold: each logged step (loss, lr,
+    tokens/s, ETA) and each evaluation, and no carriage returns."""
+    sets = [f"data.corpus=text:{trained_run.parent / 'corpus'}", "data.vocab_size=300", "data.seq_len=32",
+            "steps=4", "log_every=2", "eval_every=4", "save_every=4"]  # fmt: skip
+    argv = ["train", "--preset", "tiny-lm", "--out", str(tmp_path / "r"), "--no-progress", "--no-sample"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^step 2/4: loss \d+\.\d+, lr \S+, [\d,]+ tok/s, ETA \d+s$", out, re.M), out
+    assert re.search(r"^step 4/4: loss ", out, re.M) and re.search(r"^step 4: eval_loss ", out, re.M), out
+    assert "\r" not in out
 
 
 def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path) -> None:

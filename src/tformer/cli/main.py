@@ -45,7 +45,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "spike guards, device, compile and parallel.*; model, data, optimizer, batch and seed must stay as "
         "they were)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="plain lines instead of a progress bar (for logs): one per logged step with loss, lr, tokens/s "
+        "and ETA, then the evaluations and samples",
+    )
     p.add_argument("--no-sample", action="store_true", help="do not print a generated sample at the end")
 
 

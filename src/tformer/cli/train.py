@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cfg = resolve_train_config(args, default_preset="shakespeare", resume_dir=out if args.resume else None)
     task = make_task(cfg.task)
-    trainer = Trainer(cfg, out, task, resume=args.resume, progress=not args.no_progress)
+    trainer = Trainer(cfg, out, task, resume=args.resume, progress="lines" if args.no_progress else True)
     try:
         report = trainer.fit()
         if trainer.env.is_main:

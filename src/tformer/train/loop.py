@@ -22,7 +22,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -142,14 +142,32 @@ def lock_run_dir(run_dir: Path):
     return handle
 
 
+def _duration(seconds: float) -> str:
+    """12s, 3.4 min, 1.2 h."""
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 class Trainer:
     """Builds everything a run needs from a TrainConfig and a task, and runs the loop."""
 
     def __init__(
-        self, cfg: TrainConfig, run_dir: str | Path, task, resume: bool = False, progress: bool = True
+        self,
+        cfg: TrainConfig,
+        run_dir: str | Path,
+        task,
+        resume: bool = False,
+        progress: bool | Literal["lines"] = True,
     ):
+        """progress: True a progress bar, with evaluations, samples and loss spikes printed above it;
+        "lines" the same as plain lines, plus a line per logged step (for logs and non-interactive
+        runs); False nothing on stdout. Rank 0 alone shows anything."""
+        if progress not in (True, False, "lines"):
+            raise ValueError(f"progress must be True, False or 'lines', got {progress!r}")
         self.env = init_distributed(cfg.parallel, cfg.device)
-        self.cfg, self.task, self.progress = cfg, task, progress and self.env.is_main
+        self.cfg, self.task = cfg, task
+        self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
@@ -335,11 +353,11 @@ class Trainer:
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
         self.model.train()
         bar = self._progress_bar()
-        t0, tok0 = time.perf_counter(), s.tokens_seen
+        t0, tok0, step0 = time.perf_counter(), s.tokens_seen, s.step
         try:
             with StopRequests(announce=self.env.is_main) as signals:
                 while s.step < stop:
-                    self._one_step(bar, t0, tok0)
+                    self._one_step(bar, t0, tok0, step0)
                     signum = signals.agreed(self.parallel.comm)
                     if signum is not None and s.step < stop:  # at the last step: just finish
                         path = self.save()
@@ -380,7 +398,7 @@ class Trainer:
         except Exception as error:  # never in place of the reason the run stopped
             warnings.warn(f"loss.png not drawn: {error}", stacklevel=2)
 
-    def _one_step(self, bar, t0: float, tok0: int) -> None:
+    def _one_step(self, bar, t0: float, tok0: int, step0: int) -> None:
         """One optimizer step and its cadence: log, progress bar, evaluation, checkpoint."""
         cfg, s = self.cfg, self.state
         micro = [self.loader.next_batch(self.device) for _ in range(cfg.grad_accum)]
@@ -402,6 +420,12 @@ class Trainer:
         rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
         if s.step % cfg.log_every == 0 or s.step == cfg.steps:
             self._log_train(result, rate)
+            if self.lines and self.progress:
+                eta = (cfg.steps - s.step) * (time.perf_counter() - t0) / max(1, s.step - step0)
+                self._say(
+                    f"step {s.step}/{cfg.steps}: loss {result.loss:.4f}, lr {result.lr:.2e}, "
+                    f"{rate:,.0f} tok/s, ETA {_duration(eta)}"
+                )
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}")
@@ -461,11 +485,11 @@ class Trainer:
         ):
             record = {"kind": "spike", "step": s.step, "loss": result.loss, "running_mean": s.loss_mean}
             self.metrics.write(record | {"factor": factor})
-            if bar is not None:
-                bar.write(
-                    f"step {s.step}: loss {result.loss:.4g} is {result.loss / s.loss_mean:.1f}x the running "
-                    f"mean {s.loss_mean:.4g} (spike_factor {factor})"
-                )
+            self._say(
+                f"step {s.step}: loss {result.loss:.4g} is {result.loss / s.loss_mean:.1f}x the running "
+                f"mean {s.loss_mean:.4g} (spike_factor {factor})",
+                bar,
+            )
         d = self.SPIKE_DECAY if s.loss_steps else 0.0
         s.loss_mean = d * s.loss_mean + (1 - d) * result.loss
         s.loss_steps += 1
@@ -491,9 +515,8 @@ class Trainer:
         result = self.evaluate()
         self.state.best_eval = min(self.state.best_eval, result["eval_loss"])
         self.metrics.write({"kind": "eval", "step": self.state.step, **result})
-        if self.progress:
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
-            print(f"\nstep {self.state.step}: {shown}", flush=True)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
+        self._say(f"{'' if self.lines else chr(10)}step {self.state.step}: {shown}")
 
     def sample(self) -> str:
         """The task's sample of what the model does now (`sample_tokens` new tokens for a language model;
@@ -509,11 +532,17 @@ class Trainer:
     def _log_sample(self, bar) -> None:
         text = self.sample()
         self.metrics.write({"kind": "sample", "step": self.state.step, "text": text})
-        if self.progress:
-            (bar.write if bar is not None else print)(f"step {self.state.step}:\n{text}")
+        self._say(f"step {self.state.step}:\n{text}", bar)
+
+    def _say(self, text: str, bar=None) -> None:
+        """A line for the user (rank 0, progress on): above the progress bar, or plain."""
+        if self.progress and bar is not None:
+            bar.write(text)
+        elif self.progress:
+            print(text, flush=True)
 
     def _progress_bar(self):
-        if not self.progress:
+        if not self.progress or self.lines:
             return None
         from tqdm.auto import tqdm
 
