@@ -160,7 +160,7 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         ),
         (
             ["train", "--preset", "tiny-lm", "--set", "data.corpus=bbc-news"],
-            "is a classification corpus, not a lm",
+            "is a classification corpus, not a language-modelling one",
         ),
         (
             ["train", "--preset", "tiny-lm", "--set", "data.path=/x"],
@@ -335,6 +335,10 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     assert "does not fit the model's context of 64 tokens" in capsys.readouterr().err
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
     assert "lower max_new_tokens" in capsys.readouterr().err
+    # without --max-new-tokens: 200 or what the context (64) leaves after the prompt
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--greedy", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("to") and len(out) > len("to\n")
 
 
 def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:

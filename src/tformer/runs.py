@@ -41,13 +41,17 @@ COMMAND_OF_TASK = {
 }
 
 
+TASK_NOUN = {"lm": "language-model", "translation": "translation", "classification": "classification"}
+
+
 def require_task(run: LoadedRun, task: str, noun: str) -> None:
     """ValueError unless `run` was trained for `task`; it names the command that serves the run."""
     have = run.train_config.task
     if have != task:
         how = COMMAND_OF_TASK.get(have)
         raise ValueError(
-            f"{run.checkpoint} is a {have} run, not a {noun} run" + (f"; use {how}" if how else "")
+            f"{run.checkpoint} is a {TASK_NOUN.get(have, have)} run, not a {noun} run"
+            + (f"; use {how}" if how else "")
         )
 
 

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"model: {params['total']:,} parameters ({params['active']:,} active per token), batch {b} x {t}, "
-        f"{device}, {cfg.dtype}, {result['threads']} threads"
+        f"{device}, {cfg.dtype}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}"
     )
     print(f"matmul peak ({cfg.dtype}, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
     print(f"training: {result['train_tokens_per_s']:,.0f} tokens/s, MFU {100 * result['train_mfu']:.1f}%")

@@ -10,14 +10,17 @@ from tformer.cli.options import input_lines, read_input_file, utf8_text
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
+DEFAULT_NEW_TOKENS = 200  # without --max-new-tokens: this many, or what the context leaves after the prompts
+
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    """The sampling options; without --max-new-tokens, DEFAULT_NEW_TOKENS (`run` fits it to the context)."""
     return SamplingConfig(
         temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
         seed=args.seed,
         stop_strings=tuple(s.replace("\\n", "\n") for s in args.stop),  # "\n" as in prompts
     )
@@ -73,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
     require_task(run_, "lm", "language-model")
     tok = run_.tokenizer
     encoded = [tok.encode(p) for p in prompts]
+    context = run_.model.cfg.max_seq_len
+    if args.max_new_tokens is None:  # the default: as many as the context leaves, up to DEFAULT_NEW_TOKENS
+        room = context - max(len(ids) for ids in encoded)
+        sampling = sampling.replace(max_new_tokens=min(DEFAULT_NEW_TOKENS, max(1, room)))
     if args.truncate_prompt:
-        context = run_.model.cfg.max_seq_len
         encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)
         for i in cut:
             print(
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:
             streamed.add(int(ids[0]))
 
-    check_prompts(encoded, sampling.max_new_tokens, run_.model.cfg.max_seq_len)  # before printing anything
+    check_prompts(encoded, sampling.max_new_tokens, context)  # before printing anything
     if stream:
         sys.stdout.write(prompts[0])
     outputs = generate(

@@ -59,11 +59,16 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line; generates for all as a batch")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: 200, or what the model's context leaves after the prompt)",
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="default: 0.8; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="default: 50; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; default: 1.0 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1.0 (off)")
     p.add_argument(
         "--stop",
         action="append",
@@ -71,7 +76,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         help="stop string, repeatable; \\n stands for a newline. Looked for in the new text only; "
         "the text is printed once, cut before it (no streaming)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; default: 0")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
     p.add_argument(

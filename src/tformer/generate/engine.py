@@ -67,6 +67,10 @@ def as_token_lists(prompts) -> list[list[int]]:
     return out
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
     if not prompts:
         raise ValueError("no prompts given")
@@ -76,11 +80,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise ValueError(
-            f"prompt of {longest} tokens does not fit the model's context of {max_seq_len} tokens"
+            f"prompt of {_tokens(longest)} does not fit the model's context of {max_seq_len} tokens"
         )
     if longest + max_new_tokens > max_seq_len:
         raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"prompt of {_tokens(longest)} + max_new_tokens={max_new_tokens} exceeds the model's context of "
             f"{max_seq_len} tokens; lower max_new_tokens to at most {max_seq_len - longest}"
         )
 

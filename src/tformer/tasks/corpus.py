@@ -23,7 +23,10 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
     """The corpus `data` names, checked to serve `task`; data.path (if set) says where its files are."""
     kind = corpus_task(data.corpus)
     if kind != task:
-        raise ConfigError(f"data.corpus {data.corpus!r} is a {kind} corpus, not a {task} one")
+        noun = {"lm": "language-modelling"}
+        raise ConfigError(
+            f"data.corpus {data.corpus!r} is a {noun.get(kind, kind)} corpus, not a {noun.get(task, task)} one"
+        )
     if data.path is not None:
         if data.corpus not in PATH_OPTION:
             raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
