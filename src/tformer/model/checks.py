@@ -1,7 +1,9 @@
 """Input validation done on the host before any compute: bad input gets a specific error.
 
 Every check raises TypeError (wrong type or dtype) or ValueError (wrong shape or value), naming the
-argument, what was given and what is allowed.
+argument, what was given and what is allowed. Inside torch.compile only the checks of types and shapes
+run: reading a value on the host (ids and positions in range) would break the compiled graph in two
+at every forward. Eager calls, generation and evaluation check everything.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tenso
         raise ValueError(f"{name} is an empty batch (batch size 0)")
     if tokens.shape[1] == 0:
         raise ValueError(f"{name} holds empty sequences (seq_len 0)")
+    if torch.compiler.is_compiling():  # a host read would split the compiled graph (see the module doc)
+        return tokens
     lo, hi = torch.aminmax(tokens)
     if lo.item() < 0 or hi.item() >= vocab_size:
         bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
@@ -67,6 +71,8 @@ def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int
         raise ValueError(
             f"positions must have shape ({length},) or ({batch}, {length}), got {tuple(positions.shape)}"
         )
+    if torch.compiler.is_compiling():
+        return positions
     lo, hi = torch.aminmax(positions)
     if lo.item() < 0:
         raise ValueError(f"positions must be >= 0, got {lo.item()}")

@@ -79,7 +79,7 @@ def stacked_linear(
     sizes = [linear.out_features for linear in linears]
     few = x.numel() < (FUSE_MIN_ROWS if min_rows is None else min_rows) * x.shape[-1]
     if few or not plain or (not FUSE_UNDER_AUTOGRAD and _records_graph(x, linears)):
-        decoding = _DECODING.get()
+        decoding = active_decoding()
         if (
             plain
             and decoding is not None
@@ -274,10 +274,16 @@ def _versions(params: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
 _DECODING: ContextVar[_Decoding | None] = ContextVar("tformer_row_blocked_decoding", default=None)
 
 
+def active_decoding() -> _Decoding | None:
+    """The active `row_blocked_linears` context, if any. None inside torch.compile, which cannot trace a
+    ContextVar (every read split the graph) and which decoding does not use."""
+    return None if torch.compiler.is_compiling() else _DECODING.get()
+
+
 def decoding_row_blocks(weight: Tensor, rows: int) -> int | None:
     """For kernels that multiply by weights outside `nn.Linear` (the MoE experts): the block count to use
     for a product of `rows` rows with `weight` while `row_blocked_linears` is active, else None."""
-    d = _DECODING.get()
+    d = active_decoding()
     if d is None or rows > d.max_rows:
         return None
     return row_blocks(weight, d.n_blocks, d.min_weight)
@@ -286,7 +292,7 @@ def decoding_row_blocks(weight: Tensor, rows: int) -> int | None:
 def decoding_max_rows() -> int:
     """Rows up to which the active `row_blocked_linears` context takes row-blocked products (0: none
     active)."""
-    d = _DECODING.get()
+    d = active_decoding()
     return 0 if d is None else d.max_rows
 
 
