@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -325,6 +327,19 @@ def test_a_run_on_a_text_folder_notices_that_its_splits_changed(
     assert "split(s) of" in err and "differ from those this run recorded" in err, err
     assert main(["eval", "--run", str(run), "--split", "train", "--max-batches", "1", "--json"]) == 0
     assert "warning: the train split differs from the one this run recorded" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_stops_quietly(trained_run: Path, capsys, monkeypatch) -> None:
+    """`tformer generate ... | head -c 3`: the reader goes away; the command stops with 141 (128 + SIGPIPE)
+    and no error message, as shell tools do."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "3"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_generate_errors(trained_run: Path, capsys) -> None:

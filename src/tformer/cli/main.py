@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -181,6 +182,15 @@ def build_parser() -> Parser:
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (captured, replaced)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -199,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
             keep_freed_memory()  # glibc keeps what a step frees for the next (tformer/allocator.py)
             return int(func(args) or 0)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as a shell tool does
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank; anything else may be this rank's own, so it is named
         if not rank or not isinstance(err, ConfigError):
