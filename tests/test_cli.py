@@ -156,6 +156,7 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
             "TrainConfig.optim.eps must be finite and > 0",
         ),
         (["train", "--preset", "tiny-lm", "--out", "afile"], "the run directory afile is a file"),
+        (["generate", "--run", "afile", "--prompt", "x"], "afile is a file; give the run directory"),
         (
             ["train", "--preset", "tiny-lm", "--set", "model.arch=encoder"],
             "language modelling needs model.arch",
@@ -327,6 +328,22 @@ def test_a_run_on_a_text_folder_notices_that_its_splits_changed(
     assert "split(s) of" in err and "differ from those this run recorded" in err, err
     assert main(["eval", "--run", str(run), "--split", "train", "--max-batches", "1", "--json"]) == 0
     assert "warning: the train split differs from the one this run recorded" in capsys.readouterr().err
+
+
+def test_run_paths_and_a_damaged_newest_checkpoint(trained_run: Path, capsys, tmp_path: Path) -> None:
+    """The run's checkpoints folder is taken for the run; a newer checkpoint that never committed is
+    named in a warning, and the newest committed one is used."""
+    argv = ["--prompt", "to", "--max-new-tokens", "2", "--greedy", "--no-stream"]
+    assert main(["generate", "--run", str(trained_run / "checkpoints"), *argv]) == 0
+    assert capsys.readouterr().err == ""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "checkpoints" / "step_000004" / "COMMITTED").write_text("garbage")
+    with pytest.warns(
+        UserWarning,
+        match=r"step_000004 is not a committed checkpoint .* the newest committed one, step_000002",
+    ):
+        assert main(["generate", "--run", str(run), *argv]) == 0
 
 
 def test_a_closed_pipe_stops_quietly(trained_run: Path, capsys, monkeypatch) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from tformer.train.checkpoint import (
     checkpoint_meta,
     latest_checkpoint,
     load_checkpoint,
+    step_of,
+    unfinished_checkpoints,
 )
 from tformer.train.config import TrainConfig
 
@@ -74,11 +77,22 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist (expected a run directory or a checkpoint directory)")
+    if path.is_file():
+        raise FileNotFoundError(f"{path} is a file; give the run directory (or one of its checkpoints)")
     if (path / "meta.json").exists() or (path / "model.safetensors").exists():
         return path
+    if path.name == "checkpoints" and not (path / "checkpoints").exists():
+        path = path.parent  # the run's checkpoints folder: its newest checkpoint
     found = latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path} holds no committed checkpoint (looked in {path / 'checkpoints'})")
+    newer = unfinished_checkpoints(path, step_of(found))
+    if newer:
+        warnings.warn(
+            f"{newer[-1]} is not a committed checkpoint (damaged, or a save that did not finish); "
+            f"using the newest committed one, {found.name}",
+            stacklevel=2,
+        )
     return found
 
 

@@ -344,18 +344,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def unfinished_checkpoints(run_dir: str | Path, after_step: int) -> list[Path]:
+    """`step_*` directories beyond `after_step` without a readable commit, in step order."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > after_step and not _is_complete(p)
+    )  # fmt: skip
+
+
 def refuse_unfinished(run_dir: str | Path, resume_from: Path | None) -> None:
     """CheckpointError if a `step_*` directory without a readable commit (a damaged checkpoint: saves
     commit by renaming a finished directory) lies beyond the step a run starts from, where a later save
     would meet it. It is never deleted or stepped over silently; the message says what to move."""
     root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return
-    start = -1 if resume_from is None else step_of(resume_from)
-    found = sorted(
-        p for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > start and not _is_complete(p)
-    )  # fmt: skip
+    found = unfinished_checkpoints(run_dir, -1 if resume_from is None else step_of(resume_from))
     if found:
         where = f"resume from {resume_from.name}" if resume_from is not None else "start afresh"
         raise CheckpointError(
