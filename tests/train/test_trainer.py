@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,12 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_pat
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     skips = [json.loads(x) for x in (tmp_path / "n" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in skips if r["kind"] == "skip"] == [3, 4, 5]
+    first = Trainer(cfg.replace(max_nonfinite=2), tmp_path / "f", NaNTask(bad_from=1), progress=False)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(NonFiniteError, match="step 2: 2"):
+        warnings.simplefilter("always")
+        first.fit()
+    assert (tmp_path / "f" / "loss.png").is_file()  # a plot without any loss: no legend warning
+    assert not [w for w in seen if "legend" in str(w.message)]
 
 
 def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: Path) -> None:

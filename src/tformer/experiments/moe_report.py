@@ -20,6 +20,7 @@ from tformer.experiments.report import (
     pyplot,
     save_figure,
     text_table,
+    verdict_lines,
 )
 from tformer.experiments.runner import ArmLog, read_arms, read_setting
 
@@ -435,6 +436,6 @@ def report(run_dir: Path) -> tuple[Report, str]:
         + "\n\n"
         + text_table(res_headers[:2] + res_headers[4:5], [[x[0], x[1], x[4]] for x in result_rows(arms, s)])
         + "\n\n"
-        + "\n".join(f"[{v.status}] {v.claim}" for v in checks)
+        + verdict_lines(checks, meta["mode"] == "quick")
     )
     return r, summary

@@ -29,6 +29,7 @@ from tformer.experiments.report import (
     pyplot,
     save_figure,
     text_table,
+    verdict_lines,
 )
 from tformer.experiments.runner import (
     Arm,
@@ -541,5 +542,5 @@ def report(run_dir: Path) -> tuple[Report, str]:
         ["arm", "val loss", "events", "init last/first"],
         [[row[0], row[7], row[8], row[9]] for row in arm_rows(arms, s)],
     )
-    summary += "\n\n" + "\n".join(f"[{v.status}] {v.claim}" for v in checks)
+    summary += "\n\n" + verdict_lines(checks, meta["mode"] == "quick")
     return r, summary

@@ -38,6 +38,16 @@ QUICK_NOTE = (
 )
 
 
+def verdict_lines(checks, quick: bool) -> str:
+    """The verdicts as console lines, `[status] claim`; in the quick setting with the caveat above them."""
+    lines = [f"[{v.status}] {v.claim}" for v in checks]
+    if quick:
+        lines.insert(
+            0, "quick setting (a smoke test of the pipeline): these verdicts say nothing about the claims"
+        )
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- numbers
 def fmt(x: float | int | None, digits: int = 4) -> str:
     """A number as the report prints it: fixed decimals, "nan" / "inf" spelled out, ints as they are."""

@@ -39,6 +39,7 @@ from tformer.experiments.report import (
     panels,
     save_figure,
     text_table,
+    verdict_lines,
 )
 from tformer.experiments.runner import Arm, ArmLog, Setting, StudyData, read_arms, read_setting, run_arms
 from tformer.model import build_model
@@ -466,5 +467,5 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Plots")
     for path, caption in figs:
         r.figure(path, caption)
-    summary = text_table(headers, rows) + "\n\n" + "\n".join(f"[{v.status}] {v.claim}" for v in checks)
+    summary = text_table(headers, rows) + "\n\n" + verdict_lines(checks, meta["mode"] == "quick")
     return r, summary

@@ -41,7 +41,7 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 
 class LMTask:
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.run_dir = cfg, device, run_dir
         corpus = load_task_corpus(cfg.data, "lm")  # checks the corpus is text for a language model
         if (run_dir / "tokenizer.json").exists():  # a run going on (a fresh one deleted its tokenizer)
             changed = split_changes(run_dir, corpus)
@@ -107,12 +107,25 @@ class LMTask:
     def describe_result(self, report: dict) -> str:
         if "eval_loss" not in report:
             return "no evaluation recorded"
+        split = "the validation works" if self.cfg.data.corpus == "shakespeare" else "the validation split"
+        windows = len(self.val_ds)
+        scored = min(windows, self.cfg.eval_batches * self.cfg.batch_size)
+        if scored < windows:
+            split += f": {scored} of its {windows} windows (eval_batches); all: tformer eval --run {self.run_dir}"
         return (
             f"validation loss {report['eval_loss']:.4f} nats/token | perplexity {report['perplexity']:.2f} | "
-            f"{report['bits_per_char']:.3f} bits per character (held-out works)"
+            f"{report['bits_per_char']:.3f} bits per character ({split})"
         )
 
-    def show_sample(self, model: nn.Module, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 160) -> str:
+    def sample_prompt(self) -> str:
+        """ROMEO.\n on Shakespeare; elsewhere the first words of the validation split's first text."""
+        if self.cfg.data.corpus == "shakespeare":
+            return SAMPLE_PROMPT
+        first = next((t for t in self.corpus.texts("val") if t.strip()), "")
+        return " ".join(first.split()[:4]) or SAMPLE_PROMPT
+
+    def show_sample(self, model: nn.Module, prompt: str | None = None, max_new_tokens: int = 160) -> str:
+        prompt = self.sample_prompt() if prompt is None else prompt
         sampling = SamplingConfig(temperature=0.8, top_k=50, max_new_tokens=max_new_tokens, seed=0)
         budget = model.cfg.max_seq_len - 1
         ids = self.tokenizer.encode(prompt)[-budget:]

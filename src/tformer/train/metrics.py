@@ -92,7 +92,10 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title or run_dir.name)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:
+        ax.legend()
+    else:  # every step so far was skipped (non-finite), or none ran
+        ax.text(0.5, 0.5, "no loss recorded", transform=ax.transAxes, ha="center", va="center")
     out = run_dir / "loss.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)
