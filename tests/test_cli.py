@@ -158,6 +158,14 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["train", "--preset", "tiny-lm", "--out", "afile"], "the run directory afile is a file"),
         (["generate", "--run", "afile", "--prompt", "x"], "afile is a file; give the run directory"),
         (
+            ["translate", "--run", "afile", "--text", "a", "--temperature", "0.5", "--seed", "3"],
+            "--temperature, --seed applies to sampling only: add --sample",
+        ),
+        (
+            ["translate", "--run", "afile", "--text", "a", "--greedy", "--beam", "2"],
+            "--beam applies to beam search",
+        ),
+        (
             ["train", "--preset", "tiny-lm", "--set", "model.arch=encoder"],
             "language modelling needs model.arch",
         ),

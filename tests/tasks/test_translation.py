@@ -189,6 +189,8 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert main(["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--scores"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     float(line.rsplit("\t", 1)[1])
+    assert main(["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--max-len", "500"]) == 0
+    assert "--max-len 500 is above the model's context: outputs stop at" in capsys.readouterr().err
     path = tmp_path / "in.txt"
     path.write_text("Der alte Hund sieht die Katze.\n\n  \nDer junge Mann mag das Kind.\n", encoding="utf-8")
     assert (

@@ -43,6 +43,13 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
     if args.greedy and args.sample:
         raise ValueError("give --greedy or --sample, not both")
     method = "greedy" if args.greedy else "sample" if args.sample else "beam"
+    sampling = {"--temperature": (args.temperature, 1.0), "--top-k": (args.top_k, 0),
+                "--top-p": (args.top_p, 1.0), "--seed": (args.seed, 0)}  # fmt: skip
+    given = [flag for flag, (value, default) in sampling.items() if value != default]
+    if given and method != "sample":
+        raise ValueError(f"{', '.join(given)} applies to sampling only: add --sample (or drop it)")
+    if method != "beam" and args.beam != 4:
+        raise ValueError(f"--beam applies to beam search only, not with --{method}")
     return SearchConfig(
         method=method,
         beam_size=args.beam,
@@ -63,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
     search_cfg = search_from_args(args)
     texts, numbers = read_texts(args, "translate")
     translator = load_translator(load_run(args.run))
+    context = translator.model.cfg.max_seq_len
+    if args.max_len is not None and args.max_len > context:
+        warn(
+            "translate",
+            f"--max-len {args.max_len} is above the model's context: outputs stop at {context} tokens",
+        )
     sources, cut = translator.encode(texts)
     for i in cut:
         warn("translate", f"line {numbers[i]} is longer than {translator.max_src_len} tokens: truncated")

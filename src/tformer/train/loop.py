@@ -103,9 +103,10 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         )
         more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
         raise CheckpointError(
-            f"--resume from {path}: the config differs from the run's: {shown}{more}. A resumed run keeps its "
-            f"model, data, optimizer, batch and seed (it may change {', '.join(sorted(RESUMABLE))}); "
-            "drop those changes or start a new run with another --out"
+            f"--resume from {path}: the config differs from the run's: {shown}{more} (from --set, --config, "
+            "--preset or an edited config.json in the run directory). A resumed run keeps its model, data, "
+            f"optimizer, batch and seed (it may change {', '.join(sorted(RESUMABLE))}); undo those changes or "
+            "start a new run with another --out"
         )
 
 
