@@ -546,3 +546,11 @@ def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactne
     )
     assert (run / "checkpoints" / "step_000006").is_dir()
     assert json.loads((run / "config.json").read_text())["steps"] == 6
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"tformer {version('tformer')}\n"

@@ -45,13 +45,18 @@ class SignalTask:
         return self.inner.loss(model, batch)
 
 
-def test_ctrl_c_mid_step_saves_at_the_step_end_and_resume_is_exact(corpus_dir: Path, tmp_path: Path) -> None:
+def test_ctrl_c_mid_step_saves_at_the_step_end_and_resume_is_exact(
+    corpus_dir: Path, tmp_path: Path, capsys
+) -> None:
     cfg = small_config(corpus_dir, save_every=100)  # no cadence save: the stop's save is the only one
     Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
     trainer = Trainer(cfg, tmp_path / "b", SignalTask(at=6), progress=False)
     with pytest.raises(Stopped) as stopped:
         trainer.fit()
     assert stopped.value.signum == signal.SIGINT
+    assert "SIGINT: stopping when this step ends, after saving a checkpoint (Ctrl-C again stops at once" in (
+        capsys.readouterr().err
+    )
     assert trainer.state.step == 6  # step 6 ran to its end
     assert latest_checkpoint(tmp_path / "b").name == "step_000006"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
@@ -59,12 +64,14 @@ def test_ctrl_c_mid_step_saves_at_the_step_end_and_resume_is_exact(corpus_dir: P
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
-def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path, capsys) -> None:
     cfg = small_config(corpus_dir, save_every=100)
     trainer = Trainer(cfg, tmp_path / "t", SignalTask(at=3, signals=(signal.SIGTERM,)), progress=False)
     with pytest.raises(Stopped) as stopped:
         trainer.fit()
     assert stopped.value.signum == signal.SIGTERM
+    err = capsys.readouterr().err  # no word of a second Ctrl-C, which a SIGTERM is not
+    assert "SIGTERM: stopping when this step ends, after saving a checkpoint\n" in err and "Ctrl-C" not in err
     assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step_000003"]
     assert (tmp_path / "t" / "loss.png").is_file()  # the curve so far (it had waited for the run's end)
 

@@ -172,8 +172,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tformer")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="tformer", description="Build, train, run and compare Transformers.")
+    parser.add_argument("--version", action="version", version=f"tformer {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True, parser_class=Parser)
     parser.commands = {}
     for name, (help_text, add_arguments, _) in COMMANDS.items():

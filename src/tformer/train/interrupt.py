@@ -66,9 +66,9 @@ class StopRequests:
             return
         self.signum, self._first = signum, time.monotonic()
         if self.announce:
+            again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
             print(
-                f"\n{signal.Signals(signum).name}: stopping when this step ends, after saving a checkpoint "
-                "(Ctrl-C again stops at once, without saving)",
+                f"\n{signal.Signals(signum).name}: stopping when this step ends, after saving a checkpoint{again}",
                 file=sys.stderr,
                 flush=True,
             )
