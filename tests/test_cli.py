@@ -112,8 +112,11 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path) -> None:
         )
         == 0
     )
-    out = capsys.readouterr().out
-    assert out.count("---") == 2 and "the question" in out
+    out, err = capsys.readouterr()
+    blocks = out.split("--- prompt ")[1:]  # each output under its prompt's number
+    assert len(blocks) == 2 and blocks[0].startswith("1 of 2 ---\nto be")
+    assert blocks[1].startswith("2 of 2 ---\nthe question")
+    assert "prompts.txt: line 2 is empty: skipped" in err
     assert main(["eval", "--run", str(trained_run), "--split", "val", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["checkpoint_step"] == 4 and result["bits_per_char"] > 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, read_input_file, utf8_text
+from tformer.cli.options import input_lines, read_input_file, utf8_text, warn
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -31,8 +31,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if args.prompt is not None:
             raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        prompts = [line.replace("\\n", "\n") for line in input_lines(read_input_file(path))]
-        prompts = [p for p in prompts if p.strip()]
+        prompts = []
+        for number, line in enumerate(input_lines(read_input_file(path)), 1):
+            if line.strip():
+                prompts.append(line.replace("\\n", "\n"))
+            else:
+                warn("generate", f"{path}: line {number} is empty: skipped")
         if not prompts:
             raise ValueError(f"prompts file {path} holds no non-empty line")
         return prompts
@@ -112,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
         streamed.finish()
         sys.stdout.write("\n")
         return 0
-    for prompt, ids in zip(prompts, outputs):
+    for i, (prompt, ids) in enumerate(zip(prompts, outputs), 1):
         text = truncate_at_stop(tok.decode(ids), sampling.stop_strings)
-        print(prompt + text)
         if len(prompts) > 1:
-            print("---")
+            print(f"--- prompt {i} of {len(prompts)} ---")
+        print(prompt + text)
     return 0
