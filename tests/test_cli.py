@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import shutil
 import sys
@@ -557,3 +558,20 @@ def test_version(capsys) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out == f"tformer {version('tformer')}\n"
+
+
+def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path) -> None:
+    """Perplexity of a user's text in the run's windows; a text shorter than one window is scored as one
+    shorter window, with a warning that says so."""
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(" ".join(WORDS[j % len(WORDS)] for j in range(400)))
+    assert main(["eval", "--run", str(trained_run), "--text-file", str(long_text), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["data"] == str(long_text) and 0 < result["bits_per_char"] < 20 and err == ""
+    short = tmp_path / "short.txt"
+    short.write_text("to be")
+    assert main(["eval", "--run", str(trained_run), "--text-file", str(short), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert math.isfinite(json.loads(out)["eval_loss"])
+    assert "short.txt holds" in err and "data.seq_len + 1 = 33: scored as one window of" in err

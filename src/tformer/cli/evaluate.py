@@ -26,7 +26,12 @@ def run(args: argparse.Namespace) -> int:
         text = read_input_file(path)
         if not text.strip():
             raise ValueError(f"text file {path} is empty")
-        seq_len = min(cfg.data.seq_len, max(2, len(text) // 4))
+        stream = len(run_.tokenizer.encode(text)) + 1  # the tokens and the EOS after them
+        seq_len = min(cfg.data.seq_len, stream - 1)
+        if seq_len < cfg.data.seq_len:  # shorter than one training window: one shorter window
+            warn("eval", f"{path} holds {stream} tokens with its EOS, fewer than one window of the run's "
+                 f"data.seq_len + 1 = {cfg.data.seq_len + 1}: scored as one window of {seq_len} predictions "
+                 "(less context than the splits' windows, so not comparable with them)")  # fmt: skip
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}")
         chars, what = len(text) + 1, str(path)
     else:
