@@ -169,6 +169,12 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
             ["translate", "--run", "afile", "--text", "a", "--greedy", "--beam", "2"],
             "--beam applies to beam search",
         ),
+        (["translate", "--run", "afile", "--text", "a", "--beam", "0"], "error: --beam must be >= 1, got 0"),
+        (["generate", "--run", "afile", "--prompt", "a", "--top-p", "2"], "error: --top-p must be in (0, 1]"),
+        (
+            ["generate", "--run", "afile", "--prompt", "a", "--max-new-tokens", "0"],
+            "error: --max-new-tokens must",
+        ),
         (
             ["train", "--preset", "tiny-lm", "--set", "model.arch=encoder"],
             "language modelling needs model.arch",

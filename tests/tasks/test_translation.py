@@ -241,7 +241,7 @@ def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, caps
         ["train", "--preset", "tiny-translation", "--set", "data.corpus=bbc-news", "--out", out]
     )
     assert "not a classification run" in error(["classify", "--run", run, "--text", "Hund"])
-    assert "length_penalty must be in [-10, 10]" in error(  # it had overflowed in a traceback
+    assert "--length-penalty must be in [-10, 10]" in error(  # it had overflowed in a traceback
         ["translate", "--run", run, "--text", "Hund", "--length-penalty", "1000"]
     )
     assert "no pair of the train split fits data.seq_len=4" in error(  # a val loss had read 0 over 0 tokens

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, read_input_file, utf8_text, warn
+from tformer.cli.options import input_lines, named_as_flags, read_input_file, utf8_text, warn
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -15,6 +15,11 @@ DEFAULT_NEW_TOKENS = 200  # without --max-new-tokens: this many, or what the con
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     """The sampling options; without --max-new-tokens, DEFAULT_NEW_TOKENS (`run` fits it to the context)."""
+    with named_as_flags("SamplingConfig", {"stop_strings": "--stop"}):
+        return _sampling_config(args)
+
+
+def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(
         temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k,

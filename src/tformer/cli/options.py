@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +15,18 @@ from tformer.schema import ConfigError
 from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
+
+
+@contextlib.contextmanager
+def named_as_flags(config: str, renames: dict[str, str] | None = None):
+    """A ConfigError about `config`'s fields, built from command-line options, names the options the
+    user typed (`--max-new-tokens`), not the fields (`SamplingConfig.max_new_tokens`). A field's flag
+    is --field-with-dashes unless `renames` gives another."""
+    try:
+        yield
+    except ConfigError as err:
+        flag = lambda m: (renames or {}).get(m.group(1), "--" + m.group(1).replace("_", "-"))  # noqa: E731
+        raise ConfigError(re.sub(rf"\b{config}\.(\w+)", flag, str(err))) from None
 
 
 def _int_at_least(low: int):

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, read_input_file, utf8_text, warn
+from tformer.cli.options import input_lines, named_as_flags, read_input_file, utf8_text, warn
 from tformer.generate.beam import SearchConfig
 
 
@@ -50,17 +50,18 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
         raise ValueError(f"{', '.join(given)} applies to sampling only: add --sample (or drop it)")
     if method != "beam" and args.beam != 4:
         raise ValueError(f"--beam applies to beam search only, not with --{method}")
-    return SearchConfig(
-        method=method,
-        beam_size=args.beam,
-        length_penalty=args.length_penalty,
-        max_len=args.max_len,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        batch_size=args.batch_size,
-    )
+    with named_as_flags("SearchConfig", {"beam_size": "--beam"}):
+        return SearchConfig(
+            method=method,
+            beam_size=args.beam,
+            length_penalty=args.length_penalty,
+            max_len=args.max_len,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            batch_size=args.batch_size,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
