@@ -4,12 +4,17 @@ from tformer import ModelConfig, build_model
 model = build_model(ModelConfig(arch="decoder", norm_placement="pre", positions="rope"))
 """
 
+from tformer._lazy import lazy_exports
 from tformer.allocator import keep_freed_memory
 from tformer.config import ConfigError, ModelConfig, MoEConfig, RopeConfig
-from tformer.model import build_model
 from tformer.presets import PRESETS, get_preset
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "build_model": "tformer.model",
+}
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 __all__ = [
     "PRESETS",

@@ -16,13 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from tformer.cli.options import nonnegative_int, positive_int
-from tformer.distributed.env import resolve_device
 from tformer.experiments import STUDIES
-from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
-from tformer.train.loop import outermost_missing
 
 # CLI flag -> Setting field; a flag left out keeps the setting's value
 OVERRIDES = {
@@ -95,6 +90,8 @@ def resolve_setting(args: argparse.Namespace, module):
 
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
+    import torch
+
     before = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(n)
@@ -105,6 +102,11 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: `tformer --help` builds this command's options without importing torch
+    from tformer.distributed.env import resolve_device
+    from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
+    from tformer.train.loop import outermost_missing
+
     module = importlib.import_module(STUDIES[args.study])
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
     if args.report_only:

@@ -13,7 +13,6 @@ from tformer.allocator import keep_freed_memory
 from tformer.cli.options import nonnegative_int, positive_int
 from tformer.data.corpora import MissingDataError
 from tformer.schema import ConfigError
-from tformer.train.step import NonFiniteError
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
     # name: (help, add_arguments, "module:function")
@@ -210,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import importlib
 
     func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
+    from tformer.train.step import NonFiniteError  # after parsing: --help does not import torch
+
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: say things once, from rank 0
     formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"

@@ -12,7 +12,6 @@ import yaml
 
 from tformer.data.corpora import read_text
 from tformer.schema import ConfigError
-from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
 
@@ -88,6 +87,8 @@ def resolve_train_config(
     """--preset or --config plus --set; resuming `resume_dir` without either: the run's own config (its
     config.json, else its newest checkpoint's) plus --set."""
     if resume_dir is not None and args.config is None and args.preset is None:
+        from tformer.train.checkpoint import checkpoint_meta, latest_checkpoint
+
         own, last = resume_dir / "config.json", latest_checkpoint(resume_dir)
         if own.is_file():
             return TrainConfig.load(own).with_overrides(parse_overrides(args.overrides))

@@ -1,5 +1,6 @@
 """Data for tformer: the installed real corpora, the byte-level BPE tokenizer, datasets and resumable loaders."""
 
+from tformer._lazy import lazy_exports
 from tformer.data.corpora import (
     CORPORA,
     SPLITS,
@@ -11,28 +12,29 @@ from tformer.data.corpora import (
     iter_texts,
     load_corpus,
 )
-from tformer.data.datasets import (
-    IGNORE_INDEX,
-    ClassificationBatch,
-    ClassificationCollator,
-    ClassificationDataset,
-    LMBatch,
-    PackedLMDataset,
-    Seq2SeqBatch,
-    Seq2SeqCollator,
-    Seq2SeqDataset,
-    collate_lm,
-    pad_sequences,
-)
-from tformer.data.loader import (
-    BucketBatchSampler,
-    RandomBatchSampler,
-    ResumableLoader,
-    batches,
-    make_bucket_loader,
-    make_loader,
-)
-from tformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+_EXPORTS = {
+    "IGNORE_INDEX": "tformer.data.datasets",
+    "ClassificationBatch": "tformer.data.datasets",
+    "ClassificationCollator": "tformer.data.datasets",
+    "ClassificationDataset": "tformer.data.datasets",
+    "LMBatch": "tformer.data.datasets",
+    "PackedLMDataset": "tformer.data.datasets",
+    "Seq2SeqBatch": "tformer.data.datasets",
+    "Seq2SeqCollator": "tformer.data.datasets",
+    "Seq2SeqDataset": "tformer.data.datasets",
+    "collate_lm": "tformer.data.datasets",
+    "pad_sequences": "tformer.data.datasets",
+    "BucketBatchSampler": "tformer.data.loader",
+    "RandomBatchSampler": "tformer.data.loader",
+    "ResumableLoader": "tformer.data.loader",
+    "batches": "tformer.data.loader",
+    "make_bucket_loader": "tformer.data.loader",
+    "make_loader": "tformer.data.loader",
+    "SPECIAL_TOKENS": "tformer.data.tokenizer",
+    "Tokenizer": "tformer.data.tokenizer",
+}
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 __all__ = [
     "CORPORA",
