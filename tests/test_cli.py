@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -164,13 +165,17 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
         (["generate", "--run", "afile", "--prompt", "x"], "afile is a file; give the run directory"),
         (
             ["translate", "--run", "afile", "--text", "a", "--temperature", "0.5", "--seed", "3"],
-            "--temperature, --seed applies to sampling only: add --sample",
+            "--temperature, --seed apply to sampling only: add --sample",
         ),
         (
             ["translate", "--run", "afile", "--text", "a", "--greedy", "--beam", "2"],
             "--beam applies to beam search",
         ),
         (["translate", "--run", "afile", "--text", "a", "--beam", "0"], "error: --beam must be >= 1, got 0"),
+        (
+            ["translate", "--run", "afile", "--text", "a", "--sample", "--length-penalty", "1"],
+            "--length-penalty applies to beam search only, not with --sample",
+        ),
         (["generate", "--run", "afile", "--prompt", "a", "--top-p", "2"], "error: --top-p must be in (0, 1]"),
         (
             ["generate", "--run", "afile", "--prompt", "a", "--max-new-tokens", "0"],
@@ -349,6 +354,22 @@ def test_a_run_on_a_text_folder_notices_that_its_splits_changed(
     assert "warning: the train split differs from the one this run recorded" in capsys.readouterr().err
 
 
+def test_a_closed_pipe_at_exit_stops_quietly_too(trained_run: Path) -> None:
+    """Output to a pipe is buffered and written when the command ends: a reader that has gone away (its
+    end closed before anything is written) must not turn that into a Python error either."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "2", "--no-stream"]
+    code = f"import sys; from tformer.cli.main import main; sys.exit(main({argv!r}))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
 def test_run_paths_and_a_damaged_newest_checkpoint(trained_run: Path, capsys, tmp_path: Path) -> None:
     """The run's checkpoints folder is taken for the run; a newer checkpoint that never committed is
     named in a warning, and the newest committed one is used."""
@@ -411,6 +432,14 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
         in err
     )
     assert out.startswith(long_prompt) and "Traceback" not in err
+    # without --max-new-tokens: the cut prompt leaves half the context (32 of 64) for new tokens
+    assert (
+        main(
+            ["generate", "--run", str(trained_run), "--prompt", long_prompt, "--truncate-prompt", "--greedy"]
+        )
+        == 0
+    )
+    assert "(64 tokens with max_new_tokens=32): only its last 32" in capsys.readouterr().err
 
 
 def test_truncate_prompts_keeps_the_tail() -> None:

@@ -11,14 +11,20 @@ from typing import Any
 
 def lazy_exports(namespace: dict[str, Any], exports: dict[str, str]) -> tuple[Callable, Callable]:
     """(__getattr__, __dir__) for a package whose names `exports` maps to the modules that define them;
-    `namespace` is the package's globals(), where each name is kept once imported."""
+    `namespace` is the package's globals(). Other names are tried as the package's submodules."""
+
+    package = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:
-        if name not in exports:
-            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(exports[name]), name)
-        namespace[name] = value
-        return value
+        # looked up at each use, not kept here: a name patched in its module (and put back) is seen as it is
+        if name in exports:
+            return getattr(importlib.import_module(exports[name]), name)
+        try:  # a submodule (`tformer.model` after `import tformer`), as the eager imports had bound them
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(exports))

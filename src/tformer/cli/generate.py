@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     context = run_.model.cfg.max_seq_len
     if args.max_new_tokens is None:  # the default: as many as the context leaves, up to DEFAULT_NEW_TOKENS
         room = context - max(len(ids) for ids in encoded)
+        if args.truncate_prompt:  # a prompt cut to fit keeps at least half the context for new tokens
+            room = max(room, context // 2)
         sampling = sampling.replace(max_new_tokens=min(DEFAULT_NEW_TOKENS, max(1, room)))
     if args.truncate_prompt:
         encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)

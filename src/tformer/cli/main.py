@@ -63,7 +63,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="tokens to generate (default: 200, or what the model's context leaves after the prompt)",
+        help="tokens to generate (default: 200, or what the model's context leaves after the prompt; with "
+        "--truncate-prompt at least half the context)",
     )
     p.add_argument("--temperature", type=float, default=0.8, help="default: 0.8; 0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="default: 50; 0 = off")
@@ -219,10 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rank:
                 warnings.simplefilter("ignore")  # every rank meets the same warnings; rank 0 prints them
             keep_freed_memory()  # glibc keeps what a step frees for the next (tformer/allocator.py)
-            return int(func(args) or 0)
+            code = int(func(args) or 0)
+            sys.stdout.flush()  # a pipe's buffered output fails here, not at exit, if its reader is gone
+            return code
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as a shell tool does
         _silence_stdout()
-        return 128 + signal.SIGPIPE
+        return 128 + getattr(signal, "SIGPIPE", 13)  # 13 where the platform has none
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank; anything else may be this rank's own, so it is named
         if not rank or not isinstance(err, ConfigError):

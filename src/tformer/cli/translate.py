@@ -47,9 +47,13 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
                 "--top-p": (args.top_p, 1.0), "--seed": (args.seed, 0)}  # fmt: skip
     given = [flag for flag, (value, default) in sampling.items() if value != default]
     if given and method != "sample":
-        raise ValueError(f"{', '.join(given)} applies to sampling only: add --sample (or drop it)")
-    if method != "beam" and args.beam != 4:
-        raise ValueError(f"--beam applies to beam search only, not with --{method}")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} {verb} to sampling only: add --sample (or drop it)")
+    beam_only = [f for f, changed in (("--beam", args.beam != 4), ("--length-penalty", args.length_penalty != 0.6))
+                 if changed]  # fmt: skip
+    if method != "beam" and beam_only:
+        verb = "applies" if len(beam_only) == 1 else "apply"
+        raise ValueError(f"{', '.join(beam_only)} {verb} to beam search only, not with --{method}")
     with named_as_flags("SearchConfig", {"beam_size": "--beam"}):
         return SearchConfig(
             method=method,

@@ -27,9 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local
 from tformer.distributed.expert_parallel import apply_expert_parallel
-from tformer.distributed.plans import ParallelPlan
+from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.model.moe import moe_layers, moe_routing_stats
-from tformer.model.router import TopKRouter
 from tformer.schema import ConfigError
 from tformer.train.step import LOCAL, Collectives
 
@@ -138,7 +137,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
         # is built (counts restored before wrapping stay this rank's), and never synchronises buffers in
         # forward (the name of that switch changed in torch). The expert biases are broadcast: they are
         # the same on every rank.
-        counters = [f"{name}.router.{b}" for name, _ in moe_layers(model) for b in TopKRouter.counters]
+        counters = [name for name, _ in model.named_buffers() if is_rank_local(name)]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*rank_local, *counters])
         ids = [device.index] if device.type == "cuda" else None
         no_sync = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters

@@ -86,10 +86,9 @@ class TopKRouter(nn.Module):
     Parameters and buffers (checkpoint keys): `weight` (E, D) the expert centroids; `expert_bias` (E,)
     the auxiliary-loss-free balancing bias; `tokens_per_expert` (E,) assignments seen by training
     forwards since the last bias update; `window_tokens` (E,) the same since the last statistics read.
-    The two counters are each process's own (summed over processes when they are read).
+    The two counters are each process's own (summed over processes when they are read;
+    `tformer.distributed.plans.RANK_LOCAL`).
     """
-
-    counters = ("tokens_per_expert", "window_tokens")
 
     def __init__(self, d_model: int, moe: MoEConfig) -> None:
         super().__init__()

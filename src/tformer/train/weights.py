@@ -24,7 +24,6 @@ from tformer.train.checkpoint import (
     _fsync_dir,
     _weights_bytes,
     _weights_from_bytes,
-    _write_file,
     load_state_dict_checked,
 )
 
@@ -34,7 +33,11 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        _write_file(tmp.parent, tmp.name, _with_digest(_weights_bytes(model)), {})
+        with open(tmp, "wb") as f:
+            for chunk in _with_digest(_weights_bytes(model)):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -59,10 +62,9 @@ def load_weights(
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read weights ({e.strerror})") from None
+    tensors = _weights_from_bytes(data, str(path))  # a truncated or malformed file is named as such first
     _check_digest(data, path)
-    return load_state_dict_checked(
-        model, _weights_from_bytes(data, str(path)), strict=strict, source=str(path)
-    )
+    return load_state_dict_checked(model, tensors, strict=strict, source=str(path))
 
 
 DIGEST_KEY = "tformer.sha256"
@@ -81,15 +83,16 @@ def _header(data: bytes) -> tuple[dict, int] | None:
     return (header, 8 + n) if isinstance(header, dict) else None
 
 
-def _with_digest(data: bytes) -> bytes:
-    """The same safetensors file with the sha256 of its tensor bytes added to the header's metadata (the
-    tensor bytes and their offsets, which count from the end of the header, are unchanged)."""
+def _with_digest(data: bytes) -> tuple[bytes, memoryview]:
+    """The same safetensors file, as (new size and header, the tensor bytes), with the sha256 of its
+    tensor bytes added to the header's metadata (the tensor bytes and their offsets, which count from the
+    end of the header, are unchanged; they are not copied)."""
     header, start = _header(data)
-    digest = hashlib.sha256(memoryview(data)[start:]).hexdigest()
-    header.setdefault("__metadata__", {})[DIGEST_KEY] = digest
+    tensors = memoryview(data)[start:]
+    header.setdefault("__metadata__", {})[DIGEST_KEY] = hashlib.sha256(tensors).hexdigest()
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header with spaces to 8-byte alignment
-    return len(raw).to_bytes(8, "little") + raw + data[start:]
+    return len(raw).to_bytes(8, "little") + raw, tensors
 
 
 def _check_digest(data: bytes, path: Path) -> None:
@@ -102,7 +105,7 @@ def _check_digest(data: bytes, path: Path) -> None:
     if want is not None and hashlib.sha256(memoryview(data)[start:]).hexdigest() != want:
         raise CheckpointError(
             f"{path}: the tensor bytes' sha256 differs from the one recorded when the file was exported "
-            "(corrupted); nothing was loaded"
+            "(corrupted, or changed by a tool that kept the header's metadata); nothing was loaded"
         )
 
 
