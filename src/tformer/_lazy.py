@@ -19,6 +19,8 @@ def lazy_exports(namespace: dict[str, Any], exports: dict[str, str]) -> tuple[Ca
         # looked up at each use, not kept here: a name patched in its module (and put back) is seen as it is
         if name in exports:
             return getattr(importlib.import_module(exports[name]), name)
+        if name.startswith("__"):  # probes such as __wrapped__ or __path__ lookups: never a submodule
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
         try:  # a submodule (`tformer.model` after `import tformer`), as the eager imports had bound them
             return importlib.import_module(f"{package}.{name}")
         except ModuleNotFoundError as e:
