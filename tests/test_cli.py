@@ -633,3 +633,12 @@ print(before, "torch" in sys.modules, Tokenizer.__name__, save_weights.__name__)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "Tokenizer", "save_weights"], out.stdout + out.stderr
+
+
+def test_prompt_escapes() -> None:
+    """\\n in a prompt, a prompts-file line or a stop string is a newline; \\\\ is one backslash, so a
+    literal backslash-n can be written; any other backslash is kept."""
+    from tformer.cli.generate import newlines
+
+    assert newlines(r"a\nb") == "a\nb" and newlines(r"a\\nb") == "a\\nb"
+    assert newlines(r"x\\y") == "x\\y" and newlines(r"tab\t") == "tab\\t" and newlines("plain") == "plain"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +12,12 @@ from tformer.generate.engine import check_prompts, generate, truncate_at_stop, t
 from tformer.generate.sampling import SamplingConfig
 
 DEFAULT_NEW_TOKENS = 200  # without --max-new-tokens: this many, or what the context leaves after the prompts
+
+
+def newlines(text: str) -> str:
+    """A prompt or stop string as typed on one line: \\n is a newline, \\\\ one backslash (so \\\\n is a
+    backslash then n); any other backslash stays as it is."""
+    return re.sub(r"\\(\\|n)", lambda m: "\n" if m.group(1) == "n" else "\\", text)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
@@ -27,7 +34,7 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         repetition_penalty=args.repetition_penalty,
         max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
         seed=args.seed,
-        stop_strings=tuple(s.replace("\\n", "\n") for s in args.stop),  # "\n" as in prompts
+        stop_strings=tuple(newlines(s) for s in args.stop),  # "\n" as in prompts
     )
 
 
@@ -39,7 +46,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         prompts = []
         for number, line in enumerate(input_lines(read_input_file(path)), 1):
             if line.strip():
-                prompts.append(line.replace("\\n", "\n"))
+                prompts.append(newlines(line))
             else:
                 warn("generate", f"{path}: line {number} is empty: skipped")
         if not prompts:
@@ -47,7 +54,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         return prompts
     if args.prompt is None or not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
-    return [utf8_text(args.prompt, "--prompt").replace("\\n", "\n")]
+    return [newlines(utf8_text(args.prompt, "--prompt"))]
 
 
 class TextStream:

@@ -57,8 +57,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @register("generate", "generate text with a trained decoder (KV-cached sampling, streamed)", "generate:run")
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line; generates for all as a batch")
+    p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline, \\\\ for a backslash)")
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="one prompt per line (escapes as --prompt); generates for all as a batch",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -74,7 +78,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--stop",
         action="append",
         default=[],
-        help="stop string, repeatable; \\n stands for a newline. Looked for in the new text only; "
+        help="stop string, repeatable; \\n stands for a newline (\\\\ for a backslash). Looked for in the new "
+        "text only; "
         "the text is printed once, cut before it (no streaming)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed; default: 0")
