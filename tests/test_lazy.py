@@ -8,6 +8,7 @@ import tformer
 import tformer.data
 import tformer.data.tokenizer
 import tformer.train
+from tformer import _lazy
 
 
 def test_names_and_submodules_resolve() -> None:
@@ -25,3 +26,11 @@ def test_a_patched_name_is_not_kept_after_it_is_put_back(monkeypatch) -> None:
     assert tformer.data.Tokenizer == "patched"
     monkeypatch.undo()
     assert tformer.data.Tokenizer is original
+
+
+@pytest.mark.parametrize("package", [tformer, tformer.data, tformer.train])
+def test_every_public_name_resolves(package) -> None:
+    """__all__, the TYPE_CHECKING imports (the lazy names) and what resolves at run time agree."""
+    assert all(getattr(package, name) is not None for name in package.__all__)
+    lazy = set(_lazy.type_checking_imports(package.__file__))
+    assert lazy and lazy <= set(package.__all__)

@@ -1,5 +1,7 @@
 """Data for tformer: the installed real corpora, the byte-level BPE tokenizer, datasets and resumable loaders."""
 
+from typing import TYPE_CHECKING
+
 from tformer._lazy import lazy_exports
 from tformer.data.corpora import (
     CORPORA,
@@ -13,28 +15,34 @@ from tformer.data.corpora import (
     load_corpus,
 )
 
-_EXPORTS = {
-    "IGNORE_INDEX": "tformer.data.datasets",
-    "ClassificationBatch": "tformer.data.datasets",
-    "ClassificationCollator": "tformer.data.datasets",
-    "ClassificationDataset": "tformer.data.datasets",
-    "LMBatch": "tformer.data.datasets",
-    "PackedLMDataset": "tformer.data.datasets",
-    "Seq2SeqBatch": "tformer.data.datasets",
-    "Seq2SeqCollator": "tformer.data.datasets",
-    "Seq2SeqDataset": "tformer.data.datasets",
-    "collate_lm": "tformer.data.datasets",
-    "pad_sequences": "tformer.data.datasets",
-    "BucketBatchSampler": "tformer.data.loader",
-    "RandomBatchSampler": "tformer.data.loader",
-    "ResumableLoader": "tformer.data.loader",
-    "batches": "tformer.data.loader",
-    "make_bucket_loader": "tformer.data.loader",
-    "make_loader": "tformer.data.loader",
-    "SPECIAL_TOKENS": "tformer.data.tokenizer",
-    "Tokenizer": "tformer.data.tokenizer",
-}
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+if TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
+    from tformer.data.datasets import (
+        IGNORE_INDEX,
+        ClassificationBatch,
+        ClassificationCollator,
+        ClassificationDataset,
+        LMBatch,
+        PackedLMDataset,
+        Seq2SeqBatch,
+        Seq2SeqCollator,
+        Seq2SeqDataset,
+        collate_lm,
+        pad_sequences,
+    )
+    from tformer.data.loader import (
+        BucketBatchSampler,
+        RandomBatchSampler,
+        ResumableLoader,
+        batches,
+        make_bucket_loader,
+        make_loader,
+    )
+    from tformer.data.tokenizer import (
+        SPECIAL_TOKENS,
+        Tokenizer,
+    )
+
+__getattr__, __dir__ = lazy_exports(globals())
 
 __all__ = [
     "CORPORA",
