@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +49,12 @@ def count_calls(monkeypatch):
         return calls
 
     return spy
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A tiny LM run made by `tformer train` (tests/cli_run.py), one per test module; modules and folders
+    with runs of other tasks define their own."""
+    from tests.cli_run import train_cli_run
+
+    return train_cli_run(tmp_path_factory.mktemp("cli"))

@@ -65,7 +65,9 @@ def test_quick_run_writes_report_files(quick_run):
     assert not re.search(r'src="(?!data:)', page), "report.html must not reference outside files"
     assert "## Verdicts" in md and "Quick setting" in md
     assert re.search(r"\[(reproduced|not reproduced|inconclusive)\] ", stdout)
-    assert "quick setting (a smoke test of the pipeline): these verdicts say nothing about the claims" in stdout
+    assert (
+        "quick setting (a smoke test of the pipeline): these verdicts say nothing about the claims" in stdout
+    )
     assert json.loads((out / "setting.json").read_text())["study"] == study
     assert all((d / "metrics.jsonl").exists() for d in (out / "arms").iterdir())
 

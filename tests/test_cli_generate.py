@@ -1,0 +1,136 @@
+"""`tformer generate` end to end on a tiny trained run: sampling, prompts, truncation, errors, pipes."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tformer.cli.main import main
+
+
+def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
+    outs = []
+    for _ in range(2):
+        main(["generate", "--run", str(trained_run), "--prompt", "to", "--seed", "3", "--no-stream"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+def test_generate_refuses_other_tasks_and_prints_nothing_before_an_error(
+    trained_run: Path, tmp_path: Path, capsys
+) -> None:
+    import json as json_
+
+    other = tmp_path / "cls"
+    shutil.copytree(trained_run, other)
+    step = sorted((other / "checkpoints").iterdir())[-1]
+    meta = json_.loads((step / "meta.json").read_text())
+    meta["meta"]["train_config"]["task"] = "classification"
+    data = json_.dumps(meta).encode()
+    (step / "meta.json").write_bytes(data)
+    manifest = json_.loads((step / "COMMITTED").read_text())  # a consistent checkpoint of another task
+    import hashlib
+
+    manifest["files"]["meta.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "COMMITTED").write_text(json_.dumps(manifest))
+    assert main(["generate", "--run", str(other), "--prompt", "to"]) == 2
+    captured = capsys.readouterr()
+    assert "is a classification run, not a language-model run; use tformer classify" in captured.err
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
+    assert capsys.readouterr().out == ""  # the prompt is not streamed before the error
+
+
+def test_a_closed_pipe_at_exit_stops_quietly_too(trained_run: Path) -> None:
+    """Output to a pipe is buffered and written when the command ends: a reader that has gone away (its
+    end closed before anything is written) must not turn that into a Python error either."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "2", "--no-stream"]
+    code = f"import sys; from tformer.cli.main import main; sys.exit(main({argv!r}))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_a_closed_pipe_stops_quietly(trained_run: Path, capsys, monkeypatch) -> None:
+    """`tformer generate ... | head -c 3`: the reader goes away; the command stops with 141 (128 + SIGPIPE)
+    and no error message, as shell tools do."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "3"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_generate_errors(trained_run: Path, capsys) -> None:
+    assert main(["generate", "--run", str(trained_run), "--prompt", "  "]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    long_prompt = " ".join(["to be"] * 100)
+    assert main(["generate", "--run", str(trained_run), "--prompt", long_prompt]) == 2
+    assert "does not fit the model's context of 64 tokens" in capsys.readouterr().err
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
+    assert "lower max_new_tokens" in capsys.readouterr().err
+    # without --max-new-tokens: 200 or what the context (64) leaves after the prompt
+    assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--greedy", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("to") and len(out) > len("to\n")
+
+
+def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
+    long_prompt = " ".join(["to be"] * 100)
+    argv = [
+        "generate",
+        "--run",
+        str(trained_run),
+        "--prompt",
+        long_prompt,
+        "--max-new-tokens",
+        "8",
+        "--greedy",
+    ]
+    assert main([*argv, "--truncate-prompt", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "warning: prompt 1 is longer than the context allows (64 tokens with max_new_tokens=8): only its last 56"
+        in err
+    )
+    assert out.startswith(long_prompt) and "Traceback" not in err
+    # without --max-new-tokens: the cut prompt leaves half the context (32 of 64) for new tokens
+    assert (
+        main(
+            ["generate", "--run", str(trained_run), "--prompt", long_prompt, "--truncate-prompt", "--greedy"]
+        )
+        == 0
+    )
+    assert "(64 tokens with max_new_tokens=32): only its last 32" in capsys.readouterr().err
+
+
+def test_truncate_prompts_keeps_the_tail() -> None:
+    from tformer.generate.engine import truncate_prompts
+
+    kept, cut = truncate_prompts([[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=6, max_seq_len=9)
+    assert kept == [[3, 4, 5], [6, 7]] and cut == [0]
+    with pytest.raises(ValueError, match="max_new_tokens=9 leaves no room"):
+        truncate_prompts([[1]], max_new_tokens=9, max_seq_len=9)
+
+
+def test_prompt_escapes() -> None:
+    """\\n in a prompt, a prompts-file line or a stop string is a newline; \\\\ is one backslash, so a
+    literal backslash-n can be written; any other backslash is kept."""
+    from tformer.cli.generate import newlines
+
+    assert newlines(r"a\nb") == "a\nb" and newlines(r"a\\nb") == "a\\nb"
+    assert newlines(r"x\\y") == "x\\y" and newlines(r"tab\t") == "tab\\t" and newlines("plain") == "plain"
