@@ -56,12 +56,12 @@ def run(args: argparse.Namespace) -> int:
     b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
     mcfg = cfg.model.replace(max_seq_len=max(cfg.model.max_seq_len, t))  # as training sizes it
     room = mcfg.max_seq_len - PROMPT
-    args.new_tokens = min(DEFAULT_NEW, room) if args.new_tokens is None and room > 0 else args.new_tokens
-    if args.new_tokens is None or args.new_tokens > room:
+    # the default shrinks to what fits (if anything does); a count the user asked for is never changed
+    n_new = args.new_tokens or (min(DEFAULT_NEW, room) if room > 0 else DEFAULT_NEW)
+    if n_new > room:
         raise ValueError(
-            f"--new-tokens {args.new_tokens or DEFAULT_NEW} does not fit after the {PROMPT}-token prompt in the context of "
-            f"{mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer): at most "
-            f"{mcfg.max_seq_len - PROMPT}"
+            f"--new-tokens {n_new} does not fit after the {PROMPT}-token prompt in the context of "
+            f"{mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer): at most {room}"
         )
     torch.manual_seed(0)
     model = build_model(mcfg).to(device)
@@ -90,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
     model.eval()
     prompt = [x[0, :PROMPT].tolist()]
-    n_new = args.new_tokens
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
     decode_s = _best(lambda: generate(model, prompt, sampling), max(1, args.repeats // 2), device)
     params = count_params(model)

@@ -39,33 +39,29 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
     return texts, numbers
 
 
+# options that only one search method reads: flag -> SearchConfig field (their defaults are SearchConfig's)
+METHOD_OPTIONS = {
+    "sample": {"--temperature": "temperature", "--top-k": "top_k", "--top-p": "top_p", "--seed": "seed"},
+    "beam": {"--beam": "beam_size", "--length-penalty": "length_penalty"},
+}
+
+
 def search_from_args(args: argparse.Namespace) -> SearchConfig:
+    """The search the options ask for; an option of another method than the chosen one is an error."""
     if args.greedy and args.sample:
         raise ValueError("give --greedy or --sample, not both")
     method = "greedy" if args.greedy else "sample" if args.sample else "beam"
-    sampling = {"--temperature": (args.temperature, 1.0), "--top-k": (args.top_k, 0),
-                "--top-p": (args.top_p, 1.0), "--seed": (args.seed, 0)}  # fmt: skip
-    given = [flag for flag, (value, default) in sampling.items() if value != default]
-    if given and method != "sample":
-        verb = "applies" if len(given) == 1 else "apply"
-        raise ValueError(f"{', '.join(given)} {verb} to sampling only: add --sample (or drop it)")
-    beam_only = [f for f, changed in (("--beam", args.beam != 4), ("--length-penalty", args.length_penalty != 0.6))
-                 if changed]  # fmt: skip
-    if method != "beam" and beam_only:
-        verb = "applies" if len(beam_only) == 1 else "apply"
-        raise ValueError(f"{', '.join(beam_only)} {verb} to beam search only, not with --{method}")
+    given: dict[str, object] = {}
+    for owner, options in METHOD_OPTIONS.items():
+        flags = [flag for flag in options if getattr(args, options[flag]) is not None]
+        if flags and owner != method:
+            verb = "applies" if len(flags) == 1 else "apply"
+            if owner == "sample":
+                raise ValueError(f"{', '.join(flags)} {verb} to sampling only: add --sample (or drop it)")
+            raise ValueError(f"{', '.join(flags)} {verb} to beam search only, not with --{method}")
+        given.update({options[flag]: getattr(args, options[flag]) for flag in flags})
     with named_as_flags("SearchConfig", {"beam_size": "--beam"}):
-        return SearchConfig(
-            method=method,
-            beam_size=args.beam,
-            length_penalty=args.length_penalty,
-            max_len=args.max_len,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            batch_size=args.batch_size,
-        )
+        return SearchConfig(method=method, max_len=args.max_len, batch_size=args.batch_size, **given)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,7 +111,8 @@ class LMTask:
         windows = len(self.val_ds)
         scored = min(windows, self.cfg.eval_batches * self.cfg.batch_size)
         if scored < windows:
-            split += f": {scored} of its {windows} windows (eval_batches); more: tformer eval --run {self.run_dir} --split val"
+            more = f"tformer eval --run {self.run_dir} --split val"
+            split += f": {scored} of its {windows} windows (eval_batches); more: {more}"
         return (
             f"validation loss {report['eval_loss']:.4f} nats/token | perplexity {report['perplexity']:.2f} | "
             f"{report['bits_per_char']:.3f} bits per character ({split})"
