@@ -87,6 +87,11 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     assert (
         len(captured.out.splitlines()) == 1 and "line 1 is longer than 64 tokens: truncated" in captured.err
     )
+    # stdin that is not UTF-8 is decoded as a file is: cp1252 here, with a warning
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 market\n\x93stocks\x94\n")))
+    with pytest.warns(UserWarning, match=r"stdin is not UTF-8 \(byte 0xe9 at offset 3\); read as cp1252"):
+        assert main(["classify", "--run", run]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
     assert main(["eval", "--run", run, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 5 and 0 <= result["accuracy"] <= 1 and len(result["confusion"]) == 5

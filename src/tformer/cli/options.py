@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tformer.data.corpora import read_text
+from tformer.data.corpora import decode_text, read_text
 from tformer.schema import ConfigError
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
@@ -120,6 +120,14 @@ def read_input_file(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file")
     return read_text(path, warn=True)
+
+
+def read_stdin() -> str:
+    """stdin, decoded as input files are (read_input_file): UTF-8, else cp1252 / latin-1 with a warning."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream put in its place (an embedding program, a test)
+        return utf8_text(sys.stdin.read(), "stdin")
+    return decode_text(stream.read(), "stdin", warn=True)
 
 
 def input_lines(text: str) -> list[str]:

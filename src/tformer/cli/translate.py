@@ -7,10 +7,9 @@ per non-empty input line). Sources longer than the run's max length are truncate
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, named_as_flags, read_input_file, utf8_text, warn
+from tformer.cli.options import input_lines, named_as_flags, read_input_file, read_stdin, utf8_text, warn
 from tformer.generate.beam import SearchConfig
 
 
@@ -26,7 +25,7 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
         path = Path(args.file)
         lines, where = input_lines(read_input_file(path)), str(path)
     else:
-        lines, where = input_lines(utf8_text(sys.stdin.read(), "stdin")), "stdin"
+        lines, where = input_lines(read_stdin()), "stdin"
     texts, numbers = [], []
     for n, line in enumerate(lines, 1):
         if line.strip():

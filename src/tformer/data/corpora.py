@@ -155,9 +155,14 @@ def read_text(path: Path, warn: bool = False) -> str:
     the file, for a user's files: one stray byte decodes the whole file the other way; the installed BBC
     articles are cp1252 by design); newlines normalised. A file holding NUL bytes is not text (a binary,
     or UTF-16 / UTF-32): an error naming it."""
-    raw = Path(path).read_bytes()
+    return decode_text(Path(path).read_bytes(), str(path), warn)
+
+
+def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
+    """`read_text` for bytes from elsewhere (stdin); `name` says where they came from."""
     if b"\x00" in raw:
-        raise ValueError(f"{path} is not a text file (it holds NUL bytes: binary, or UTF-16 / UTF-32)")
+        kind = "text" if name == "stdin" else "a text file"
+        raise ValueError(f"{name} is not {kind} (it holds NUL bytes: binary, or UTF-16 / UTF-32)")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -168,9 +173,9 @@ def read_text(path: Path, warn: bool = False) -> str:
             encoding, text = "latin-1", raw.decode("latin-1")
         if warn:
             warnings.warn(
-                f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
+                f"{name} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
