@@ -146,6 +146,7 @@ def test_metrics_survive_a_torn_line_and_a_crashed_run_without_checkpoint(
 
     crashed = tmp_path / "c"  # records but no checkpoint: a fresh run starts the log again
     crashed.mkdir()
+    (crashed / "config.json").write_text(json.dumps(cfg.to_dict()))  # a run writes it first
     (crashed / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')
     Trainer(cfg.replace(steps=1), crashed, make_task("lm"), progress=False).fit()
     records = [json.loads(x) for x in (crashed / "metrics.jsonl").read_text().splitlines()]
@@ -194,12 +195,15 @@ def test_an_unfinished_newer_step_directory_is_named_not_stepped_over(
 
 
 def test_a_fresh_run_trains_its_own_tokenizer_over_a_failed_runs(corpus_dir: Path, tmp_path: Path) -> None:
+    import json
+
     from tformer.data.tokenizer import Tokenizer
 
     run = tmp_path / "f"
     run.mkdir()
-    Tokenizer.train_bpe(["a b c d e f g"] * 20, 270).save(run / "tokenizer.json")  # left by a failed run
     cfg = small_config(corpus_dir, steps=1, save_every=1, eval_every=1)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))  # left by a failed run, with its
+    Tokenizer.train_bpe(["a b c d e f g"] * 20, 270).save(run / "tokenizer.json")  # tokenizer
     trainer = Trainer(cfg, run, make_task("lm"), progress=False)
     assert trainer.model_cfg.vocab_size == Tokenizer.load(run / "tokenizer.json").vocab_size > 270
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tformer.tasks import make_task
+from tformer.train.checkpoint import latest_checkpoint
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.loop import Trainer
 from tformer.train.optim import lr_factor
@@ -59,6 +60,38 @@ def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: P
         Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         Trainer(cfg, tmp_path / "empty", make_task("lm"), resume=True, progress=False)
+
+
+def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A directory holding a config or tokenizer of the user's own is refused, untouched; a run that
+    stopped before its first checkpoint (its config.json, written first, is a run's) is started again."""
+    cfg = small_config(corpus_dir, steps=1, save_every=1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text('{"mine": 1}')
+    (mine / "notes.txt").write_text("kept")
+    with pytest.raises(FileExistsError, match="holds tokenizer.json, which a new run would replace"):
+        Trainer(cfg, mine, make_task("lm"), progress=False)
+    assert (mine / "tokenizer.json").read_text() == '{"mine": 1}'
+    (mine / "tokenizer.json").unlink()
+    (mine / "config.json").write_text('{"my": "settings"}')
+    with pytest.raises(FileExistsError, match="holds config.json, which .* not a tformer run"):
+        Trainer(cfg, mine, make_task("lm"), progress=False)
+    assert (mine / "config.json").read_text() == '{"my": "settings"}'
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+
+    def fails(_):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr("tformer.train.loop.build_model", fails)  # after the tokenizer and data.json
+    with pytest.raises(MemoryError):
+        Trainer(cfg, stopped, make_task("lm"), progress=False)
+    assert {"config.json", "tokenizer.json", "data.json"} <= {p.name for p in stopped.iterdir()}
+    monkeypatch.undo()
+    Trainer(cfg, stopped, make_task("lm"), progress=False).fit()  # a second try goes ahead
+    assert latest_checkpoint(stopped).name == "step_000001"
 
 
 def test_tiny_model_overfits_one_batch(corpus_dir: Path, tmp_path: Path) -> None:

@@ -62,6 +62,8 @@ class TrainState:
 
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
+# what a fresh run writes into its directory, replacing what is there
+RUN_FILES = ("config.json", *RUN_TOKENIZERS, "data.json", "metrics.jsonl", "loss.png", "tensorboard")
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
 # so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
@@ -143,6 +145,25 @@ def lock_run_dir(run_dir: Path):
     return handle
 
 
+def refuse_foreign_files(run_dir: Path) -> None:
+    """A fresh run replaces RUN_FILES in its directory. That is what rerunning a run that stopped before
+    its first checkpoint needs (its config.json is a run's config), but files of the same names that no
+    run wrote (a config or tokenizer of the user's own) are never replaced: an error names them."""
+    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not taken:
+        return
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        is_run = isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
+    except (OSError, ValueError):
+        is_run = False
+    if not is_run:
+        raise FileExistsError(
+            f"{run_dir} holds {', '.join(taken)}, which a new run would replace, and is not a tformer run "
+            "(no run's config.json); choose another --out or move them"
+        )
+
+
 def _duration(seconds: float) -> str:
     """12s, 3.4 min, 1.2 h."""
     if seconds < 120:
@@ -195,6 +216,8 @@ class Trainer:
                     f"before it. Pass steps >= {at}, or start a new run with another --out"
                 )
         refuse_unfinished(self.run_dir, resume_from)
+        if resume_from is None:
+            refuse_foreign_files(self.run_dir)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +225,7 @@ class Trainer:
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
             for name in RUN_TOKENIZERS:
                 (self.run_dir / name).unlink(missing_ok=True)
+            self._write_config(cfg)  # first: the files that follow belong to a run (refuse_foreign_files)
         try:
             self._build(task, cfg, meta, resume_from)
         except BaseException:  # bad data or model settings, a missing package: leave no directory behind
@@ -237,10 +261,13 @@ class Trainer:
             self._relay_schedule(meta)
         else:
             self.metrics.truncate_after(-1)  # records a crashed run left without a checkpoint: redone now
-        if self.env.is_main:  # a resumed run may have changed its cadence or length (RESUMABLE)
-            tmp = self.run_dir / "config.json.tmp"
-            tmp.write_text(json.dumps(cfg.replace(model=self.model_cfg).to_dict(), indent=2))
-            tmp.replace(self.run_dir / "config.json")
+        if self.env.is_main:  # resolved (vocabulary, classes); a resumed run may have changed its cadence
+            self._write_config(cfg.replace(model=self.model_cfg))
+
+    def _write_config(self, cfg: TrainConfig) -> None:
+        tmp = self.run_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
+        tmp.replace(self.run_dir / "config.json")
 
     def _build(self, task, cfg: TrainConfig, meta: dict | None, resume_from: Path | None) -> None:
         """Data, tokenizer, model, parallel layout, optimizer, schedule and loader of the run."""
