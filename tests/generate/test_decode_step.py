@@ -298,9 +298,9 @@ def test_seq2seq_step_equals_model_decode(name: str, products: str, padded: bool
         for t in range(6):
             if t == 3:  # rows follow beams: reorder and drop one, memory rows with them
                 index = torch.tensor([2, 0])
-                for cache in caches:
-                    cache.reorder(index)
                 memory, logits = select_memory(memory, index), logits.index_select(0, index)
+                for cache in caches:
+                    cache.reorder(index, memory.states)
             nxt = logits.argmax(-1)
             logits = model.decode(nxt[:, None], memory, cache=caches[0])[:, -1]
             assert torch.equal(step(nxt, memory, caches[1]), logits)

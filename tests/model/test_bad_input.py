@@ -79,6 +79,41 @@ def test_a_cache_takes_one_batch_and_a_positive_capacity(lm) -> None:
             lm.new_cache(capacity)
 
 
+def test_a_cache_of_another_model_or_type_is_named(lm) -> None:
+    x = torch.zeros(1, 3, dtype=torch.long)
+    assert torch.equal(lm(x, cache=None), lm(x))  # None: no cache
+    with pytest.raises(
+        TypeError, match=r"cache must be a KVCache from model.new_cache\(\) \(or None\), got dict"
+    ):
+        lm(x, cache={})
+    deeper = make(tiny().replace(positions="learned", max_seq_len=16, n_layers=3))
+    with pytest.raises(ValueError, match="this KV cache was made for 2 layers; the model has 3"):
+        deeper(x, cache=lm.new_cache())
+    cache = lm.new_cache()
+    lm(x, cache=cache)
+    gqa = make(tiny().replace(positions="learned", max_seq_len=16, n_kv_heads=2))
+    with pytest.raises(
+        ValueError, match=r"holds 4 key/value heads of 16 in layer 0, got 2 of 16: .*another model"
+    ):
+        gqa(x, cache=cache)
+
+
+def test_an_encoder_decoder_cache_keeps_to_one_source() -> None:
+    """The cross-attention K/V are projected once per source: a cache given another memory refuses it
+    (it had decoded against the first source's K/V); truncate(0) starts over for a new source."""
+    model = make(tiny().replace(arch="encoder_decoder", n_layers=2)).eval()
+    first = model.encode(torch.randint(0, 128, (2, 5)))
+    other = model.encode(torch.randint(0, 128, (2, 7)))
+    tgt = torch.randint(0, 128, (2, 3))
+    cache = model.new_cache()
+    model.decode(tgt[:, :2], first, cache=cache)
+    with pytest.raises(ValueError, match="holds the cross-attention keys/values of another encoder memory"):
+        model.decode(tgt[:, 2:], other, cache=cache)
+    cache.truncate(0)
+    cached = model.decode(tgt, other, cache=cache)
+    torch.testing.assert_close(cached, model.decode(tgt, other), rtol=0, atol=1e-5)
+
+
 def test_mask_of_wrong_shape_or_dtype(lm) -> None:
     tokens = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(

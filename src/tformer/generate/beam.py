@@ -147,8 +147,8 @@ class CachedSteps:
             self.cache.reorder(index)
             self.cache.cross_kv = cross
         else:
-            self.cache.reorder(index)
             self._follow(row_sentence)
+            self.cache.reorder(index, self.rows.states)
 
     def _follow(self, row_sentence: Tensor) -> None:
         # Beams of one sentence share its memory: rebuild only when the set of sentences changes.

@@ -2,8 +2,9 @@
 
 Shapes: k/v (B, Hkv, T, E). A cache is handed to the spine; each attention layer calls
 `cache.update(layer_idx, k, v)` with the new keys/values and gets back all keys/values so far.
-Cross-attention asks `cache.cross(layer_idx, compute)` for the encoder memory's K/V, computed once
-per source. `NO_CACHE` is the null object used in training and full forwards.
+Cross-attention asks `cache.cross(layer_idx, source, compute)` for the encoder memory's K/V, computed
+once per source (the memory's states tensor; another source is an error, not stale K/V). `NO_CACHE` is
+the null object used in training and full forwards; `as_cache` checks what a caller hands a model.
 """
 
 from __future__ import annotations
@@ -25,11 +26,27 @@ class NoCache:
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> KV:
         return k, v
 
-    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
+    def cross(self, layer_idx: int, source: Tensor, compute: Callable[[], KV]) -> KV:
         return compute()
 
 
 NO_CACHE = NoCache()
+
+
+def as_cache(cache: object, n_layers: int) -> NoCache | KVCache:
+    """The cache a model call was given (None: no cache), checked against the model's layer count."""
+    if cache is None or isinstance(cache, NoCache):
+        return NO_CACHE
+    if not isinstance(cache, KVCache):
+        raise TypeError(
+            f"cache must be a KVCache from model.new_cache() (or None), got {type(cache).__name__}"
+        )
+    if len(cache.lengths) != n_layers:
+        raise ValueError(
+            f"this KV cache was made for {len(cache.lengths)} layers; the model has {n_layers}: "
+            "use model.new_cache()"
+        )
+    return cache
 
 
 class KVCache:
@@ -47,6 +64,7 @@ class KVCache:
         self.v: list[Tensor | None] = [None] * n_layers
         self.lengths = [0] * n_layers
         self.cross_kv: list[KV | None] = [None] * n_layers
+        self.cross_source: Tensor | None = None  # the memory states cross_kv were projected from
 
     @property
     def seq_len(self) -> int:
@@ -67,18 +85,32 @@ class KVCache:
                 f"this KV cache holds a batch of {k_buf.shape[0]} rows, got {k.shape[0]}: a new batch needs "
                 "its own cache (model.new_cache())"
             )
+        if k.shape[1] != k_buf.shape[1] or k.shape[3] != k_buf.shape[3] or v.shape[3] != v_buf.shape[3]:
+            raise ValueError(
+                f"this KV cache holds {k_buf.shape[1]} key/value heads of {k_buf.shape[3]} in layer {layer_idx}, "
+                f"got {k.shape[1]} of {k.shape[3]}: it was made for another model (use model.new_cache())"
+            )
         k_buf[:, :, start : start + t] = k
         v_buf[:, :, start : start + t] = v
         self.lengths[layer_idx] = start + t
         return k_buf[:, :, : start + t], v_buf[:, :, : start + t]
 
-    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
+    def cross(self, layer_idx: int, source: Tensor, compute: Callable[[], KV]) -> KV:
+        """Layer `layer_idx`'s K/V of the encoder memory whose states are `source`, computed on first use."""
+        if self.cross_source is not None and source is not self.cross_source:
+            raise ValueError(
+                "this KV cache holds the cross-attention keys/values of another encoder memory: decoding "
+                "a new source needs a new cache (model.new_cache(), or cache.truncate(0))"
+            )
         if self.cross_kv[layer_idx] is None:
             self.cross_kv[layer_idx] = compute()
+            self.cross_source = source
         return self.cross_kv[layer_idx]
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows `index` (B',) in every buffer, e.g. the surviving beams."""
+    def reorder(self, index: Tensor, source: Tensor | None = None) -> None:
+        """Keep batch rows `index` (B',) in every buffer, e.g. the surviving beams. `source`: the memory
+        states whose rows the reordered cross-attention K/V now match (None: whatever memory comes next
+        is taken as theirs)."""
         for i in range(len(self.k)):
             if self.k[i] is not None:
                 self.k[i] = self.k[i].index_select(0, index)
@@ -86,10 +118,14 @@ class KVCache:
             if self.cross_kv[i] is not None:
                 k, v = self.cross_kv[i]
                 self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
+                self.cross_source = source
 
     def truncate(self, length: int) -> None:
-        """Forget slots from `length` on (e.g. to reuse a prefilled prompt)."""
+        """Forget slots from `length` on (e.g. to reuse a prefilled prompt); at 0 the encoder memory's
+        K/V too, so the cache can decode another source."""
         self.lengths = [min(n, length) for n in self.lengths]
+        if length <= 0:
+            self.cross_kv, self.cross_source = [None] * len(self.cross_kv), None
 
     @torch.no_grad()
     def memory_bytes(self) -> int:

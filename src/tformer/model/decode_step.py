@@ -173,7 +173,7 @@ class _CrossAttention:
         q = self.q(x).view(b, self.h, 1, self.e)  # (B, H, 1, E)
         if self.rotates:
             q = rotate(q)
-        k, v = cache.cross(self.layer, lambda: self.attn.memory_kv(memory))  # (B, Hkv, S, E)
+        k, v = cache.cross(self.layer, memory.states, lambda: self.attn.memory_kv(memory))  # (B, Hkv, S, E)
         mask = None if memory.mask.is_full else memory.mask.allowed  # (B|1, 1, 1, S)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.gqa)  # (B, H, 1, E)
         return self.o(y.view(b, self.h * self.e))

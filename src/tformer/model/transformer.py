@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tformer.config import ModelConfig
 from tformer.model.attention import Memory
 from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
-from tformer.model.cache import NO_CACHE, KVCache, NoCache
+from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
 from tformer.model.checks import check_key_padding, check_positions, check_tokens
 from tformer.model.init import init_weights
 from tformer.model.linear import autocast_input
@@ -90,6 +90,7 @@ class DecoderLM(Stack):
         cache: NoCache = NO_CACHE,
     ) -> Tensor:
         check_tokens(tokens, self.cfg.vocab_size)
+        cache = as_cache(cache, len(self.blocks))
         b, t = tokens.shape
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "key_padding_mask")
@@ -204,6 +205,7 @@ class EncoderDecoder(nn.Module):
             raise ValueError(
                 f"target batch size {b} does not match the encoder memory's {memory.states.shape[0]}"
             )
+        cache = as_cache(cache, len(self.decoder.blocks))
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
         positions = self.decoder.resolve_positions(tgt, positions, start)
