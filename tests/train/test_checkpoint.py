@@ -340,6 +340,36 @@ def test_exported_weights_carry_a_checksum(tmp_path, trained):
     assert same(params(fresh), params(model))
 
 
+def test_weights_are_read_by_content_and_odd_values_named(tmp_path, trained):
+    """A safetensors file named .pt loads as safetensors (it had been refused as pickled); integer values
+    for a float weight are refused by name; NaN weights load with a warning naming them; a missing
+    folder or a directory as the target is named as the user gave it."""
+    model = trained[0]
+    save_weights(model, tmp_path / "w.pt")
+    fresh = TinyLM()
+    load_weights(fresh, tmp_path / "w.pt")
+    assert same(params(fresh), params(model))
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ints = {**state, "ffn.weight": state["ffn.weight"].long()}
+    torch.save(ints, tmp_path / "ints.pt")
+    with pytest.raises(
+        CheckpointError, match=r"'ffn.weight' holds torch.int64 values .* torch.float32 in the model"
+    ):
+        load_weights(TinyLM(), tmp_path / "ints.pt")
+    state["ffn.weight"][0, 0] = float("nan")
+    safetensors.torch.save_file(state, tmp_path / "nan.safetensors")
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) hold NaN or infinite values \(ffn.weight\)"):
+        load_weights(TinyLM(), tmp_path / "nan.safetensors")
+
+    with pytest.raises(
+        FileNotFoundError, match=r"cannot write .*w.safetensors: the folder .*no/dir does not exist"
+    ):
+        save_weights(model, tmp_path / "no" / "dir" / "w.safetensors")
+    with pytest.raises(IsADirectoryError, match="is a directory: give a file name"):
+        save_weights(model, tmp_path)
+
+
 class _Payload:
     def __init__(self, target: Path) -> None:
         self.target = str(target)

@@ -230,7 +230,8 @@ def _weights_from_bytes(data: bytes, source: str) -> dict[str, torch.Tensor]:
 
 
 def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool, source: str):
-    """Check every key and shape; return (state to load, missing, unexpected). Touches nothing."""
+    """Check every key, shape and kind of value (floating or integer); return (state to load, missing,
+    unexpected). Touches nothing."""
     state = model.state_dict()
     resolved: dict[str, torch.Tensor] = {}
     missing: list[str] = []
@@ -244,6 +245,11 @@ def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict:
             if want != got:
                 raise CheckpointError(
                     f"{source}: key {name!r} has shape {got} in the checkpoint but {want} in the model"
+                )
+            if tensors[name].is_floating_point() != state[name].is_floating_point():
+                raise CheckpointError(
+                    f"{source}: key {name!r} holds {tensors[name].dtype} values in the checkpoint but "
+                    f"{state[name].dtype} in the model"
                 )
         for name in found[1:]:
             if not torch.equal(tensors[name], tensors[found[0]]):
@@ -261,7 +267,7 @@ def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict:
 def load_state_dict_checked(
     model: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True, source: str = "weights"
 ) -> LoadResult:
-    """Copy `tensors` into `model` after checking every key and shape (all or nothing; ties kept)."""
+    """Copy `tensors` into `model` after checking every key, shape and kind (all or nothing; ties kept)."""
     resolved, missing, unexpected = _plan_model_load(model, tensors, strict, source)
     model.load_state_dict(resolved, strict=False)
     return LoadResult(missing, unexpected)

@@ -31,6 +31,10 @@ from tformer.train.checkpoint import (
 def save_weights(model: nn.Module, path: str | Path) -> None:
     """Export model.state_dict() as one safetensors file (tied weights once), written atomically."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: give a file name, e.g. {path / 'model.safetensors'}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: the folder {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
@@ -53,18 +57,42 @@ def load_weights(
     trust_pickle: bool = False,
 ) -> LoadResult:
     """Import weights from a safetensors file (or a tensors-only .pt/.pth/.bin, see import_torch_weights,
-    which `key` and `trust_pickle` are passed to)."""
+    which `key` and `trust_pickle` are passed to; a safetensors file is read as one whatever its name).
+    Weights that are not finite load with a warning naming them."""
     path = Path(path)
-    if path.suffix in (".pt", ".pth", ".bin"):
-        state = import_torch_weights(path, key=key, trust_pickle=trust_pickle)
-        return load_state_dict_checked(model, state, strict=strict, source=str(path))
+    if path.suffix in (".pt", ".pth", ".bin") and not _is_safetensors(path):
+        tensors = import_torch_weights(path, key=key, trust_pickle=trust_pickle)
+    else:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read weights ({e.strerror})") from None
+        tensors = _weights_from_bytes(data, str(path))  # a truncated or malformed file is named as such first
+        _check_digest(data, path)
+    result = load_state_dict_checked(model, tensors, strict=strict, source=str(path))
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        warnings.warn(
+            f"{path}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); the model will output NaN",
+            UserWarning,
+            stacklevel=2,
+        )
+    return result
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether the file starts with a safetensors header (8-byte length, then a JSON object)."""
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read weights ({e.strerror})") from None
-    tensors = _weights_from_bytes(data, str(path))  # a truncated or malformed file is named as such first
-    _check_digest(data, path)
-    return load_state_dict_checked(model, tensors, strict=strict, source=str(path))
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n) if 0 < n <= 100_000_000 else b""
+    except OSError:
+        return False  # import_torch_weights names the problem
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
 
 
 DIGEST_KEY = "tformer.sha256"
