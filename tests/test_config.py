@@ -71,6 +71,10 @@ def test_nested_errors_name_the_path_from_the_outermost_config() -> None:
     with pytest.raises(ConfigError, match=r"^TrainConfig.model.d_model must be >= 1, got 0"):
         TrainConfig().with_overrides({"model.d_model": 0})
     with pytest.raises(
+        ConfigError, match=r"^TrainConfig.data.vocab_size must be from 260 .* to 1,048,576, got 10"
+    ):
+        TrainConfig().with_overrides({"data.vocab_size": 10**10})  # the BPE trainer had aborted the process
+    with pytest.raises(
         ConfigError, match=r"^unknown key 'bogus' in TrainConfig.model.moe; allowed: n_experts"
     ):
         TrainConfig.from_dict({"model": {"moe": {"bogus": 1}}})

@@ -90,4 +90,17 @@ def test_bad_tokenizer_input_is_named(tmp_path):
     tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
     with pytest.raises(ValueError, match="token id 99999 is outside this tokenizer's vocabulary"):
         tok.decode([99999, 5])
+    for ids in ([99999], [-1]):  # the batch had dropped the first silently and overflowed on the second
+        with pytest.raises(ValueError, match=f"token id {ids[0]} is outside"):
+            tok.decode_batch([[5], ids])
+    with pytest.raises(TypeError, match=r"wrap one text in a list: \[text\]"):
+        tok.encode_batch("abc")  # had encoded each character as a text
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a str, got NoneType"):
+        tok.encode_batch(["a", None])
+    with pytest.raises(TypeError, match="text must be a str, got NoneType"):
+        tok.encode(None)
+    with pytest.raises(ValueError, match="the text is not a tokenizer.json file"):
+        Tokenizer.from_json_str("junk")
+    with pytest.raises(ValueError, match=r"vocab_size 2,000,000 is above the 1,048,576"):
+        Tokenizer.train_bpe(["some text"] * 10, 2_000_000)
     assert tok.save(tmp_path / "tok.JSON").name == "tok.JSON" and (tmp_path / "tok.JSON").is_file()

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+MAX_BPE_VOCAB = 1 << 20  # 1,048,576: above the largest vocabularies in use; the library aborts on huge ones
 
 
 class Tokenizer:
@@ -54,8 +55,14 @@ class Tokenizer:
         if not texts:
             raise ValueError("no text to train a tokenizer on (every text is empty)")
         alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
         if vocab_size < len(alphabet) + len(special_tokens):
             raise ValueError(f"vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
+        if vocab_size > MAX_BPE_VOCAB:  # the library would try to allocate for it and abort the process
+            raise ValueError(
+                f"vocab_size {vocab_size:,} is above the {MAX_BPE_VOCAB:,} a BPE vocabulary may have here"
+            )
         backend = _Backend(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
@@ -103,24 +110,37 @@ class Tokenizer:
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         return self._wrap(self._backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
     def encode_batch(
         self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
     ) -> list[list[int]]:
         """Encode many texts at once (parallel in the library)."""
-        encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+        texts = list(texts)
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise TypeError(f"texts[{bad}] must be a str, got {type(texts[bad]).__name__}")
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+    def _checked(self, ids: Iterable[int]) -> list[int]:
         ids = list(ids)
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:  # the library drops such ids silently
+        if bad is not None:  # the library drops such ids silently (or overflows on negative ones)
             raise ValueError(f"token id {bad} is outside this tokenizer's vocabulary of {self.vocab_size}")
-        return self._backend.decode(ids, skip_special_tokens=skip_special)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self._backend.decode(self._checked(ids), skip_special_tokens=skip_special)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
-        return self._backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special)
+        return self._backend.decode_batch(
+            [self._checked(ids) for ids in batch], skip_special_tokens=skip_special
+        )
 
     # ------------------------------------------------------------ storage
 
@@ -129,8 +149,13 @@ class Tokenizer:
         return self._backend.to_str()
 
     @classmethod
-    def from_json_str(cls, text: str) -> Tokenizer:
-        return cls(_Backend.from_str(text))
+    def from_json_str(cls, text: str, where: str = "the text") -> Tokenizer:
+        if not isinstance(text, str):
+            raise TypeError(f"a tokenizer's JSON must be a str, got {type(text).__name__}")
+        try:
+            return cls(_Backend.from_str(text))
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            raise ValueError(f"{where} is not a tokenizer.json file ({' '.join(str(e).split())})") from None
 
     def save(self, path: str | Path) -> Path:
         """Write tokenizer.json (to `path` if it names a .json file, else to `path/tokenizer.json`)."""
@@ -147,11 +172,10 @@ class Tokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         try:
-            return cls.from_json_str(path.read_text(encoding="utf-8"))
-        except OSError:
-            raise
-        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
-            raise ValueError(f"{path} is not a tokenizer.json file ({' '.join(str(e).split())})") from None
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a tokenizer.json file (not UTF-8 text)") from None
+        return cls.from_json_str(text, str(path))
 
     def fingerprint(self) -> str:
         """Short sha256 of the JSON: equal fingerprints mean identical tokenizers."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tformer.config import ModelConfig
+from tformer.data.tokenizer import MAX_BPE_VOCAB
 from tformer.schema import Config
 
 
@@ -44,13 +45,19 @@ class DataConfig(Config):
             "dictionary_terms",
             f"needs corpus 'trans-de-en', got {self.corpus!r}",
         )
-        self._require(self.vocab_size >= 260, "vocab_size", "must be >= 260 (256 bytes + 4 special tokens)")
+        self._require(
+            260 <= self.vocab_size <= MAX_BPE_VOCAB,
+            "vocab_size",
+            f"must be from 260 (256 bytes + 4 special tokens) to {MAX_BPE_VOCAB:,}",
+        )
         self._require(self.seq_len >= 2, "seq_len", "must be >= 2")
         if self.max_train_docs is not None:
             self._require(self.max_train_docs >= 1, "max_train_docs", "must be >= 1 (or null for all)")
         if self.src_vocab_size is not None:
             self._require(
-                self.src_vocab_size >= 260, "src_vocab_size", "must be >= 260 (or null: vocab_size)"
+                260 <= self.src_vocab_size <= MAX_BPE_VOCAB,
+                "src_vocab_size",
+                f"must be from 260 to {MAX_BPE_VOCAB:,} (or null: vocab_size)",
             )
         if self.max_tokens is not None:
             self._require(self.max_tokens >= self.seq_len, "max_tokens", f"must be >= seq_len={self.seq_len}")
