@@ -80,7 +80,7 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     assert "the prompt is empty" in capsys.readouterr().err
     long_prompt = " ".join(["to be"] * 100)
     assert main(["generate", "--run", str(trained_run), "--prompt", long_prompt]) == 2
-    assert "does not fit the model's context of 64 tokens" in capsys.readouterr().err
+    assert "leaves no room for new tokens in the model's context of 64 tokens" in capsys.readouterr().err
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
     assert "lower max_new_tokens" in capsys.readouterr().err
     # without --max-new-tokens: 200 or what the context (64) leaves after the prompt

@@ -44,6 +44,21 @@ def seq2seq():
         ("to be", TypeError, "prompts must be a list of token-id lists"),
         (7, TypeError, "prompts must be a list of token-id lists"),
         ([[1, 2], []], ValueError, "prompt 1 is empty"),
+        (torch.tensor([1, 2, 3]), TypeError, "got a 1-D tensor; wrap one prompt in a list"),
+        (
+            [torch.ones(2, 2, dtype=torch.long)],
+            TypeError,
+            "prompt 0 must be a list of token ids, got a 2-D Tensor",
+        ),
+        ([{1, 2}], TypeError, "prompt 0 must be a list of token ids, got set"),
+        ([[1, 2, 3, 4, 5], [7, -1]], ValueError, r"prompt 1 holds id -1 at index 1; allowed ids are 0..31"),
+        ([[1, 2**63]], ValueError, "prompt 0 holds id 9223372036854775808 at index 1"),
+        ([[1, 32]], ValueError, "prompt 0 holds id 32 at index 1"),
+        (
+            [[1] * 16],
+            ValueError,
+            "a prompt of 16 tokens leaves no room for new tokens .* context of 16 tokens",
+        ),
     ],
 )
 def test_generate_refuses_prompts_that_are_not_lists_of_int_ids(lm, prompts, error, needle) -> None:
@@ -71,7 +86,9 @@ def test_generate_checks_its_ids_model_and_settings(lm, seq2seq) -> None:
     ):
         with pytest.raises(ValueError, match=needle):
             generate(lm, [[1, 2], [3]], GREEDY, **kwargs)
-    with pytest.raises(ValueError, match="generate needs a decoder LM"):
+    with pytest.raises(
+        ValueError, match="decoder LM, .*'encoder_decoder'.* with tformer.generate.beam.search$"
+    ):
         generate(seq2seq, [[1, 2]], GREEDY)
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig, got dict"):
         generate(lm, [[1, 2]], {"temperature": 0.0})  # type: ignore[arg-type]
@@ -94,7 +111,9 @@ def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
         search(seq2seq, src.tolist(), None, cfg, **ids)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="src_mask must be a bool tensor of src's shape"):
         search(seq2seq, src, torch.ones(2, 4, dtype=torch.bool), cfg, **ids)
-    with pytest.raises(ValueError, match="search needs an encoder-decoder"):
+    with pytest.raises(
+        ValueError, match="encoder-decoder, .*'decoder'.* with tformer.generate.engine.generate$"
+    ):
         search(lm, src, None, cfg, **ids)
     assert len(search(seq2seq, src, None, cfg, banned=[5], **ids)) == 2
 

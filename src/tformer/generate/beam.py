@@ -361,9 +361,11 @@ def search(
     translation preset's model) and run each step after the first as the flat
     `tformer.model.decode_step.Seq2SeqDecodeStep`; False: `model.decode` with `F.linear` throughout
     (the slow twin)."""
-    if getattr(getattr(model, "cfg", None), "arch", None) != "encoder_decoder":
+    arch = getattr(getattr(model, "cfg", None), "arch", None)
+    if arch != "encoder_decoder":
         raise ValueError(
-            "search needs an encoder-decoder; a decoder LM generates with tformer.generate.generate"
+            f"search needs an encoder-decoder, got {'a model of arch ' + repr(arch) if arch else type(model).__name__}"
+            + ("; a decoder LM generates with tformer.generate.engine.generate" if arch == "decoder" else "")
         )
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
         raise TypeError("src must be a (batch, length) tensor of token ids (torch.long)")

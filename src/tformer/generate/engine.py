@@ -48,23 +48,42 @@ def check_token_id(value, vocab_size: int, what: str) -> None:
         raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {value!r}")
 
 
-def as_token_lists(prompts) -> list[list[int]]:
-    """Prompts as lists of Python ints: each prompt a list, tuple or 1-D array of integer ids (a
-    string, or a float id, is an error naming the prompt)."""
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+def as_token_lists(prompts, vocab_size: int | None = None) -> list[list[int]]:
+    """Prompts as lists of Python ints: a list of prompts, each a list, tuple or 1-D array / tensor of
+    integer ids, or one 2-D tensor (B, T) (a string, a float id or an id outside [0, vocab_size) is an
+    error naming the prompt and index)."""
+    if isinstance(prompts, Tensor) and prompts.dim() != 2:
+        raise TypeError(
+            f"prompts must be a list of token-id lists or a 2-D tensor (batch, length), got a {prompts.dim()}-D "
+            "tensor; wrap one prompt in a list: [ids]"
+        )
+    if isinstance(prompts, (str, bytes, set, frozenset, dict)) or not hasattr(prompts, "__iter__"):
         raise TypeError(
             f"prompts must be a list of token-id lists (e.g. [[5, 17, 3]]), got {type(prompts).__name__}"
         )
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
-            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+        one_dim = getattr(p, "ndim", 1) == 1  # tensors and arrays: one row of ids
+        if isinstance(p, (str, bytes, set, frozenset, dict)) or not hasattr(p, "__iter__") or not one_dim:
+            raise TypeError(f"prompt {i} must be a list of token ids, got {_kind(p)}")
         ids = list(p)
         bad = next((t for t in ids if not is_token_id(t)), None)
         if bad is not None:
             raise TypeError(f"prompt {i} holds {bad!r}: token ids are integers")
-        out.append([operator.index(t) for t in ids])
+        ids = [operator.index(t) for t in ids]
+        if vocab_size is not None:
+            at = next((j for j, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+            if at is not None:
+                raise ValueError(
+                    f"prompt {i} holds id {ids[at]} at index {at}; allowed ids are 0..{vocab_size - 1}"
+                )
+        out.append(ids)
     return out
+
+
+def _kind(value) -> str:
+    ndim = getattr(value, "ndim", None)
+    return f"a {ndim}-D {type(value).__name__}" if ndim is not None else type(value).__name__
 
 
 def _tokens(n: int) -> str:
@@ -80,7 +99,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise ValueError(
-            f"prompt of {_tokens(longest)} does not fit the model's context of {max_seq_len} tokens"
+            f"a prompt of {_tokens(longest)} leaves no room for new tokens in the model's context of "
+            f"{_tokens(max_seq_len)}; give at most {_tokens(max_seq_len - 1)}"
         )
     if longest + max_new_tokens > max_seq_len:
         raise ValueError(
@@ -130,13 +150,19 @@ def generate(
         where the model is one it knows, else as `model(...)`.
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     """
-    if getattr(getattr(model, "cfg", None), "arch", None) != "decoder":
+    arch = getattr(getattr(model, "cfg", None), "arch", None)
+    if arch != "decoder":
         raise ValueError(
-            "generate needs a decoder LM; an encoder-decoder decodes with tformer.generate.search"
+            f"generate needs a decoder LM, got {'a model of arch ' + repr(arch) if arch else type(model).__name__}"
+            + (
+                "; an encoder-decoder decodes with tformer.generate.beam.search"
+                if arch == "encoder_decoder"
+                else ""
+            )
         )
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    prompts = as_token_lists(prompts)
+    prompts = as_token_lists(prompts, model.cfg.vocab_size)
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
     vocab = model.cfg.vocab_size
     check_token_id(pad_id, vocab, "pad_id")
