@@ -47,8 +47,15 @@ COMMAND_OF_TASK = {
 TASK_NOUN = {"lm": "language-model", "translation": "translation", "classification": "classification"}
 
 
-def require_task(run: LoadedRun, task: str, noun: str) -> None:
-    """ValueError unless `run` was trained for `task`; it names the command that serves the run."""
+def require_task(run: LoadedRun | str | Path, task: str, noun: str) -> LoadedRun:
+    """`run` (a LoadedRun, or a run directory or checkpoint, loaded here); a ValueError unless it was
+    trained for `task`, naming the command that serves the run."""
+    if isinstance(run, (str, Path)):
+        run = load_run(run)
+    elif not isinstance(run, LoadedRun):
+        raise TypeError(
+            f"run must be a run from tformer.runs.load_run (or its path), got {type(run).__name__}"
+        )
     have = run.train_config.task
     if have != task:
         how = COMMAND_OF_TASK.get(have)
@@ -56,6 +63,7 @@ def require_task(run: LoadedRun, task: str, noun: str) -> None:
             f"{run.checkpoint} is a {TASK_NOUN.get(have, have)} run, not a {noun} run"
             + (f"; use {how}" if how else "")
         )
+    return run
 
 
 def check_texts(texts: Iterable[str]) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from tformer import build_model
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate import SamplingConfig
-from tformer.generate.beam import SearchConfig, search
+from tformer.generate.beam import SearchConfig, beam_search, search
 from tformer.generate.engine import generate
 from tformer.presets import tiny
 from tformer.tasks.classification import Classifier
@@ -111,6 +111,15 @@ def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
         search(seq2seq, src.tolist(), None, cfg, **ids)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="src_mask must be a bool tensor of src's shape"):
         search(seq2seq, src, torch.ones(2, 4, dtype=torch.bool), cfg, **ids)
+    with pytest.raises(ValueError, match="src_mask must be a bool tensor of src's shape"):
+        search(seq2seq, src, torch.ones(2, 5), cfg, **ids)  # float: refused here, not inside the model
+    with pytest.raises(TypeError, match="cfg must be a SearchConfig, got NoneType"):
+        search(seq2seq, src, None, None, **ids)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="banned must be a list of token ids, got int"):
+        search(seq2seq, src, None, cfg, banned=3, **ids)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="beam_size must be an int >= 1, got 0"):
+        beam_search(seq2seq, src, None, max_len=4, beam_size=0, **ids)
+    assert search(seq2seq, src.int(), None, cfg, **ids) == search(seq2seq, src, None, cfg, **ids)  # int32 ids
     with pytest.raises(
         ValueError, match="encoder-decoder, .*'decoder'.* with tformer.generate.engine.generate$"
     ):

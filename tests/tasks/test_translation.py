@@ -266,3 +266,28 @@ def test_one_output_line_per_input_line(trained_run: Path, tmp_path: Path, capsy
     translator = load_translator(load_run(trained_run))
     ids = translator.tgt_tok.encode("a\nb\tc\r\nd")
     assert translator.text(Hypothesis(ids, 0.0, 0.0, True)) == "a b c  d"
+
+
+def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained_run: Path) -> None:
+    from tformer.generate.beam import SearchConfig
+    from tformer.runs import load_run
+    from tformer.tasks.classification import load_classifier
+    from tformer.tasks.translation import load_translator
+
+    greedy = SearchConfig(method="greedy")
+    by_path = load_translator(str(trained_run)).translate(["Der Hund"], greedy)
+    assert by_path == load_translator(load_run(trained_run)).translate(["Der Hund"], greedy)
+    with pytest.raises(
+        TypeError, match=r"cfg must be a SearchConfig \(e.g. SearchConfig\(beam_size=4\)\), got NoneType"
+    ):
+        load_translator(trained_run).translate(["Der Hund"], None)
+    with pytest.raises(
+        ValueError, match="is a translation run, not a classification run; use tformer translate"
+    ):
+        load_classifier(trained_run)
+    with pytest.raises(
+        TypeError, match=r"run must be a run from tformer.runs.load_run \(or its path\), got int"
+    ):
+        load_translator(3)
+    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        load_run(trained_run, device="gpu")

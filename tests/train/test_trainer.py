@@ -94,6 +94,22 @@ def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path:
     assert latest_checkpoint(stopped).name == "step_000001"
 
 
+def test_the_trainer_names_arguments_it_cannot_use(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, steps=1, save_every=1)
+    with pytest.raises(TypeError, match="cfg must be a TrainConfig .*, got ModelConfig"):
+        Trainer(cfg.model, tmp_path / "a", "lm", progress=False)
+    with pytest.raises(TypeError, match="task must be a task name or tformer.tasks.make_task"):
+        Trainer(cfg, tmp_path / "a", None, progress=False)
+    trainer = Trainer(cfg, tmp_path / "a", "lm", progress=False)  # a task name is made into the task
+    for until in ("1", 1.5, 0):
+        with pytest.raises(ValueError, match="until must be a step number >= 1"):
+            trainer.fit(until=until)
+    trainer.fit()
+    trainer.close()
+    with pytest.raises(RuntimeError, match=r"this Trainer is closed; a new Trainer\(..., resume=True\)"):
+        trainer.fit()
+
+
 def test_tiny_model_overfits_one_batch(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir)
     trainer = Trainer(cfg, tmp_path / "o", make_task("lm"), progress=False)

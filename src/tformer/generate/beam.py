@@ -237,6 +237,8 @@ def beam_search(
         raise ValueError(
             f"alpha (the length penalty) must be in [-{MAX_ALPHA:g}, {MAX_ALPHA:g}], got {alpha}"
         )
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
@@ -367,10 +369,20 @@ def search(
             f"search needs an encoder-decoder, got {'a model of arch ' + repr(arch) if arch else type(model).__name__}"
             + ("; a decoder LM generates with tformer.generate.engine.generate" if arch == "decoder" else "")
         )
-    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
-        raise TypeError("src must be a (batch, length) tensor of token ids (torch.long)")
-    if src_mask is not None and (not isinstance(src_mask, Tensor) or src_mask.shape != src.shape):
-        raise ValueError(f"src_mask must be a bool tensor of src's shape {tuple(src.shape)}")
+    if not isinstance(cfg, SearchConfig):
+        raise TypeError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype not in (torch.long, torch.int32):
+        raise TypeError("src must be a (batch, length) tensor of token ids (torch.long or torch.int32)")
+    src = src.long()
+    if src_mask is not None and (
+        not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool or src_mask.shape != src.shape
+    ):
+        raise ValueError(
+            f"src_mask must be a bool tensor of src's shape {tuple(src.shape)} (True = real token)"
+        )
+    if isinstance(banned, (str, bytes)) or not hasattr(banned, "__iter__"):
+        raise TypeError(f"banned must be a list of token ids, got {type(banned).__name__}")
+    banned = list(banned)
     vocab = model.cfg.vocab_size
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("banned id", b) for b in banned)):
         check_token_id(value, vocab, name)

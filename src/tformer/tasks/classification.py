@@ -218,15 +218,17 @@ def run_labels(run: LoadedRun) -> tuple[str, ...]:
     return load_task_corpus(run.train_config.data, "classification").labels
 
 
-def load_classifier(run: LoadedRun) -> Classifier:
+def load_classifier(run: LoadedRun | str | Path) -> Classifier:
+    """The Classifier of a run (loaded with `tformer.runs.load_run`, or its path)."""
+    run = require_task(run, "classification", "classification")
     cfg = run.train_config
-    require_task(run, "classification", "classification")
     return Classifier(run.model, run.tokenizer, run_labels(run), cfg.data.seq_len)
 
 
-def evaluate_run(run: LoadedRun, split: str = "test", max_batches: int | None = None) -> dict:
-    """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run on a split; the
-    matrix also goes to <run>/confusion_<split>.png."""
+def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: int | None = None) -> dict:
+    """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run (or its path) on a
+    split; the matrix also goes to <run>/confusion_<split>.png."""
+    run = require_task(run, "classification", "classification")
     classifier = load_classifier(run)
     cfg = run.train_config
     corpus = load_task_corpus(cfg.data, "classification")

@@ -75,6 +75,10 @@ class Translator:
         return out, cut
 
     def hypotheses(self, sources: Sequence[list[int]], cfg: SearchConfig) -> list[Hypothesis]:
+        if not isinstance(cfg, SearchConfig):
+            raise TypeError(
+                f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
+            )
         device = next(self.model.parameters()).device
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         out: list[Hypothesis | None] = [None] * len(sources)
@@ -244,10 +248,10 @@ def evaluate_loss(
 # ----------------------------------------------------------------------------- trained runs
 
 
-def load_translator(run: LoadedRun) -> Translator:
-    """The Translator of a run loaded with `tformer.runs.load_run`."""
+def load_translator(run: LoadedRun | str | Path) -> Translator:
+    """The Translator of a run (loaded with `tformer.runs.load_run`, or its path)."""
+    run = require_task(run, "translation", "translation")
     cfg = run.train_config
-    require_task(run, "translation", "translation")
     src_tok = run.tokenizer
     if cfg.data.tokenizer == "separate":
         path = run_dir_of(run.checkpoint) / SRC_TOKENIZER
@@ -258,13 +262,14 @@ def load_translator(run: LoadedRun) -> Translator:
 
 
 def evaluate_run(
-    run: LoadedRun,
+    run: LoadedRun | str | Path,
     split: str = "test",
     search_cfg: SearchConfig = TEST_SEARCH,
     max_batches: int | None = None,
 ) -> dict:
-    """Beam-search BLEU / chrF of a run on a split of its corpus, with the copy-the-source baseline and
-    the loss; the translations go to <run>/translations_<split>.txt."""
+    """Beam-search BLEU / chrF of a run (or its path) on a split of its corpus, with the copy-the-source
+    baseline and the loss; the translations go to <run>/translations_<split>.txt."""
+    run = require_task(run, "translation", "translation")
     cfg = run.train_config
     translator = load_translator(run)
     pairs = list(load_translation_corpus(cfg.data)[split])

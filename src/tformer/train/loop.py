@@ -187,6 +187,18 @@ class Trainer:
         runs); False nothing on stdout. Rank 0 alone shows anything."""
         if progress not in (True, False, "lines"):
             raise ValueError(f"progress must be True, False or 'lines', got {progress!r}")
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(
+                f"cfg must be a TrainConfig (e.g. get_train_preset('tiny-lm')), got {type(cfg).__name__}"
+            )
+        if isinstance(task, str):
+            from tformer.tasks import make_task
+
+            task = make_task(task)
+        elif not callable(getattr(task, "setup", None)):
+            raise TypeError(
+                f"task must be a task name or tformer.tasks.make_task(name), got {type(task).__name__}"
+            )
         self.env = init_distributed(cfg.parallel, cfg.device)
         self.cfg, self.task = cfg, task
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
@@ -377,6 +389,10 @@ class Trainer:
     def fit(self, until: int | None = None) -> dict[str, Any]:
         """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would).
         Ctrl-C or SIGTERM stops after the step in flight, with a checkpoint (tformer.train.interrupt)."""
+        if self.model is None:
+            raise RuntimeError("this Trainer is closed; a new Trainer(..., resume=True) continues the run")
+        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 1):
+            raise ValueError(f"until must be a step number >= 1 (or None), got {until!r}")
         s = self.state
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
         self.model.train()
