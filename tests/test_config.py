@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tformer import PRESETS, ConfigError, ModelConfig, MoEConfig, RopeConfig, get_preset
@@ -127,6 +128,17 @@ def test_ints_widen_to_float_and_floats_never_narrow() -> None:
     assert ModelConfig(dropout=0).dropout == 0.0
     with pytest.raises(ConfigError, match="ModelConfig.n_layers must be int, got 2.0"):
         ModelConfig(n_layers=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ModelConfig.n_layers must be int, got np.float64"):
+        ModelConfig(n_layers=np.float64(2.0))  # type: ignore[arg-type]
+
+
+def test_numpy_numbers_are_taken_as_python_numbers() -> None:
+    """A value read from an array (np.int64, np.float32) had been refused as 'must be int, got 2'."""
+    cfg = ModelConfig(n_layers=np.int64(2), dropout=np.float32(0.25))
+    assert type(cfg.n_layers) is int and type(cfg.dropout) is float and cfg.dropout == 0.25
+    assert json.dumps(cfg.to_dict())  # stays JSON-ready
+    with pytest.raises(ConfigError, match="must be int, got np.True_"):
+        ModelConfig(n_layers=np.bool_(True))  # type: ignore[arg-type]
 
 
 def test_exponent_floats_read_by_yaml_as_strings_are_floats(tmp_path) -> None:

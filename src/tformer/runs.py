@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,17 @@ def require_task(run: LoadedRun | str | Path, task: str, noun: str) -> LoadedRun
             + (f"; use {how}" if how else "")
         )
     return run
+
+
+def warn_truncated(cut: Sequence[int], limit: int) -> None:
+    """The Python API's warning for texts cut to the model's input length (the CLI names lines)."""
+    if cut:
+        shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+        warnings.warn(
+            f"{len(cut)} text(s) longer than {limit} tokens were truncated (index {shown})",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_texts(texts: Iterable[str]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 import types
 import typing
@@ -65,13 +66,13 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
     elif tp is bool:
         if isinstance(value, bool):
             return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif tp is int:  # NumPy integers too (a value from an array), stored as int
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
     elif tp is float:  # no tformer setting means anything at inf or NaN
         if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float in YAML 1.2 and JSON
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise ConfigError(f"{owner}.{name} must be a finite number, got {value!r}")
             return float(value)

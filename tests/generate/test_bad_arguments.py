@@ -95,6 +95,16 @@ def test_generate_checks_its_ids_model_and_settings(lm, seq2seq) -> None:
     assert len(generate(lm, [[1, 2], [3]], GREEDY, eos_id=31, pad_id=0)) == 2  # valid ids still work
 
 
+def test_generate_names_a_model_whose_logits_are_not_finite() -> None:
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(vocab_size=32, max_seq_len=16)).eval()
+    with torch.no_grad():
+        model.final_norm.weight[0] = float("nan")
+    for sampling in (GREEDY, SamplingConfig(temperature=1.0, max_new_tokens=3)):  # greedy had returned id 0
+        with pytest.raises(RuntimeError, match="logits after the prompt are NaN or infinite"):
+            generate(model, [[1, 2]], sampling)
+
+
 def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
     src = torch.randint(3, 24, (2, 5))
     cfg = SearchConfig(method="greedy", max_len_a=0.0, max_len_b=4)
@@ -134,6 +144,10 @@ def test_translator_and_classifier_take_lists_of_non_empty_strings() -> None:
     translator = Translator(pair, tok, tok, max_src_len=32)
     cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
     classifier = Classifier(build_model(cfg).eval(), tok, ["a", "b"], max_len=32)
+    long_text = ["the market rose " * 20]
+    for call in (lambda t: translator.translate(t, SearchConfig(method="greedy")), classifier.classify):
+        with pytest.warns(UserWarning, match=r"1 text\(s\) longer than 32 tokens were truncated \(index 0\)"):
+            assert len(call(long_text)) == 1
     for call in (lambda t: translator.translate(t, SearchConfig(method="greedy")), classifier.classify):
         with pytest.raises(TypeError, match=r"wrap one text in a list: \[text\]"):
             call("the market")

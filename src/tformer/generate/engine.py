@@ -189,6 +189,11 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_de
     key_padding = real if padded else None
     cache = model.new_cache(length + sampling.max_new_tokens)
     logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+    if not bool(torch.isfinite(logits).all()):  # greedy would pick id 0 from NaN, sampling fail in torch
+        raise RuntimeError(
+            "the model's next-token logits after the prompt are NaN or infinite: its weights hold NaN or inf "
+            "(load_weights names such tensors)"
+        )
     step_fn = DecodeStep.build(model, b) if fast_decode else None  # after the prefill: it fills the cache
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     history = tokens.masked_fill(~real, -1) if sampling.repetition_penalty != 1.0 else None

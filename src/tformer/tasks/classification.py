@@ -30,7 +30,7 @@ from tformer.data.datasets import (
 )
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
-from tformer.runs import LoadedRun, check_texts, require_task
+from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import MANIFEST, load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
@@ -76,7 +76,10 @@ class Classifier:
         return out
 
     def classify(self, texts: Sequence[str]) -> list[tuple[str, dict[str, float]]]:
-        probs = self.probabilities(self.encode(texts)[0])
+        """(label, class probabilities) per text; texts longer than max_len tokens are cut, with a warning."""
+        ids, cut = self.encode(texts)
+        warn_truncated(cut, self.max_len)
+        probs = self.probabilities(ids)
         return [(self.labels[int(p.argmax())], dict(zip(self.labels, p.tolist()))) for p in probs]
 
 

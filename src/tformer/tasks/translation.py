@@ -25,7 +25,7 @@ from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, S
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
-from tformer.runs import LoadedRun, check_texts, require_task
+from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
@@ -102,7 +102,9 @@ class Translator:
         return out  # type: ignore[return-value]
 
     def translate(self, texts: Sequence[str], cfg: SearchConfig) -> list[str]:
-        sources, _ = self.encode(texts)
+        """One translation per text; texts longer than max_src_len tokens are cut, with a warning."""
+        sources, cut = self.encode(texts)
+        warn_truncated(cut, self.max_src_len)
         return [self.text(h) for h in self.hypotheses(sources, cfg)]
 
     def text(self, hypothesis: Hypothesis) -> str:
