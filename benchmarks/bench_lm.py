@@ -145,7 +145,7 @@ def active_matmul_params(model: nn.Module, top_k: int = 0) -> float:
 
 def train_flops(model: nn.Module, s: dict, top_k: int = 0, d_attn: int | None = None) -> float:
     """Model FLOPs of one training step: 6 x active matmul params per token + attention
-    3 x 2 x T x (d_qk + d_v) per layer per token, full T x T (BENCHMARKING.md)."""
+    3 x 2 x T x (d_qk + d_v) per layer per token, full T x T (docs/performance.md, Method)."""
     d_attn = d_attn or s["d_model"]
     per_token = 6 * active_matmul_params(model, top_k) + 3 * 2 * s["seq"] * 2 * d_attn * s["layers"]
     return per_token * s["batch"] * s["seq"]

@@ -1,4 +1,4 @@
-"""Shared timing harness for tformer's side-by-side benchmarks (see /work/shared/BENCHMARKING.md).
+"""Shared timing harness for tformer's side-by-side benchmarks (the method: docs/performance.md).
 
 Method: every variant runs in the same process, interleaved round-robin with a rotating order
 (A B C, B C A, C A B, ...) after warm-up. We report each variant's best (minimum) time and its

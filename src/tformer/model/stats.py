@@ -1,7 +1,7 @@
 """Sizes and costs of a model: total vs active parameters, forward FLOPs per token, and DeepSeekMoE's
 fine-grained expert segmentation as a compute-matched config transform.
 
-Counting rule (benchmarks/BENCHMARKING.md): matmul FLOPs only. Forward per token = 2 x active matmul
+Counting rule (docs/performance.md, Method): matmul FLOPs only. Forward per token = 2 x active matmul
 weights (every linear layer, the output head included, the input embedding excluded; for MoE the
 router, the top_k selected experts and the shared experts) + attention 2 x T x (d_qk + d_v) per
 attention layer (full T x T; half of it with causal=True). Training = 3 x forward.
