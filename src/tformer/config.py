@@ -16,6 +16,9 @@ from tformer.schema import Config, ConfigError
 __all__ = ["ConfigError", "MoEConfig", "ModelConfig", "RopeConfig"]
 
 ARCHS = ("decoder", "encoder", "encoder_decoder")
+# the largest BPE vocabulary tformer trains (1,048,576: above those in use; the tokenizers library aborts
+# the process trying to allocate for a huge one)
+MAX_BPE_VOCAB = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ def test_an_encoder_decoder_cache_keeps_to_one_source() -> None:
     """The cross-attention K/V are projected once per source: a cache given another memory refuses it
     (it had decoded against the first source's K/V); truncate(0) starts over for a new source."""
     model = make(tiny().replace(arch="encoder_decoder", n_layers=2)).eval()
-    first = model.encode(torch.randint(0, 128, (2, 5)))
+    src = torch.randint(0, 128, (2, 5))
+    first = model.encode(src)
     other = model.encode(torch.randint(0, 128, (2, 7)))
     tgt = torch.randint(0, 128, (2, 3))
     cache = model.new_cache()
@@ -112,6 +113,25 @@ def test_an_encoder_decoder_cache_keeps_to_one_source() -> None:
     cache.truncate(0)
     cached = model.decode(tgt, other, cache=cache)
     torch.testing.assert_close(cached, model.decode(tgt, other), rtol=0, atol=1e-5)
+    again = model.new_cache()  # the same source encoded again for every step: equal values, accepted
+    steps = [model.decode(tgt[:, i : i + 1], model.encode(src), cache=again) for i in range(3)]
+    torch.testing.assert_close(torch.cat(steps, 1), model.decode(tgt, model.encode(src)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("method", ["beam", "greedy"])
+def test_cached_search_under_bf16_autocast(method: str, fast: bool) -> None:
+    """Under autocast the decoder casts the memory once per call: the cache is bound to the caller's
+    memory, so cached decoding goes on (the cast copy had been taken for another source)."""
+    from tformer.generate.beam import SearchConfig, search
+
+    torch.manual_seed(0)
+    model = make(tiny().replace(arch="encoder_decoder", n_layers=2)).eval()
+    src = torch.randint(4, 128, (3, 6))
+    cfg = SearchConfig(method=method, beam_size=3, max_len_a=0.0, max_len_b=5)
+    with torch.autocast("cpu", torch.bfloat16):
+        hyps = search(model, src, None, cfg, bos_id=1, eos_id=2, fast_decode=fast)
+    assert len(hyps) == 3 and all(len(h.tokens) >= 1 for h in hyps)
 
 
 def test_mask_of_wrong_shape_or_dtype(lm) -> None:

@@ -289,5 +289,5 @@ def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained
         TypeError, match=r"run must be a run from tformer.runs.load_run \(or its path\), got int"
     ):
         load_translator(3)
-    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+    with pytest.raises(ValueError, match=r"device 'gpu' is not one torch knows \(e.g. 'auto', 'cpu', 'cuda'"):
         load_run(trained_run, device="gpu")

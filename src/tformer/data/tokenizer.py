@@ -10,14 +10,16 @@ metadata with `to_json_str()`.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tformer.config import MAX_BPE_VOCAB
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-MAX_BPE_VOCAB = 1 << 20  # 1,048,576: above the largest vocabularies in use; the library aborts on huge ones
 
 
 class Tokenizer:
@@ -55,8 +57,9 @@ class Tokenizer:
         if not texts:
             raise ValueError("no text to train a tokenizer on (every text is empty)")
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
             raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+        vocab_size = int(vocab_size)
         if vocab_size < len(alphabet) + len(special_tokens):
             raise ValueError(f"vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
         if vocab_size > MAX_BPE_VOCAB:  # the library would try to allocate for it and abort the process

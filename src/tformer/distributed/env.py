@@ -33,8 +33,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """ "auto" picks CUDA when present; under torchrun a CUDA process uses the GPU of its local rank."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if not (name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    try:
+        torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"device {name!r} is not one torch knows (e.g. 'auto', 'cpu', 'cuda', 'cuda:1')"
+        ) from None
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} asked for, but this machine has no CUDA device")
     if name == "cuda":

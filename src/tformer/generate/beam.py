@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -237,8 +238,9 @@ def beam_search(
         raise ValueError(
             f"alpha (the length penalty) must be in [-{MAX_ALPHA:g}, {MAX_ALPHA:g}], got {alpha}"
         )
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+    if isinstance(beam_size, bool) or not isinstance(beam_size, numbers.Integral) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+    beam_size = int(beam_size)
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)

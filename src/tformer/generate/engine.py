@@ -191,8 +191,8 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_de
     logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
     if not bool(torch.isfinite(logits).all()):  # greedy would pick id 0 from NaN, sampling fail in torch
         raise RuntimeError(
-            "the model's next-token logits after the prompt are NaN or infinite: its weights hold NaN or inf "
-            "(load_weights names such tensors)"
+            "the model's next-token logits after the prompt are NaN or infinite: its weights or activations "
+            "hold NaN or inf (e.g. damaged weights, or an overflow in low precision)"
         )
     step_fn = DecodeStep.build(model, b) if fast_decode else None  # after the prefill: it fills the cache
     generator = torch.Generator(device=device).manual_seed(sampling.seed)

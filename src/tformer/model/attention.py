@@ -148,5 +148,5 @@ class CrossAttention(Attention):
 
     def forward(self, x: Tensor, positions: Tensor, memory: Memory, cache: NoCache) -> Tensor:
         q = self.rotary(self.split_heads(self.q_proj(x), self.n_heads), positions)
-        k, v = cache.cross(self.layer_idx, memory.states, lambda: self.memory_kv(memory))
+        k, v = cache.cross(self.layer_idx, lambda: self.memory_kv(memory))
         return self.attend(q, k, v, memory.mask)

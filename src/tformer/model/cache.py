@@ -2,8 +2,8 @@
 
 Shapes: k/v (B, Hkv, T, E). A cache is handed to the spine; each attention layer calls
 `cache.update(layer_idx, k, v)` with the new keys/values and gets back all keys/values so far.
-Cross-attention asks `cache.cross(layer_idx, source, compute)` for the encoder memory's K/V, computed
-once per source (the memory's states tensor; another source is an error, not stale K/V). `NO_CACHE` is
+Cross-attention asks `cache.cross(layer_idx, compute)` for the encoder memory's K/V, computed once per
+source: the decoder names the source first (`use_source`), and another one is an error, not stale K/V. `NO_CACHE` is
 the null object used in training and full forwards; `as_cache` checks what a caller hands a model.
 """
 
@@ -26,7 +26,10 @@ class NoCache:
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> KV:
         return k, v
 
-    def cross(self, layer_idx: int, source: Tensor, compute: Callable[[], KV]) -> KV:
+    def use_source(self, source: Tensor) -> None:
+        pass
+
+    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
         return compute()
 
 
@@ -95,22 +98,31 @@ class KVCache:
         self.lengths[layer_idx] = start + t
         return k_buf[:, :, : start + t], v_buf[:, :, : start + t]
 
-    def cross(self, layer_idx: int, source: Tensor, compute: Callable[[], KV]) -> KV:
-        """Layer `layer_idx`'s K/V of the encoder memory whose states are `source`, computed on first use."""
-        if self.cross_source is not None and source is not self.cross_source:
-            raise ValueError(
-                "this KV cache holds the cross-attention keys/values of another encoder memory: decoding "
-                "a new source needs a new cache (model.new_cache(), or cache.truncate(0))"
-            )
+    def use_source(self, source: Tensor) -> None:
+        """Decode against the encoder memory whose states are `source` (as the caller passes them, before
+        any autocast copy). The cross-attention K/V held were projected from one memory: another one (not
+        the same tensor, nor equal values: the same source encoded again) is an error, not stale K/V."""
+        if self.cross_source is None or all(kv is None for kv in self.cross_kv):
+            self.cross_source = source
+        elif source is not self.cross_source:
+            same = source.shape == self.cross_source.shape and torch.equal(source, self.cross_source)
+            if not same:
+                raise ValueError(
+                    "this KV cache holds the cross-attention keys/values of another encoder memory: decoding "
+                    "a new source needs a new cache (model.new_cache(), or cache.truncate(0))"
+                )
+            self.cross_source = source
+
+    def cross(self, layer_idx: int, compute: Callable[[], KV]) -> KV:
+        """Layer `layer_idx`'s K/V of the encoder memory (see use_source), computed on first use."""
         if self.cross_kv[layer_idx] is None:
             self.cross_kv[layer_idx] = compute()
-            self.cross_source = source
         return self.cross_kv[layer_idx]
 
     def reorder(self, index: Tensor, source: Tensor | None = None) -> None:
         """Keep batch rows `index` (B',) in every buffer, e.g. the surviving beams. `source`: the memory
-        states whose rows the reordered cross-attention K/V now match (None: whatever memory comes next
-        is taken as theirs)."""
+        states whose rows the reordered cross-attention K/V now match (None: the next memory given to
+        use_source is taken as theirs)."""
         for i in range(len(self.k)):
             if self.k[i] is not None:
                 self.k[i] = self.k[i].index_select(0, index)

@@ -173,7 +173,7 @@ class _CrossAttention:
         q = self.q(x).view(b, self.h, 1, self.e)  # (B, H, 1, E)
         if self.rotates:
             q = rotate(q)
-        k, v = cache.cross(self.layer, memory.states, lambda: self.attn.memory_kv(memory))  # (B, Hkv, S, E)
+        k, v = cache.cross(self.layer, lambda: self.attn.memory_kv(memory))  # (B, Hkv, S, E)
         mask = None if memory.mask.is_full else memory.mask.allowed  # (B|1, 1, 1, S)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.gqa)  # (B, H, 1, E)
         return self.o(y.view(b, self.h * self.e))
@@ -358,6 +358,7 @@ class Seq2SeqDecodeStep(_Step):
     def __call__(self, tokens: Tensor, memory: Memory, cache: KVCache) -> Tensor:
         if cache.seq_len == 0 or cache.k[0] is None:
             raise ValueError("the first decoding step runs through model.decode (it allocates the cache)")
+        cache.use_source(memory.states)
         blocks, final_norm, head = self._program(tokens.shape[0])
         x, slot, rotate = self.start(tokens, None, cache)
         for block in blocks:

@@ -206,6 +206,7 @@ class EncoderDecoder(nn.Module):
                 f"target batch size {b} does not match the encoder memory's {memory.states.shape[0]}"
             )
         cache = as_cache(cache, len(self.decoder.blocks))
+        cache.use_source(memory.states)  # the caller's tensor: the decoder may cast a copy under autocast
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
         positions = self.decoder.resolve_positions(tgt, positions, start)

@@ -75,10 +75,12 @@ class Classifier:
         self.model.train(was_training)
         return out
 
-    def classify(self, texts: Sequence[str]) -> list[tuple[str, dict[str, float]]]:
-        """(label, class probabilities) per text; texts longer than max_len tokens are cut, with a warning."""
+    def classify(self, texts: Sequence[str], warn: bool = True) -> list[tuple[str, dict[str, float]]]:
+        """(label, class probabilities) per text; texts longer than max_len tokens are cut (`warn`: with a
+        warning)."""
         ids, cut = self.encode(texts)
-        warn_truncated(cut, self.max_len)
+        if warn:
+            warn_truncated(cut, self.max_len)
         probs = self.probabilities(ids)
         return [(self.labels[int(p.argmax())], dict(zip(self.labels, p.tolist()))) for p in probs]
 
@@ -164,7 +166,7 @@ class ClassificationTask:
         docs = spread(self.corpus["test"], n)
         classifier = Classifier(model, self.tokenizer, self.labels, self.cfg.data.seq_len)
         lines = ["--- test texts ---"]
-        for doc, (label, probs) in zip(docs, classifier.classify([d.text for d in docs])):
+        for doc, (label, probs) in zip(docs, classifier.classify([d.text for d in docs], warn=False)):
             headline = doc.text.split("\n", 1)[0][:70]
             lines.append(f"{headline!r}: predicted {label} ({probs[label]:.2f}), true {doc.label}")
         return "\n".join(lines) + "\n---"

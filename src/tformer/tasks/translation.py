@@ -101,10 +101,11 @@ class Translator:
         self.model.train(was_training)
         return out  # type: ignore[return-value]
 
-    def translate(self, texts: Sequence[str], cfg: SearchConfig) -> list[str]:
-        """One translation per text; texts longer than max_src_len tokens are cut, with a warning."""
+    def translate(self, texts: Sequence[str], cfg: SearchConfig, warn: bool = True) -> list[str]:
+        """One translation per text; texts longer than max_src_len tokens are cut (`warn`: with a warning)."""
         sources, cut = self.encode(texts)
-        warn_truncated(cut, self.max_src_len)
+        if warn:
+            warn_truncated(cut, self.max_src_len)
         return [self.text(h) for h in self.hypotheses(sources, cfg)]
 
     def text(self, hypothesis: Hypothesis) -> str:
@@ -195,7 +196,7 @@ class TranslationTask:
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
         result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
         pairs = spread(list(self.corpus[split]), max_batches * self.cfg.batch_size)
-        hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH)
+        hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH, warn=False)
         scores = score_translations(hyps, [p.tgt for p in pairs], bleu_tokenizer(self.cfg.data.direction))
         return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
 
@@ -213,7 +214,7 @@ class TranslationTask:
 
     def show_sample(self, model: nn.Module, n: int = 5) -> str:
         pairs = list(self.corpus["test"])[:n]
-        outs = self.translator(model).translate([p.src for p in pairs], TEST_SEARCH)
+        outs = self.translator(model).translate([p.src for p in pairs], TEST_SEARCH, warn=False)
         lines = ["--- test sentences (beam 4) ---"]
         for p, out in zip(pairs, outs):
             lines += [f"source:    {p.src}", f"reference: {p.tgt}", f"output:    {out}", ""]

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tformer.config import ModelConfig
-from tformer.data.tokenizer import MAX_BPE_VOCAB
+from tformer.config import MAX_BPE_VOCAB, ModelConfig
 from tformer.schema import Config
 
 

@@ -63,7 +63,15 @@ class TrainState:
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a fresh run writes into its directory, replacing what is there
-RUN_FILES = ("config.json", *RUN_TOKENIZERS, "data.json", "metrics.jsonl", "loss.png", "tensorboard")
+RUN_FILES = (
+    "config.json",
+    *RUN_TOKENIZERS,
+    "data.json",
+    "metrics.jsonl",
+    "loss.png",
+    "tensorboard",
+    "report.json",
+)
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
 # so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
