@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -18,7 +19,8 @@ PROMPT = 8  # tokens of the decoding prompt
 DEFAULT_NEW = 64  # tokens to decode unless --new-tokens says otherwise (fewer where the context is shorter)
 
 
-def _best(fn, repeats: int, device: torch.device) -> float:
+def _times(fn, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(best, median) seconds of `repeats` timed calls after one warm-up call."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()  # warm-up
     times = []
@@ -28,7 +30,7 @@ def _best(fn, repeats: int, device: torch.device) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(times), statistics.median(times)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(20):
             a @ w.t()
 
-    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _best(matmuls, args.repeats, device)
-    train_s = _best(train_step, args.repeats, device)
+    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, args.repeats, device)[0]
+    train_s, train_median = _times(train_step, args.repeats, device)
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
     model.eval()
     prompt = [x[0, :PROMPT].tolist()]
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
-    decode_s = _best(lambda: generate(model, prompt, sampling), max(1, args.repeats // 2), device)
+    decode_calls = max(1, args.repeats // 2)
+    decode_s, decode_median = _times(lambda: generate(model, prompt, sampling), decode_calls, device)
     params = count_params(model)
     result = {
         "params_total": params["total"],
@@ -100,10 +103,16 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": cfg.dtype,
         "threads": torch.get_num_threads(),
+        "repeats": args.repeats,  # timed training steps (best reported; the median beside it)
+        "matmul_shape": [a.shape[0], a.shape[1], w.shape[0]],  # (M, K) @ (K, N): the MFU's denominator
         "matmul_peak_gflops": peak / 1e9,
         "train_tokens_per_s": b * t / train_s,
+        "train_tokens_per_s_median": b * t / train_median,
         "train_mfu": train_flops / train_s / peak,
+        "decode_calls": decode_calls,
+        "decode_prompt_tokens": PROMPT,
         "decode_tokens_per_s": n_new / decode_s,
+        "decode_tokens_per_s_median": n_new / decode_median,
         "decode_ms_per_token": 1000 * decode_s / n_new,
         "decode_new_tokens": n_new,
     }
@@ -114,10 +123,22 @@ def run(args: argparse.Namespace) -> int:
         f"model: {params['total']:,} parameters ({params['active']:,} active per token), batch {b} x {t}, "
         f"{device}, {cfg.dtype}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}"
     )
-    print(f"matmul peak ({cfg.dtype}, model shapes): {result['matmul_peak_gflops']:.1f} GFLOP/s")
-    print(f"training: {result['train_tokens_per_s']:,.0f} tokens/s, MFU {100 * result['train_mfu']:.1f}%")
+    m, k, n = result["matmul_shape"]
     print(
-        f"greedy decoding (batch 1, KV cache, {n_new} tokens): {result['decode_tokens_per_s']:,.1f} tokens/s "
-        f"({result['decode_ms_per_token']:.2f} ms/token)"
+        f"matmul rate ({cfg.dtype}, ({m} x {k}) @ ({k} x {n}), best of {args.repeats}): "
+        f"{result['matmul_peak_gflops']:.1f} GFLOP/s (the MFU's denominator, measured now; not the hardware peak)"
+    )
+    print(
+        f"training (best of {args.repeats} steps, median in brackets): {result['train_tokens_per_s']:,.0f} "
+        f"tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU {100 * result['train_mfu']:.1f}%"
+    )
+    print(
+        f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {decode_calls} "
+        f"call{'s' if decode_calls != 1 else ''}): {result['decode_tokens_per_s']:,.1f} tokens/s "
+        f"({result['decode_ms_per_token']:.2f} ms/token; median {result['decode_tokens_per_s_median']:,.1f} tokens/s)"
+    )
+    print(
+        "times on a shared machine move by tens of percent between runs: compare two settings in one "
+        "process, by ratio (benchmarks/ does)"
     )
     return 0

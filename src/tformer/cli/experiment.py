@@ -48,7 +48,9 @@ def depth_list(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("study", choices=sorted(STUDIES), help="which claim to test")
-    p.add_argument("--quick", action="store_true", help="tiny models, a few steps, two works: seconds")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny models, a few steps, a small slice of the data: seconds"
+    )
     p.add_argument("--out", default=None, help="run directory (default runs/experiments/<study>[-quick])")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.add_argument("--report-only", action="store_true", help="rebuild the report of the run in --out")

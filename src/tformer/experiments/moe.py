@@ -217,6 +217,14 @@ def routing_eval(model: nn.Module, batches: list, tokenizer, s: MoESetting, devi
     return {"kind": "routing_eval", "tokens": int(tokens.numel()), "layers": layers}
 
 
+def disabled_count(model: nn.Module, ratio: float) -> tuple[int, int]:
+    """(experts each token loses at `ratio`, routed experts per layer): round(ratio x E), at most E - top_k
+    (0 at a ratio too small for E: that ratio measures nothing for this model)."""
+    _, layer = moe_layers(model)[0]
+    n = layer.experts.n_experts
+    return min(round(ratio * n), n - layer.router.top_k), n
+
+
 def disable_top_experts(model: nn.Module, ratio: float) -> list:
     """Route every token past its best round(ratio x E) experts to the next top_k (DeepSeekMoE's test)."""
     handles = []
@@ -255,12 +263,15 @@ def analyses(arm: Arm, model: nn.Module, data: StudyData, batches: list, s: MoES
     base = mean_loss(model, batches, device)
     out.append(routing_eval(model, batches, data.task.tokenizer, s, device))
     for ratio in s.disable_ratios:
+        n_disabled, n_experts = disabled_count(model, ratio)
         handles = disable_top_experts(model, ratio)
         try:
             out.append(
                 {
                     "kind": "disable_top",
                     "ratio": ratio,
+                    "n_disabled": n_disabled,  # 0: the ratio is too small for this model's experts
+                    "n_experts": n_experts,
                     "base_loss": base,
                     "loss": mean_loss(model, batches, device),
                 }

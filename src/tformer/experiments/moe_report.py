@@ -19,6 +19,7 @@ from tformer.experiments.report import (
     panels,
     pyplot,
     save_figure,
+    series_style,
     text_table,
     verdict_lines,
 )
@@ -66,11 +67,26 @@ def max_vio_train(arm: ArmLog, tail: float = 0.2) -> float:
     return mean([mean(list(r["max_vio"].values())) for r in last])
 
 
-def disable_increase(arm: ArmLog, ratio: float) -> float:
+def disable_record(arm: ArmLog, ratio: float) -> dict | None:
+    """The arm's disable_top record at `ratio`, None if there is none or it disabled no expert (a ratio
+    too small for the arm's expert count; logs before n_disabled was recorded count as measured)."""
     for r in arm.kind("disable_top"):
         if abs(r["ratio"] - ratio) < 1e-9:
-            return r["loss"] - r["base_loss"]
-    return math.nan
+            return r if r.get("n_disabled", 1) > 0 else None
+    return None
+
+
+def disable_increase(arm: ArmLog, ratio: float) -> float:
+    r = disable_record(arm, ratio)
+    return math.nan if r is None else r["loss"] - r["base_loss"]
+
+
+def disabled_share(arm: ArmLog, ratio: float) -> float:
+    """The share of the arm's routed experts a token actually loses at `ratio` (the nominal ratio for old logs)."""
+    r = disable_record(arm, ratio)
+    if r is None:
+        return math.nan
+    return r["n_disabled"] / r["n_experts"] if "n_experts" in r else ratio
 
 
 def train_loads(arm: ArmLog) -> dict[str, list[float]]:
@@ -114,13 +130,21 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
             if ("deepseekmoe", sd) in got and one(got["deepseekmoe", sd], "no_shared")
         ]
     )
+    compared = [  # ratios at which both arms lost at least one expert
+        r
+        for r in s.disable_ratios
+        if all(
+            disable_record(got[a, sd], r) for a in ("gshard", "deepseekmoe") for sd in seeds if (a, sd) in got
+        )
+    ]
     redundancy = [
         None
         if ("deepseekmoe", sd) not in got or ("gshard", sd) not in got
         else disable_increase(got["deepseekmoe", sd], r) > disable_increase(got["gshard", sd], r)
         for sd in seeds
-        for r in s.disable_ratios
+        for r in compared
     ]
+    skipped = [r for r in s.disable_ratios if r not in compared]
     return [
         Verdict(
             "MoE raises capacity at constant compute",
@@ -156,13 +180,18 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
         Verdict(
             "Fine-grained experts are less redundant (more specialised) than GShard's",
             "disabling each token's top-ranked routed experts (the same share of all routed experts: "
-            f"{', '.join(fmt(r, 4) for r in s.disable_ratios)}) raises DeepSeekMoE's held-out loss more than "
-            "GShard's, at every ratio and seed",
+            f"{', '.join(fmt(r, 4) for r in compared) or 'none'}, where both lose at least one) raises "
+            "DeepSeekMoE's held-out loss more than GShard's, at every ratio and seed",
             all_hold(redundancy),
             "; ".join(
                 f"ratio {fmt(r, 4)}: "
                 + show(("gshard", "deepseekmoe"), lambda a, r=r: disable_increase(a, r))
-                for r in s.disable_ratios
+                for r in compared
+            )
+            + (
+                f" (ratio {', '.join(fmt(r, 4) for r in skipped)}: not compared, an arm would lose no expert)"
+                if skipped
+                else ""
             ),
             "DeepSeekMoE: its loss rises faster than GShard x1.5's as top experts are disabled",
         ),
@@ -188,9 +217,7 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
 # ----------------------------------------------------------------------------- plots
 def plot_loss(arms: list[ArmLog], path: Path) -> Path:
     fig, axes = panels(2, width=5.2, height=3.8, sharey=True)
-    for a in arms:
-        if a.seed != 0:
-            continue
+    for i, a in enumerate(x for x in arms if x.seed == 0):
         name, train, evals = a.tags["ffn"], a.kind("train"), a.kind("eval")
         for ax, key in zip(axes, ("step", "time_s")):
             ax.plot(
@@ -203,17 +230,16 @@ def plot_loss(arms: list[ArmLog], path: Path) -> Path:
             ax.plot(
                 [r[key] for r in evals],
                 [r["eval_loss"] for r in evals],
-                "o-",
                 color=COLORS[name],
-                ms=3,
                 label=name,
+                **series_style(i, markers=True),
             )
     axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="vs steps")
     axes[1].set(xlabel="training wall-clock (s)", title="vs wall-clock")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Validation loss (dots) and training loss (lines, moving average of 10), seed 0")
+    fig.suptitle("Validation loss (markers) and training loss (faint lines, moving average of 10), seed 0")
     return save_figure(fig, path)
 
 
@@ -277,13 +303,14 @@ def plot_disable(arms: list[ArmLog], s: MoESetting, path: Path) -> Path:
     fig, axes = panels(1, width=5.5, height=3.8)
     got = by_name(arms)
     for name in MOE_ARMS:
-        ys = [
-            mean([disable_increase(got[name, sd], r) for sd in range(s.seeds) if (name, sd) in got])
-            for r in s.disable_ratios
-        ]
-        axes[0].plot([0.0, *s.disable_ratios], [0.0, *ys], "o-", color=COLORS[name], label=name)
+        points = [(0.0, 0.0)]  # a ratio that disables no expert of this arm is left out
+        for r in s.disable_ratios:
+            runs = [got[name, sd] for sd in range(s.seeds) if (name, sd) in got]
+            if runs and all(disable_record(a, r) for a in runs):
+                points.append((disabled_share(runs[0], r), mean([disable_increase(a, r) for a in runs])))
+        axes[0].plot(*zip(*points), "o-", color=COLORS[name], label=name)
     axes[0].set(
-        xlabel="share of routed experts disabled (each token's top-ranked)",
+        xlabel="share of its routed experts each token loses (its top-ranked)",
         ylabel="held-out loss increase (nats)",
         title="Redundancy test (mean over seeds)",
     )
@@ -324,15 +351,16 @@ def result_rows(arms: list[ArmLog], s: MoESetting) -> list[list[str]]:
     ratio = s.disable_ratios[len(s.disable_ratios) // 2] if s.disable_ratios else None
     for a in arms:
         train, ns = a.kind("train"), one(a, "no_shared")
+        routed = a.model.get("moe") is not None
         rows.append(
             [
                 a.name,
                 fmt(a.final_eval),
                 fmt(train[-1]["time_s"], 1),
                 fmt(1000 * train[-1]["time_s"] / len(train), 1),
-                fmt(max_vio_global(a), 3),
-                fmt(max_vio_train(a), 3),
-                fmt(disable_increase(a, ratio), 4) if ratio is not None else "-",
+                fmt(max_vio_global(a), 3) if routed else "-",  # "-": does not apply to the arm
+                fmt(max_vio_train(a), 3) if routed else "-",
+                fmt(disable_increase(a, ratio), 4) if ratio is not None and disable_record(a, ratio) else "-",
                 fmt(ns["loss"] - ns["base_loss"], 4) if ns else "-",
             ]
         )
@@ -387,7 +415,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     res_headers = [
         "arm",
         "final val loss",
-        "train time (s)",
+        "train time (s, steps only)",
         "ms / step",
         "MaxVio held-out",
         "MaxVio train (last 20%)",

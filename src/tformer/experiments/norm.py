@@ -234,10 +234,10 @@ class Grid:
         with_w, no_w = (self.arms.get((placement, depth, warm, seed)) for warm in (True, False))
         return None if with_w is None or no_w is None else measure(no_w) - measure(with_w)
 
-    def by_depth(self, fn, placement: str, warmup: bool = True) -> str:
+    def by_depth(self, fn, placement: str, warmup: bool = True, digits: int = 3) -> str:
         """'L6 x, L12 y': fn averaged over seeds at each depth."""
         return ", ".join(
-            f"L{d} {fmt(mean([fn(a) for k, a in self.arms.items() if k[:3] == (placement, d, warmup)]), 3)}"
+            f"L{d} {fmt(mean([fn(a) for k, a in self.arms.items() if k[:3] == (placement, d, warmup)]), digits)}"
             for d in self.s.depths
         )
 
@@ -292,12 +292,15 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
             "Pre-Norm's final validation loss (the end point of the same budget, standing in for speed) is "
             "lower than Post-Norm's at every depth, with and without warm-up, for every seed",
             all_hold(g.cases(lambda post, pre: pre.final_eval < post.final_eval, (True, False))),
-            f"final val loss with warm-up: Post {g.by_depth(lambda a: a.final_eval, 'post')}; "
-            f"Pre {g.by_depth(lambda a: a.final_eval, 'pre')}",
+            "final val loss (mean over seeds), with warm-up: "
+            f"Post {g.by_depth(lambda a: a.final_eval, 'post', digits=4)}; "
+            f"Pre {g.by_depth(lambda a: a.final_eval, 'pre', digits=4)}; without: "
+            f"Post {g.by_depth(lambda a: a.final_eval, 'post', False, 4)}; "
+            f"Pre {g.by_depth(lambda a: a.final_eval, 'pre', False, 4)}",
             f"{XIONG}: Pre-LN without warm-up reaches Post-LN's BLEU sooner",
         ),
         Verdict(
-            "Post-Norm needs learning-rate warm-up much more than Pre-Norm",
+            "Post-Norm needs learning-rate warm-up more than Pre-Norm",
             "dropping warm-up raises Post-Norm's final validation loss, and by more than it raises (or "
             "lowers) Pre-Norm's, at every depth and seed",
             all_hold(warmup_cost_rule(g, lambda a: a.final_eval, +1.0)),
@@ -329,7 +332,7 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
                 "dropping warm-up lowers Post-Norm's final greedy BLEU, and by more than Pre-Norm's, at every "
                 "depth and seed",
                 all_hold(warmup_cost_rule(g, final_bleu, -1.0)),
-                f"BLEU with warm-up: Post {g.by_depth(final_bleu, 'post')}; Pre {g.by_depth(final_bleu, 'pre')}; "
+                f"BLEU (0-100) with warm-up: Post {g.by_depth(final_bleu, 'post')}; Pre {g.by_depth(final_bleu, 'pre')}; "
                 f"without: Post {g.by_depth(final_bleu, 'post', False)}; "
                 f"Pre {g.by_depth(final_bleu, 'pre', False)}",
                 f"{XIONG} (IWSLT14 De-En): Post-LN 8.45 BLEU without warm-up vs about 34 with",
@@ -355,10 +358,13 @@ def plot_init_grads(arms: list[ArmLog], s: NormSetting, path: Path) -> Path:
                     alpha=1.0 if a.seed == 0 else 0.4,
                     label=f"{p}-norm" if a.seed == 0 else None,
                 )
+        if s.arch != "decoder":  # blocks 1..depth are the encoder's, then the decoder's
+            ax.axvline(depth + 0.5, color="gray", lw=0.8, ls=":")
+            ax.text(depth + 0.5, 1.0, " decoder", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
         ax.set(
-            title=f"{depth} layers",
+            title=f"{depth} layers" + (" per side" if s.arch != "decoder" else ""),
             xlabel="block (1 = next to the input)"
-            + (", encoder then decoder" if s.arch != "decoder" else ""),
+            + ("\nencoder, then decoder" if s.arch != "decoder" else ""),
             ylabel="gradient norm",
             yscale="log",
         )
@@ -502,7 +508,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
         plot_layer_grads(arms, s, run_dir / "norm_layer_grads.png"),
     ]
     checks = verdicts(arms, s)
-    r = Report(f"Post-Norm vs Pre-Norm ({meta['mode']} setting)")
+    task = "" if s.arch == "decoder" else ", encoder-decoder translation"
+    r = Report(f"Post-Norm vs Pre-Norm ({meta['mode']} setting{task})")
     if meta["mode"] == "quick":
         r.text(QUICK_NOTE)
     r.heading("Setup")
@@ -527,7 +534,10 @@ def report(run_dir: Path) -> tuple[Report, str]:
     )
     r.verdicts(checks)
     r.heading("Arms")
-    r.table(ARM_HEADERS + (["final BLEU (greedy)"] if s.arch == "encoder_decoder" else []), arm_rows(arms, s))
+    r.table(
+        ARM_HEADERS + (["final BLEU (greedy, 0-100)"] if s.arch == "encoder_decoder" else []),
+        arm_rows(arms, s),
+    )
     r.heading("Plots")
     captions = [
         "Gradient norm of each block's parameters at initialisation (mean over the init batches); "

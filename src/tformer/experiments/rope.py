@@ -38,6 +38,7 @@ from tformer.experiments.report import (
     mean,
     panels,
     save_figure,
+    series_style,
     text_table,
     verdict_lines,
 )
@@ -320,7 +321,7 @@ def plot_positions(c: dict, s: RopeSetting, path: Path) -> Path:
     longer = [n for n in s.eval_factors if n > 1] or list(s.eval_factors)
     fig, axes = panels(len(longer), width=4.6, height=3.6)
     for ax, n in zip(axes, longer):
-        for v in variants_in(c):
+        for i, v in enumerate(variants_in(c)):
             if (v, 0, n) not in c:
                 continue
             losses = c[v, 0, n]
@@ -330,7 +331,7 @@ def plot_positions(c: dict, s: RopeSetting, path: Path) -> Path:
                 [ppl(losses[b : b + width]) for b in starts],
                 color=COLORS[v],
                 label=LABELS[v],
-                lw=1.3,
+                **series_style(i),  # RoPE and its scalings coincide where scaling changes nothing
             )
         fit_yscale(ax)
         ax.axvline(L, color="gray", ls=":", lw=1)
@@ -370,7 +371,9 @@ def plot_lengths(c: dict, s: RopeSetting, path: Path) -> Path:
         ax.xaxis.set_minor_locator(NullLocator())
         fit_yscale(ax)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1)
+    )  # beside the panels, off the points
     fig.suptitle("Perplexity vs evaluation length (mean over seeds)")
     return save_figure(fig, path)
 
@@ -461,7 +464,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.table(headers, rows)
     r.heading("Training")
     r.table(
-        ["arm", "final val loss at L", "training time (s)"],
+        ["arm", "final val loss at L", "training time (s, steps only)"],
         [[a.name, fmt(a.final_eval), fmt(a.kind("train")[-1]["time_s"], 1)] for a in arms],
     )
     r.heading("Plots")

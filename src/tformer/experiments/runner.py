@@ -482,5 +482,7 @@ def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, 
         evals = [r for r in read_records(Path(run_dir) / "arms" / arm.name / METRICS) if r["kind"] == "eval"]
         final = f"{evals[-1]['eval_loss']:.4f}" if evals else "-"
         print(
-            f"[{i}/{len(arms)}] {arm.name}: val loss {final} ({time.perf_counter() - t0:.1f} s)", flush=True
+            f"[{i}/{len(arms)}] {arm.name}: val loss {final} ({time.perf_counter() - t0:.1f} s with evaluations "
+            "and analyses)",
+            flush=True,
         )
