@@ -139,9 +139,9 @@ def test_without_shared_loads_every_other_weight():
 
 def test_cli_rejects_an_option_the_study_lacks(capsys):
     assert main(["experiment", "moe", "--quick", "--depths", "2,4", "--out", "/nonexistent/x"]) == 2
-    assert "has no option depths" in capsys.readouterr().err
+    assert "has no option --depths" in capsys.readouterr().err
     assert main(["experiment", "norm", "--quick", "--n-layers", "3", "--out", "/nonexistent/x"]) == 2
-    assert "has no option n_layers" in capsys.readouterr().err
+    assert "has no option --n-layers" in capsys.readouterr().err
 
 
 def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(tmp_path):

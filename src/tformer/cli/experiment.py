@@ -86,7 +86,8 @@ def resolve_setting(args: argparse.Namespace, module):
     known = set(setting.to_dict()) - set(getattr(module, "UNUSED_OPTIONS", ()))
     unused = sorted(k for k, v in changes.items() if v is not None and k not in known)
     if unused:
-        raise ValueError(f"experiment {args.study} has no option {', '.join(unused)}")
+        flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+        raise ValueError(f"experiment {args.study} has no option {flags}")
     return setting.replace(**changes)
 
 

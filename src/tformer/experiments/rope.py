@@ -301,7 +301,12 @@ def verdicts(c: dict, s: RopeSetting) -> list[Verdict]:
             "at every evaluated length > L, the learned arm's perplexity on positions >= L is higher "
             "than on positions < L of the same windows, for every seed",
             all_hold(learned_fail),
-            f"perplexity beyond L: learned {show('learned')}",
+            f"learned arm's perplexity on positions >= L: {show('learned')}; on positions < L of the same "
+            "windows: "
+            + ", ".join(
+                f"{n}L {fmt(mean([ppl(c['learned', sd, n][:L]) for sd in seeds if ('learned', sd, n) in c]), 1)}"
+                for n in longer
+            ),
             "rows of the position table beyond L never receive a gradient",
         )
     )
