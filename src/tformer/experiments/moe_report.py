@@ -422,7 +422,9 @@ def report(run_dir: Path) -> tuple[Report, str]:
         f"loss +, top {fmt(s.disable_ratios[len(s.disable_ratios) // 2], 4)} disabled",
         "loss +, shared removed",
     ]
-    r = Report(f"Mixture-of-Experts at constant compute ({meta['mode']} setting)")
+    r = Report(
+        f"Mixture-of-Experts at constant compute ({meta['mode']} setting)", quick=meta["mode"] == "quick"
+    )
     if meta["mode"] == "quick":
         r.text(QUICK_NOTE)
     r.heading("Setup")

@@ -509,7 +509,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     ]
     checks = verdicts(arms, s)
     task = "" if s.arch == "decoder" else ", encoder-decoder translation"
-    r = Report(f"Post-Norm vs Pre-Norm ({meta['mode']} setting{task})")
+    r = Report(f"Post-Norm vs Pre-Norm ({meta['mode']} setting{task})", quick=meta["mode"] == "quick")
     if meta["mode"] == "quick":
         r.text(QUICK_NOTE)
     r.heading("Setup")

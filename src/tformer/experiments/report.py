@@ -29,7 +29,7 @@ code { background: #f3f3f3; padding: 0 0.2em; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #555; }
 .reproduced { color: #1a7f37; font-weight: bold; } .not-reproduced { color: #b42318; font-weight: bold; }
-.inconclusive { color: #8a6d00; font-weight: bold; }
+.inconclusive { color: #8a6d00; font-weight: bold; } .quick { color: #777; }
 """
 
 QUICK_NOTE = (
@@ -117,8 +117,9 @@ def _md_cell(x: str) -> str:
 class Report:
     """A report as a list of blocks; `write(run_dir)` renders report.md and report.html."""
 
-    def __init__(self, title: str) -> None:
-        self.title = title
+    def __init__(self, title: str, quick: bool = False) -> None:
+        """quick: a smoke-test run, whose verdicts are shown muted and marked as no evidence."""
+        self.title, self.quick = title, quick
         self.blocks: list[tuple[str, tuple]] = []
 
     def heading(self, text: str, level: int = 2) -> None:
@@ -138,6 +139,9 @@ class Report:
 
     def verdicts(self, verdicts: Sequence[Verdict]) -> None:
         self.blocks.append(("verdicts", (list(verdicts),)))
+
+    def _status(self, v: Verdict, template: str) -> str:
+        return template.format(v.status) + (" (quick run: not evidence)" if self.quick else "")
 
     # ------------------------------------------------------------------ markdown
     def to_markdown(self) -> str:
@@ -163,7 +167,7 @@ class Report:
         return [f"![{caption}]({path.name})", "", f"*{caption}*"]
 
     def _md_verdicts(self, verdicts: list[Verdict]) -> list[str]:
-        rows = [[v.claim, v.rule, f"**{v.status}**", v.evidence, v.reference] for v in verdicts]
+        rows = [[v.claim, v.rule, self._status(v, "**{}**"), v.evidence, v.reference] for v in verdicts]
         return self._md_table(["claim", "rule", "result", "evidence (this run)", "published"], rows)
 
     # ------------------------------------------------------------------ html
@@ -205,7 +209,9 @@ class Report:
             [
                 _inline_html(v.claim),
                 _inline_html(v.rule),
-                f'<span class="{v.status.replace(" ", "-")}">{v.status}</span>',
+                self._status(
+                    v, f'<span class="{"quick" if self.quick else v.status.replace(" ", "-")}">{{}}</span>'
+                ),
                 _inline_html(v.evidence),
                 _inline_html(v.reference),
             ]

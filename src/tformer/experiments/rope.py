@@ -439,7 +439,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
         *[f"ppl >= L @ {n}L" for n in s.eval_factors if n > 1],
     ]
     rows = table_rows(c, s)
-    r = Report(f"Positions and long sequences ({meta['mode']} setting)")
+    r = Report(f"Positions and long sequences ({meta['mode']} setting)", quick=meta["mode"] == "quick")
     if meta["mode"] == "quick":
         r.text(QUICK_NOTE)
     r.heading("Setup")
