@@ -157,6 +157,9 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         prepare_run_dir(study, overwrite=False)
     assert prepare_run_dir(study, overwrite=True) == study
     assert sorted(p.name for p in study.iterdir()) == ["notes.txt", "photo.png"]
+    (study / "arms").mkdir()  # a study stopped before its report
+    with pytest.raises(ValueError, match="holds an experiment run that did not finish .*; pass --overwrite"):
+        prepare_run_dir(study, overwrite=False)
     trained = tmp_path / "train-run"
     (trained / "checkpoints").mkdir(parents=True)
     (trained / "tokenizer.json").write_text("{}")

@@ -163,8 +163,9 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
         raise ValueError(f"--out {run_dir} is a file; choose a directory")
     if (run_dir / SETTING).exists() or (run_dir / "arms").exists():
         if not overwrite:
+            state = "" if (run_dir / "report.md").exists() else " that did not finish (it has no report)"
             raise ValueError(
-                f"{run_dir} already holds an experiment run; pass --overwrite or choose another --out"
+                f"{run_dir} already holds an experiment run{state}; pass --overwrite or choose another --out"
             )
         shutil.rmtree(run_dir / "arms", ignore_errors=True)
         for name in STUDY_FILES:
