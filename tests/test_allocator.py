@@ -16,19 +16,23 @@ GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_ALWAYS = THP.exists() and "[always]" in THP.read_text()
 
-# Allocates, touches and frees a 64 MiB tensor (above glibc's largest mmap threshold) a few times, as
-# training steps do, then counts the page faults of doing it once more.
+# Allocates, touches and frees a 64 MiB tensor (above glibc's largest mmap threshold) ten times, as
+# training steps do, then counts the page faults of doing it twice more. With the memory kept, the first
+# few rounds may still fault: the block can land a little higher in the heap each time (small blocks
+# taken from its start) until the pages it slides over have all been touched once, by the sixth round
+# at most in 26 runs here; from then on it faults no more.
 PROBE = """
 import resource, sys, torch, tformer
 state = tformer.keep_freed_memory()
 def touch():
     x = torch.ones(16 * 2**20)  # 64 MiB, every page written
     del x
-for _ in range(4):
+for _ in range(10):
     touch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 touch()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, state)
+touch()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 2, state)
 """
 
 
