@@ -157,6 +157,12 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         prepare_run_dir(study, overwrite=False)
     assert prepare_run_dir(study, overwrite=True) == study
     assert sorted(p.name for p in study.iterdir()) == ["notes.txt", "photo.png"]
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "thesis.tex").write_text("the user's")
+    with pytest.warns(UserWarning, match="already holds other files; the study writes its own beside them"):
+        prepare_run_dir(other, overwrite=False)
+    assert (other / "thesis.tex").read_text() == "the user's"
     (study / "arms").mkdir()  # a study stopped before its report
     with pytest.raises(ValueError, match="holds an experiment run that did not finish .*; pass --overwrite"):
         prepare_run_dir(study, overwrite=False)

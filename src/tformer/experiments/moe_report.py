@@ -111,9 +111,13 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
         ]
 
     def show(names, measure=lambda x: x.final_eval, digits=4) -> str:
-        return "; ".join(
-            f"{n} {fmt(mean([measure(got[n, sd]) for sd in seeds if (n, sd) in got]), digits)}" for n in names
-        )
+        """Each arm's mean over seeds, and with several seeds each seed's value (the rules read those)."""
+        out = []
+        for n in names:
+            values = [measure(got[n, sd]) for sd in seeds if (n, sd) in got]
+            each = f" (seeds: {' / '.join(fmt(v, digits) for v in values)})" if len(values) > 1 else ""
+            out.append(f"{n} {fmt(mean(values), digits)}{each}")
+        return "; ".join(out)
 
     no_shared = [
         None

@@ -30,6 +30,7 @@ import math
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,13 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
             raise ValueError(
                 f"{run_dir} holds {', '.join(foreign)} of something else (a training run?); a study needs "
                 "a directory of its own: choose another --out"
+            )
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            warnings.warn(
+                f"{run_dir} already holds other files; the study writes its own beside them (arms/, "
+                "report.md, report.html, plots)",
+                UserWarning,
+                stacklevel=2,
             )
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
