@@ -29,6 +29,22 @@ WORDS = [
 ]
 
 
+def tiny_lm_argv(out: Path, corpus: str, steps: int) -> list[str]:
+    """`tformer train --preset tiny-lm` on `corpus` (a data.corpus value) into `out`: vocabulary 300,
+    windows of 32, an evaluation and a checkpoint every 2 steps."""
+    sets = [f"data.corpus={corpus}", "data.vocab_size=300", f"steps={steps}", "eval_every=2", "save_every=2"]
+    sets.append("data.seq_len=32")
+    return [
+        "train",
+        "--preset",
+        "tiny-lm",
+        "--out",
+        str(out),
+        "--no-progress",
+        *(x for kv in sets for x in ("--set", kv)),
+    ]
+
+
 def train_cli_run(root: Path) -> Path:
     """`tformer train --preset tiny-lm` for 4 steps on 8 files of WORDS under `root`; the run directory."""
     corpus = root / "corpus"
@@ -36,27 +52,5 @@ def train_cli_run(root: Path) -> Path:
     for i in range(8):
         (corpus / f"d{i}.txt").write_text(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(300)))
     out = root / "run"
-    code = main(
-        [
-            "train",
-            "--preset",
-            "tiny-lm",
-            "--out",
-            str(out),
-            "--no-progress",
-            "--set",
-            f"data.corpus=text:{corpus}",
-            "--set",
-            "data.vocab_size=300",
-            "--set",
-            "steps=4",
-            "--set",
-            "eval_every=2",
-            "--set",
-            "save_every=2",
-            "--set",
-            "data.seq_len=32",
-        ]
-    )
-    assert code == 0
+    assert main(tiny_lm_argv(out, f"text:{corpus}", steps=4)) == 0
     return out

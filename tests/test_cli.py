@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_run import WORDS
+from tests.cli_run import WORDS, tiny_lm_argv
 from tformer.cli.main import main
 
 
@@ -222,7 +222,7 @@ def test_a_run_directory_in_use_by_another_process_is_refused(
 
     before = {d: files(d) for d in (early, later)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from tformer.train.loop import "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from tformer.train.run_dir import "
          f"lock_run_dir; h = [lock_run_dir(Path(d)) for d in {[str(early), str(later)]!r}]; print('held', "
          "flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
@@ -345,18 +345,7 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
 
     corpus = json.loads((trained_run / "config.json").read_text())["data"]["corpus"]
     out = tmp_path / "dcp-run"
-    argv = [
-        "train",
-        "--preset",
-        "tiny-lm",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--set",
-        f"data.corpus={corpus}",
-    ]
-    for kv in ("data.vocab_size=300", "steps=2", "eval_every=2", "save_every=2", "data.seq_len=32"):
-        argv += ["--set", kv]
+    argv = tiny_lm_argv(out, corpus, steps=2)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert main([*argv, "--set", "parallel.checkpoint=dcp"]) == 0

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
     from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
-    from tformer.train.loop import outermost_missing
+    from tformer.train.run_dir import outermost_missing
 
     module = importlib.import_module(STUDIES[args.study])
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")

@@ -130,7 +130,8 @@ class KVCache:
             if self.cross_kv[i] is not None:
                 k, v = self.cross_kv[i]
                 self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
-                self.cross_source = source
+        if any(kv is not None for kv in self.cross_kv):
+            self.cross_source = source
 
     def truncate(self, length: int) -> None:
         """Forget slots from `length` on (e.g. to reuse a prefilled prompt); at 0 the encoder memory's

@@ -2,7 +2,8 @@
 evaluation; `train_step` does one optimizer step.
 
 Run directory: config.json (the resolved TrainConfig), tokenizer.json, metrics.jsonl, tensorboard/,
-loss.png, checkpoints/step_XXXXXXX/ (see tformer.train.checkpoint).
+loss.png, checkpoints/step_XXXXXXX/ (see tformer.train.checkpoint); its lock and what a fresh run may
+replace: tformer.train.run_dir.
 
 Under torchrun the same loop runs on every rank: tformer.distributed supplies the process group, the
 parallel plan (DDP / FSDP2 / expert parallel), the step's collectives, the rank's share of the batches
@@ -12,10 +13,8 @@ are null objects (docs/distributed.md).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -45,6 +44,13 @@ from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
+from tformer.train.run_dir import (
+    RUN_TOKENIZERS,
+    lock_run_dir,
+    outermost_missing,
+    refuse_foreign_files,
+    release_run_dir,
+)
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
 __all__ = ["TrainState", "Trainer", "resolve_device"]
@@ -61,17 +67,6 @@ class TrainState:
     loss_steps: int = 0  # finite steps folded into loss_mean
 
 
-RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
-# what a fresh run writes into its directory, replacing what is there
-RUN_FILES = (
-    "config.json",
-    *RUN_TOKENIZERS,
-    "data.json",
-    "metrics.jsonl",
-    "loss.png",
-    "tensorboard",
-    "report.json",
-)
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
 # so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
@@ -117,58 +112,6 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
             "--preset or an edited config.json in the run directory). A resumed run keeps its model, data, "
             f"optimizer, batch and seed (it may change {', '.join(sorted(RESUMABLE))}); undo those changes or "
             "start a new run with another --out"
-        )
-
-
-def outermost_missing(path: Path) -> Path | None:
-    """The outermost directory of `path` that does not exist yet (what a mkdir(parents=True) makes)."""
-    return next((d for d in [*reversed(path.parents), path] if not d.exists()), None)
-
-
-_LOCKS: dict[Path, Any] = {}  # run directories this process holds (its Trainers may follow one another)
-
-
-def lock_run_dir(run_dir: Path):
-    """An exclusive lock on the run directory for as long as the returned file stays open: a second
-    launch into the same --out (which would truncate the first's metrics and retrain its tokenizer) is
-    an error naming the process that holds it. The kernel releases it when the process ends."""
-    key = run_dir.resolve()
-    if key in _LOCKS and not _LOCKS[key].closed:
-        return _LOCKS[key]
-    handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held for the run's lifetime)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise BlockingIOError(
-            f"the run directory {run_dir} is in use by {holder}; wait for it or choose another --out"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
-    _LOCKS[key] = handle
-    return handle
-
-
-def refuse_foreign_files(run_dir: Path) -> None:
-    """A fresh run replaces RUN_FILES in its directory. That is what rerunning a run that stopped before
-    its first checkpoint needs (its config.json is a run's config), but files of the same names that no
-    run wrote (a config or tokenizer of the user's own) are never replaced: an error names them."""
-    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not taken:
-        return
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-        is_run = isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
-    except (OSError, ValueError):
-        is_run = False
-    if not is_run:
-        raise FileExistsError(
-            f"{run_dir} holds {', '.join(taken)}, which a new run would replace, and is not a tformer run "
-            "(no run's config.json); choose another --out or move them"
         )
 
 
@@ -307,8 +250,7 @@ class Trainer:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
-            _LOCKS.pop(self.run_dir.resolve(), None)
-            self._lock.close()  # releases the run directory
+            release_run_dir(self.run_dir, self._lock)
             self._lock = None
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,80 @@
+"""A run directory as a whole: the files a run writes into it, the lock one process holds on it, and
+what a fresh run may replace there (tformer.train.loop uses these; checkpoints: tformer.train.checkpoint)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
+# what a fresh run writes into its directory, replacing what is there
+RUN_FILES = (
+    "config.json",
+    *RUN_TOKENIZERS,
+    "data.json",
+    "metrics.jsonl",
+    "loss.png",
+    "tensorboard",
+    "report.json",
+)
+
+
+def outermost_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what a mkdir(parents=True) makes)."""
+    return next((d for d in [*reversed(path.parents), path] if not d.exists()), None)
+
+
+_LOCKS: dict[Path, Any] = {}  # run directories this process holds (its Trainers may follow one another)
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on the run directory for as long as the returned file stays open: a second
+    launch into the same --out (which would truncate the first's metrics and retrain its tokenizer) is
+    an error naming the process that holds it. The kernel releases it when the process ends."""
+    key = run_dir.resolve()
+    if key in _LOCKS and not _LOCKS[key].closed:
+        return _LOCKS[key]
+    handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held for the run's lifetime)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise BlockingIOError(
+            f"the run directory {run_dir} is in use by {holder}; wait for it or choose another --out"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    _LOCKS[key] = handle
+    return handle
+
+
+def refuse_foreign_files(run_dir: Path) -> None:
+    """A fresh run replaces RUN_FILES in its directory. That is what rerunning a run that stopped before
+    its first checkpoint needs (its config.json is a run's config), but files of the same names that no
+    run wrote (a config or tokenizer of the user's own) are never replaced: an error names them."""
+    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not taken:
+        return
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        is_run = isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
+    except (OSError, ValueError):
+        is_run = False
+    if not is_run:
+        raise FileExistsError(
+            f"{run_dir} holds {', '.join(taken)}, which a new run would replace, and is not a tformer run "
+            "(no run's config.json); choose another --out or move them"
+        )
+
+
+def release_run_dir(run_dir: Path, handle) -> None:
+    """Give up the lock `lock_run_dir` returned."""
+    _LOCKS.pop(run_dir.resolve(), None)
+    handle.close()  # releases the run directory
