@@ -223,7 +223,7 @@ def test_a_run_directory_in_use_by_another_process_is_refused(
     before = {d: files(d) for d in (early, later)}
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from tformer.train.run_dir import "
-         f"lock_run_dir; h = [lock_run_dir(Path(d)) for d in {[str(early), str(later)]!r}]; print('held', "
+         f"lock_run_dir; h = [lock_run_dir(Path(d), sys) for d in {[str(early), str(later)]!r}]; print('held', "
          "flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

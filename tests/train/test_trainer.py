@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -60,6 +63,27 @@ def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: P
         Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         Trainer(cfg, tmp_path / "empty", make_task("lm"), resume=True, progress=False)
+
+
+def test_a_newer_trainer_takes_the_run_directory_over_in_a_process(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
+    first = Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
+    first.fit(until=2)
+    second = Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    for use in (first.fit, first.save):  # the first would write checkpoints and metrics beside it
+        with pytest.raises(RuntimeError, match="a newer Trainer in this process took the run directory"):
+            use()
+    first.close()  # leaves the lock with the second
+    second.fit(until=3)
+    probe = "import pathlib, sys; from tformer.train.run_dir import lock_run_dir; lock_run_dir(pathlib.Path(sys.argv[1]), 0)"
+    other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "r")], capture_output=True, text=True)
+    assert (
+        other.returncode != 0 and f"in use by pid {os.getpid()}" in other.stderr
+    )  # another process is refused
+    del second  # dropped without close(): the next Trainer takes the directory over
+    assert Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()["step"] == 4
+    assert [r["step"] for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"] == [1, 2, 3, 4]  # fmt: skip
 
 
 def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:

@@ -152,6 +152,7 @@ class Trainer:
             )
         self.env = init_distributed(cfg.parallel, cfg.device)
         self.cfg, self.task = cfg, task
+        self._lock, self._handed_over = None, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -184,7 +185,7 @@ class Trainer:
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = lock_run_dir(self.run_dir) if self.env.is_main else None
+        self._lock = lock_run_dir(self.run_dir, self) if self.env.is_main else None
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
             for name in RUN_TOKENIZERS:
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -248,6 +249,20 @@ class Trainer:
         self.loader = train_loader(task, cfg, self.env)
         self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
 
+    def _hand_over(self) -> None:
+        """A newer Trainer in this process takes the run directory over (tformer.train.run_dir): finish the
+        saves in flight and write nothing more there."""
+        self.checkpointer.wait()
+        self._lock, self._handed_over = None, True
+
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise RuntimeError("this Trainer is closed; a new Trainer(..., resume=True) continues the run")
+        if self._handed_over:
+            raise RuntimeError(
+                f"a newer Trainer in this process took the run directory {self.run_dir} over; use that one"
+            )
+
     def _release_lock(self) -> None:
         if self._lock is not None:
             release_run_dir(self.run_dir, self._lock)
@@ -256,6 +271,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Checkpoint the current step (once: a second call at the same step returns the first)."""
+        self._check_open()
         s = self.state
         if self._saved is not None and self._saved[0] == s.step:
             return self._saved[1]
@@ -339,8 +355,7 @@ class Trainer:
     def fit(self, until: int | None = None) -> dict[str, Any]:
         """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would).
         Ctrl-C or SIGTERM stops after the step in flight, with a checkpoint (tformer.train.interrupt)."""
-        if self.model is None:
-            raise RuntimeError("this Trainer is closed; a new Trainer(..., resume=True) continues the run")
+        self._check_open()
         if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 1):
             raise ValueError(f"until must be a step number >= 1 (or None), got {until!r}")
         s = self.state

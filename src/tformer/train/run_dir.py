@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +28,40 @@ def outermost_missing(path: Path) -> Path | None:
     return next((d for d in [*reversed(path.parents), path] if not d.exists()), None)
 
 
-_LOCKS: dict[Path, Any] = {}  # run directories this process holds (its Trainers may follow one another)
+_LOCKS: dict[Path, tuple[Any, weakref.ref]] = {}  # run directories this process holds, and their holder
 
 
-def lock_run_dir(run_dir: Path):
+def lock_run_dir(run_dir: Path, holder: Any):
     """An exclusive lock on the run directory for as long as the returned file stays open: a second
     launch into the same --out (which would truncate the first's metrics and retrain its tokenizer) is
-    an error naming the process that holds it. The kernel releases it when the process ends."""
+    an error naming the process that holds it. The kernel releases it when the process ends.
+
+    Within one process the newest holder wins, so a run can be resumed (or a notebook cell rerun) in the
+    process that stopped it: a holder that still exists is told to hand the directory over
+    (`holder._hand_over()`: finish its saves and write nothing more there)."""
     key = run_dir.resolve()
-    if key in _LOCKS and not _LOCKS[key].closed:
-        return _LOCKS[key]
+    if key in _LOCKS:
+        handle, owner = _LOCKS[key]
+        previous = owner()
+        if previous is not None:
+            previous._hand_over()
+        _LOCKS[key] = (handle, weakref.ref(holder))
+        return handle
     handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held for the run's lifetime)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
-        holder = handle.read().strip() or "another process"
+        taken_by = handle.read().strip() or "another process"
         handle.close()
         raise BlockingIOError(
-            f"the run directory {run_dir} is in use by {holder}; wait for it or choose another --out"
+            f"the run directory {run_dir} is in use by {taken_by}; wait for it or choose another --out"
         ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}")
     handle.flush()
-    _LOCKS[key] = handle
+    _LOCKS[key] = (handle, weakref.ref(holder))
     return handle
 
 
@@ -76,5 +86,7 @@ def refuse_foreign_files(run_dir: Path) -> None:
 
 def release_run_dir(run_dir: Path, handle) -> None:
     """Give up the lock `lock_run_dir` returned."""
-    _LOCKS.pop(run_dir.resolve(), None)
+    key = run_dir.resolve()
+    if key in _LOCKS and _LOCKS[key][0] is handle:
+        del _LOCKS[key]
     handle.close()  # releases the run directory
