@@ -56,7 +56,8 @@ class KVCache:
     """Preallocated self-attention cache of `capacity` slots plus cross-attention K/V per layer.
 
     Writes go in place into (B, Hkv, capacity, E) buffers, so a decoding step copies only its own
-    keys; `update` returns views of the filled prefix. `reorder(index)` selects batch rows (beam search).
+    keys; `update` returns views of the filled prefix. Under autograd a write makes new buffers instead
+    (a copy per call), so gradients flow through several cached calls. `reorder(index)` selects batch rows (beam search).
     """
 
     def __init__(self, n_layers: int, capacity: int) -> None:
@@ -93,8 +94,13 @@ class KVCache:
                 f"this KV cache holds {k_buf.shape[1]} key/value heads of {k_buf.shape[3]} in layer {layer_idx}, "
                 f"got {k.shape[1]} of {k.shape[3]}: it was made for another model (use model.new_cache())"
             )
-        k_buf[:, :, start : start + t] = k
-        v_buf[:, :, start : start + t] = v
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            # differentiable: new buffers, so the views an earlier call saved for backward stay intact
+            k_buf = self.k[layer_idx] = k_buf.slice_scatter(k, dim=2, start=start, end=start + t)
+            v_buf = self.v[layer_idx] = v_buf.slice_scatter(v, dim=2, start=start, end=start + t)
+        else:
+            k_buf[:, :, start : start + t] = k
+            v_buf[:, :, start : start + t] = v
         self.lengths[layer_idx] = start + t
         return k_buf[:, :, : start + t], v_buf[:, :, : start + t]
 
