@@ -172,6 +172,10 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert r["disagree"]["error"].startswith(
             f"ranks disagree on the checkpoint step (this rank {5 + rank}"
         )
+    for r in first:  # B7: a changed shard, hashed by rank 1 alone, is the same error on both ranks
+        assert r["corrupt"]["error"].endswith(
+            f"{r['corrupt']['shard']}: sha256 differs from the manifest (corrupted)"
+        )
     # a tensor-parallel group's ranks draw one dropout stream: their replicated weights stay bit-equal
     assert first[0]["tp_dense_sync"]["param_sums"] == first[1]["tp_dense_sync"]["param_sums"]
     for name in ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async"):
@@ -212,6 +216,17 @@ def test_failing_rank_fails_fast() -> None:
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr
     assert time.monotonic() - start < 45  # the collective timeout is 60 s
+
+
+def test_a_rank_failing_during_an_async_save_fails_fast(tmp_path: Path, corpus: Path) -> None:
+    """F3 with a save in flight: rank 1 raises in step 3 while the async save of step 2 runs; its
+    Trainer.close() commits nothing with a barrier the other rank never reaches, so torchrun stops the
+    job at once instead of both ranks waiting out the collective timeout (60 s here)."""
+    start = time.monotonic()
+    proc = torchrun(str(HERE / "fail_in_async_save.py"), str(tmp_path / "run"), str(corpus), timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 fails in step 3" in proc.stderr
+    assert time.monotonic() - start < 45, proc.stderr[-3000:]
 
 
 # each launch costs ~10 s here (torch + FSDP2 imports in three processes): the reliability suite's

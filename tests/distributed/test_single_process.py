@@ -242,3 +242,28 @@ def test_settings_a_launch_cannot_honour_are_errors(monkeypatch) -> None:
         monkeypatch.setenv("WORLD_SIZE", "2")
         with pytest.raises(ConfigError, match="parallel.backend=nccl needs CUDA GPUs"):
             init_distributed(ParallelConfig(backend="nccl"))
+
+
+def test_the_groups_tformer_makes_time_out_after_parallel_timeout_s(tmp_path) -> None:
+    """The checkpoint group and a 2-D mesh's per-dimension groups had torch's own default (30 minutes
+    for gloo) whatever parallel.timeout_s said. A one-rank gloo group."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tformer.distributed.env import ProcessGroup, new_group, set_mesh_timeout
+
+    def timeout(group) -> datetime.timedelta:
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        env = ProcessGroup(False, 1, 7.0)
+        assert timeout(dist.new_group(backend="gloo")) == datetime.timedelta(minutes=30)  # torch's default
+        assert timeout(new_group(env, "gloo")) == datetime.timedelta(seconds=7)  # the checkpointer's group
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data", "tensor"))
+        set_mesh_timeout(mesh, env)
+        assert [timeout(mesh.get_group(d)) for d in range(2)] == [datetime.timedelta(seconds=7)] * 2
+    finally:
+        dist.destroy_process_group()

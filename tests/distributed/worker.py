@@ -511,6 +511,35 @@ def resume1(env, out_dir: Path, out: dict) -> None:
     cfg = variant("ep_fsdp_moe_async", corpus).replace(steps=5)  # and train one step on
     run(cfg, out_dir / "one_proc", resume=True, dump=out_dir / "from_one.safetensors")
     out["disagree"] = step_disagreement(env, out_dir / "disagree")
+    out["corrupt"] = corrupt_shard(env, out_dir / "corrupt")
+
+
+def corrupt_shard(env, run_dir: Path) -> dict:
+    """B7 on 2 ranks: one byte of a shard changed after the commit. Each file is hashed by one rank only;
+    every rank must raise the same error (a rank that raised alone would leave the other in DCP's load)."""
+    from tformer.distributed.checkpoint import DCPCheckpointer
+    from tformer.train.checkpoint import CheckpointError
+
+    torch.manual_seed(0)
+    model = build_model(moe_model_cfg().replace(moe=None))
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpointer = DCPCheckpointer(env, 0)
+    path = checkpointer.save(run_dir, 3, model, opt, sched, {}, {}, None)
+    shards = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")
+    if env.is_main:  # the first shard: sorted after .metadata, so rank 1 hashes it
+        data = bytearray((path / shards[0]).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / shards[0]).write_bytes(bytes(data))
+    env.barrier()
+    try:
+        checkpointer.load(path, model, opt, sched)
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    checkpointer.close()
+    del model, opt, sched, checkpointer
+    return {"error": error, "shard": shards[0]}
 
 
 def step_disagreement(env, run_dir: Path) -> dict:

@@ -23,8 +23,9 @@ writes its `.metadata` index with pickle; tformer reads it with an unpickler tha
 index's own classes (`SafeIndexReader`), so a tampered index cannot run code. The COMMITTED manifest
 covers `.metadata` and the `.distcp` shards too.
 
-Tools that read the single-process format (`tformer generate / eval --run`) take a DCP checkpoint
-after `export_single_process(checkpoint_dir, new_run_dir)`, which runs in one process.
+`tformer generate / eval / translate / classify --run` read a DCP checkpoint's weights directly
+(`load_dcp_weights`); `export_single_process(checkpoint_dir, new_run_dir)` converts one to the
+single-process format, to continue training it in one process.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tformer.config import ModelConfig
-from tformer.distributed.env import Local, rank_seed
+from tformer.distributed.env import Local, new_group, rank_seed
 from tformer.distributed.expert_parallel import ExpertParallelDispatch
 from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
@@ -191,10 +192,10 @@ class SafetensorsCheckpointer:
         restore_rng_state(loaded.rng_state)
         return loaded.trainer_state
 
-    def wait(self) -> None:
+    def wait(self, barrier: bool = True) -> None:
         """Nothing runs in the background."""
 
-    def close(self) -> None:
+    def close(self, alone: bool = False) -> None:
         pass
 
 
@@ -204,7 +205,7 @@ class DCPCheckpointer:
     def __init__(self, env: Local, seed: int, async_save: bool = False) -> None:
         self.env, self.seed, self.async_save = env, seed, async_save
         # async saves run collectives from a background thread: give them a group of their own
-        self.group = dist.new_group(backend="gloo") if env.world_size > 1 else None
+        self.group = new_group(env, "gloo") if env.world_size > 1 else None
         self._pending: tuple[Any, Path, Path, int, int | None] | None = None
         self._mesh = None
 
@@ -296,17 +297,19 @@ class DCPCheckpointer:
                 "nothing was written"
             )
 
-    def wait(self) -> None:
-        """Finish the async save in flight, if any, and commit it (call before the next save / exit)."""
+    def wait(self, barrier: bool = True) -> None:
+        """Finish the async save in flight, if any, and commit it (call before the next save / exit).
+        barrier=False: rank 0 commits without waiting for the other ranks to see it (DCP's save returns on
+        rank 0 once every rank has written: it writes the index last), for when they may not come."""
         if self._pending is None:
             return
         response, tmp, final, step, keep_last = self._pending
         self._pending = None
         future = getattr(response, "upload_completion", response)
         _dcp_call("async save", tmp, future.result)
-        self._commit(tmp, final, step, keep_last)
+        self._commit(tmp, final, step, keep_last, barrier)
 
-    def _commit(self, tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
+    def _commit(self, tmp: Path, final: Path, step: int, keep_last: int | None, barrier: bool = True) -> None:
         if self.env.is_main:
             files: dict[str, Any] = {}
             for f in sorted(tmp.iterdir()):
@@ -329,7 +332,8 @@ class DCPCheckpointer:
                         trash = old.with_name(f".trash-{old.name}-{uuid.uuid4().hex[:8]}")
                         os.rename(old, trash)
                         shutil.rmtree(trash, ignore_errors=True)
-        self.env.barrier()  # every rank sees the committed directory before it goes on
+        if barrier:
+            self.env.barrier()  # every rank sees the committed directory before it goes on
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
@@ -359,9 +363,7 @@ class DCPCheckpointer:
         own = self._rank_state(reader, saved_world, local)
         scheduler_state = match_groups(trainer["scheduler"], len(optimizer.param_groups), path)
         shards = self._as_shards(model, state)
-        for name in reader.files:  # DCP's own files: size and sha256 against the manifest (newer saves)
-            if name == DCP_METADATA or name.endswith(".distcp"):
-                reader.check(name)
+        self._check_dcp_files(reader)
         index = SafeIndexReader(path)
         _dcp_call("load", path, dcp.load, shards, storage_reader=index, process_group=self.group)
         for part, table in shards.items():  # DCP may have replaced rather than filled a wrapped slice
@@ -386,6 +388,24 @@ class DCPCheckpointer:
             )
         return state
 
+    def _check_dcp_files(self, reader: _Reader) -> None:
+        """DCP's own files against the manifest (newer saves): every rank checks every size, and hashes its
+        share of the files (each file once over the ranks, not once per rank); every rank then raises the
+        same error, so none is left waiting in DCP's load."""
+        names = [n for n in sorted(reader.files) if n == DCP_METADATA or n.endswith(".distcp")]
+        problem = None
+        try:
+            for i, name in enumerate(names):
+                reader.check(name, digest=i % self.env.world_size == self.env.rank)
+        except CheckpointError as error:
+            problem = str(error)
+        if self.group is not None:
+            problems = [None] * self.env.world_size
+            dist.all_gather_object(problems, problem, group=self.group)
+            problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise CheckpointError(problem)
+
     def _rank_state(self, reader: _Reader, saved_world: int, local: dict[str, torch.Tensor]) -> dict:
         """This rank's saved RNG and rank-local buffers. When the world size changed, rank 0 takes the sum
         of all saved ranks' counters (global totals are kept) and the others start from zero."""
@@ -401,8 +421,23 @@ class DCPCheckpointer:
         rng = reader.pair(rng_key(rank))["rng"] if rank < saved_world else None
         return {"rng": rng, "buffers": buffers}
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, alone: bool = False) -> None:
+        """Finish the save in flight, then release the checkpoint group. alone=True after a failure: the
+        other ranks may be stuck in a collective of the step that failed, so no barrier (which would
+        hang until the timeout), and an error finishing the save is a warning, never in place of the
+        failure's own."""
+        if not alone:
+            self.wait()
+        else:
+            pending = self._pending
+            try:
+                self.wait(barrier=False)
+            except Exception as error:
+                warnings.warn(
+                    f"the checkpoint of step {pending[3]} being written when the run failed was not committed: "
+                    f"{error}",
+                    stacklevel=2,
+                )
         if self.group is not None:
             dist.destroy_process_group(self.group)
         self.group = self._mesh = None

@@ -50,6 +50,7 @@ class Local:
     """World size 1: no process group. Every collective is the identity."""
 
     rank, local_rank, world_size, is_main = 0, 0, 1, True
+    timeout: datetime.timedelta | None = None  # of the process groups tformer makes (parallel.timeout_s)
     # the data-parallel coordinates: ranks of one tensor-parallel group share a data rank (same batches,
     # same dropout stream); without tensor parallelism they are rank and world_size
     data_rank, data_world_size = 0, 1
@@ -78,8 +79,9 @@ class Local:
 class ProcessGroup(Local):
     """Several processes on the default process group (gloo on CPU, nccl on CUDA)."""
 
-    def __init__(self, owns_group: bool, tensor: int = 1) -> None:
+    def __init__(self, owns_group: bool, tensor: int = 1, timeout_s: float | None = None) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.is_main = self.rank == 0
         self.owns_group = owns_group
@@ -129,7 +131,9 @@ def world_size_from_env() -> int:
 def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     """`Local()` for one process; else join the default process group (creating it if needed)."""
     if dist.is_available() and dist.is_initialized():
-        return ProcessGroup(False, parallel.tensor) if dist.get_world_size() > 1 else Local()
+        return (
+            ProcessGroup(False, parallel.tensor, parallel.timeout_s) if dist.get_world_size() > 1 else Local()
+        )
     if world_size_from_env() <= 1:
         unused = [
             f"parallel.{name}={value}"
@@ -156,7 +160,23 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
     if backend == "nccl":  # bind this process to its GPU before NCCL sees it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))
-    return ProcessGroup(True, parallel.tensor)
+    return ProcessGroup(True, parallel.tensor, parallel.timeout_s)
+
+
+def new_group(env: Local, backend: str | None = None) -> dist.ProcessGroup:
+    """A process group over every rank that times out after parallel.timeout_s, as the default one does
+    (a new group's own default is 30 minutes for gloo, 10 for NCCL)."""
+    return dist.new_group(backend=backend, timeout=env.timeout)
+
+
+def set_mesh_timeout(mesh, env: Local) -> None:
+    """The per-dimension groups `init_device_mesh` made for a mesh of several dimensions time out after
+    parallel.timeout_s too (torch builds them with its default timeout)."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if env.timeout is None or set_timeout is None or mesh.ndim < 2:  # 1-D: the default group itself
+        return
+    for dim in range(mesh.ndim):
+        set_timeout(env.timeout, mesh.get_group(dim))
 
 
 # ---------------------------------------------------------------------------- per-rank roles

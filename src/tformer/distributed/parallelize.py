@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from tformer.distributed.env import Local
+from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.model.moe import moe_layers, moe_routing_stats
@@ -157,6 +157,7 @@ def parallelize_tensor(
     mesh = init_device_mesh(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
+    set_mesh_timeout(mesh, env)
     apply_tensor_parallel(model, plan, mesh["tensor"])
     data_group = None
     if plan.data == "fsdp":

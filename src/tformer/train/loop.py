@@ -152,7 +152,7 @@ class Trainer:
             )
         self.env = init_distributed(cfg.parallel, cfg.device)
         self.cfg, self.task = cfg, task
-        self._lock, self._handed_over = None, False
+        self._lock, self._handed_over, self._failed = None, False, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -252,7 +252,7 @@ class Trainer:
     def _hand_over(self) -> None:
         """A newer Trainer in this process takes the run directory over (tformer.train.run_dir): finish the
         saves in flight and write nothing more there."""
-        self.checkpointer.wait()
+        self.checkpointer.wait(barrier=False)  # only rank 0 holds the lock: the others are not told
         self._lock, self._handed_over = None, True
 
     def _check_open(self) -> None:
@@ -337,8 +337,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Finish background saves, release model, optimizer and mesh, then leave the process group."""
-        self.checkpointer.close()
+        """Finish background saves, release model, optimizer and mesh, then leave the process group. After
+        a fit that raised, the save in flight is finished without waiting for the other ranks."""
+        self.checkpointer.close(alone=self._failed)
         self._release_lock()
         self.parallel.release()
         self.model = self.forward_model = self.optimizer = self.scheduler = None
@@ -363,6 +364,7 @@ class Trainer:
         self.model.train()
         bar = self._progress_bar()
         t0, tok0, step0 = time.perf_counter(), s.tokens_seen, s.step
+        self._failed = True  # until fit returns: close() then waits for no other rank
         try:
             with StopRequests(announce=self.env.is_main) as signals:
                 while s.step < stop:
@@ -398,6 +400,7 @@ class Trainer:
         if self.env.is_main:
             plot_loss_curve(self.run_dir)
         self.metrics.close()
+        self._failed = False
         return self.final_report()
 
     def _plot_so_far(self) -> None:
