@@ -176,6 +176,10 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert r["corrupt"]["error"].endswith(
             f"{r['corrupt']['shard']}: sha256 differs from the manifest (corrupted)"
         )
+    for rank, r in enumerate(first):  # and ranks that would resume different steps stop together
+        assert r["corrupt"]["differ"].startswith(
+            f"ranks resume from different checkpoints (this rank step {3 + rank}"
+        )
     # a tensor-parallel group's ranks draw one dropout stream: their replicated weights stay bit-equal
     assert first[0]["tp_dense_sync"]["param_sums"] == first[1]["tp_dense_sync"]["param_sums"]
     for name in ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async"):

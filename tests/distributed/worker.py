@@ -537,9 +537,15 @@ def corrupt_shard(env, run_dir: Path) -> dict:
         error = ""
     except CheckpointError as e:
         error = str(e)
+    checkpointer.save(run_dir, 4, model, opt, sched, {}, {}, None)
+    try:  # ranks that see different newest checkpoints (e.g. a filesystem that is not shared)
+        checkpointer.load(path.with_name(f"step_00000{3 + env.rank}"), model, opt, sched)
+        differ = ""
+    except CheckpointError as e:
+        differ = str(e)
     checkpointer.close()
     del model, opt, sched, checkpointer
-    return {"error": error, "shard": shards[0]}
+    return {"error": error, "shard": shards[0], "differ": differ}
 
 
 def step_disagreement(env, run_dir: Path) -> dict:

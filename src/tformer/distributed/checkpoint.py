@@ -55,6 +55,7 @@ from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.train.checkpoint import (
+    _STEP_DIR,
     CHECKPOINTS_DIR,
     DCP_FORMAT,
     DCP_METADATA,
@@ -283,14 +284,20 @@ class DCPCheckpointer:
             self._commit(tmp, final, step, keep_last)
         return final
 
-    def _agree_on_step(self, step: int) -> None:
-        """Every rank must save the same step: checked (one all-reduce) before anything is written, so
-        ranks that drifted apart raise the same error instead of writing a mixed checkpoint or hanging."""
+    def _agree_on_step(self, step: int, loading: bool = False) -> None:
+        """Every rank must save (or resume from) the same step: checked (one all-reduce) before anything
+        is written (read), so ranks that drifted apart (or see different files) raise the same error
+        instead of writing a mixed checkpoint, resuming different states, or hanging."""
         if self.group is None:
             return
         t = torch.tensor([step, -step], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         highest, lowest = int(t[0]), -int(t[1])
+        if highest != lowest and loading:
+            raise CheckpointError(
+                f"ranks resume from different checkpoints (this rank step {step}, the ranks from {lowest} to "
+                f"{highest}): every rank must see the same run directory; nothing was loaded"
+            )
         if highest != lowest:
             raise CheckpointError(
                 f"ranks disagree on the checkpoint step (this rank {step}, others from {lowest} to {highest}); "
@@ -340,6 +347,8 @@ class DCPCheckpointer:
         """Restore model, optimizer, scheduler, this rank's RNG and rank-local buffers; return the trainer
         state (loader position rescaled when the world size changed)."""
         path = Path(path)
+        named = _STEP_DIR.match(path.name)
+        self._agree_on_step(int(named.group(1)) if named else -1, loading=True)  # before any rank reads
         if not is_dcp_checkpoint(path) and (path / "model.safetensors").is_file():  # the 1-process format
             if self.env.world_size == 1:  # loads as it was saved; this run's saves are DCP from now on
                 return SafetensorsCheckpointer(self.env, self.seed).load(path, model, optimizer, scheduler)
