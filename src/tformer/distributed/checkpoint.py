@@ -317,11 +317,14 @@ class DCPCheckpointer:
         self._commit(tmp, final, step, keep_last, barrier)
 
     def _commit(self, tmp: Path, final: Path, step: int, keep_last: int | None, barrier: bool = True) -> None:
+        """Rank 0 writes the manifest (every file's size and sha256) and renames the directory. Each rank
+        hashes its own shards (one gather), unless the others may not come (barrier=False)."""
+        hashed = self._hash_own_shards(tmp) if barrier else {}
         if self.env.is_main:
             files: dict[str, Any] = {}
             for f in sorted(tmp.iterdir()):
                 if f.suffix in (".json", ".safetensors", ".distcp") or f.name == DCP_METADATA:
-                    files[f.name] = file_entry(f)
+                    files[f.name] = hashed.get(f.name) or file_entry(f)
             commit = {
                 "format_version": FORMAT_VERSION,
                 "format": DCP_FORMAT,
@@ -341,6 +344,16 @@ class DCPCheckpointer:
                         shutil.rmtree(trash, ignore_errors=True)
         if barrier:
             self.env.barrier()  # every rank sees the committed directory before it goes on
+
+    def _hash_own_shards(self, tmp: Path) -> dict[str, dict]:
+        """{name: entry} of every rank's DCP shards (`__<rank>_*.distcp`, written by that rank), on rank 0;
+        {} on the others and in one process (rank 0 hashes what is left itself)."""
+        if self.group is None:
+            return {}
+        own = {f.name: file_entry(f) for f in sorted(tmp.glob(f"__{self.env.rank}_*.distcp"))}
+        gathered: list[dict | None] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(own, gathered, dst=0, group=self.group)
+        return {name: entry for part in gathered or [] for name, entry in (part or {}).items()}
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
