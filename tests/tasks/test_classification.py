@@ -15,6 +15,7 @@ from tformer import build_model
 from tformer.cli.main import main
 from tformer.eval.classification import plot_confusion, score_classification
 from tformer.presets import tiny
+from tformer.schema import ConfigError
 from tformer.tasks import make_task
 from tformer.train.loop import Trainer
 from tformer.train.presets import tiny_classification
@@ -129,6 +130,24 @@ def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) ->
     ]
     assert main([*argv, "--out", out]) == 2
     assert "needs model.arch 'encoder'" in capsys.readouterr().err
+
+
+def test_resume_refuses_articles_changed_since_the_run_started(bbc_root: Path, tmp_path: Path) -> None:
+    """data.path may move, but what it holds may not change: classification had re-read and re-recorded
+    whatever was there (an LM run already refused)."""
+    import shutil
+
+    root = tmp_path / "bbc"
+    shutil.copytree(bbc_root, root)
+    cfg = tiny_classification()
+    cfg = cfg.replace(data=cfg.data.replace(path=str(root)), steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "a", make_task("classification"), progress=False).fit(until=2)
+    recorded = (tmp_path / "a" / "data.json").read_text()
+    article = sorted((root / "bbcnews" / "data" / "sports").iterdir())[0]
+    article.write_text(article.read_text() + " edited")
+    with pytest.raises(ConfigError, match=r"split\(s\) of .* differ from those this run recorded"):
+        Trainer(cfg, tmp_path / "a", make_task("classification"), resume=True, progress=False)
+    assert (tmp_path / "a" / "data.json").read_text() == recorded
 
 
 def test_resume_keeps_the_vocabulary_and_continues(bbc_root: Path, tmp_path: Path) -> None:

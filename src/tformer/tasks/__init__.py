@@ -1,6 +1,7 @@
 """Tasks: what data a run reads, what loss it minimises and how it is evaluated.
 
-A task object has `setup(cfg, run_dir, device)`, `model_config(cfg)`, `train_loader(cfg)`,
+A task object has `setup(cfg, run_dir, device, resume=False)` (a resumed run checks its data against the
+run's data.json instead of recording it), `model_config(cfg)`, `train_loader(cfg)`,
 `loss(model, batch) -> (loss sum, targets)`, `count_targets(batch)`, `count_inputs(batch)`,
 `evaluate(model, max_batches) -> dict`, `tokenizer_json()`, `describe_result(report)` and
 `show_sample(model)`. The trainer knows nothing else about the task.

@@ -32,7 +32,13 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import MANIFEST, load_task_corpus, train_tokenizer, write_manifest
+from tformer.tasks.corpus import (
+    MANIFEST,
+    check_data_unchanged,
+    load_task_corpus,
+    train_tokenizer,
+    write_manifest,
+)
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.tasks.translation import run_dir_of
@@ -94,9 +100,11 @@ def classification_loss_sum(
 class ClassificationTask:
     """The task protocol of `tformer.tasks` for text classification."""
 
-    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         self.corpus = load_task_corpus(cfg.data, "classification")
+        if resume:
+            check_data_unchanged(run_dir, self.corpus, cfg.data)
         self.labels = self.corpus.labels
         train = spread(self.corpus["train"], cfg.data.max_train_docs)
         path = run_dir / "tokenizer.json"
@@ -109,9 +117,13 @@ class ClassificationTask:
         self.collate = ClassificationCollator(self.tokenizer.pad_id)
         self.train_ds = self.dataset(train)
         self.val_ds = self.dataset(self.corpus["val"])
-        write_manifest(
-            run_dir, self.corpus, train_docs_used=len(train), train_docs_truncated=self.train_ds.n_truncated
-        )
+        if not resume:
+            write_manifest(
+                run_dir,
+                self.corpus,
+                train_docs_used=len(train),
+                train_docs_truncated=self.train_ds.n_truncated,
+            )
 
     def dataset(self, docs: Sequence[Document]) -> ClassificationDataset:
         index = {label: i for i, label in enumerate(self.labels)}

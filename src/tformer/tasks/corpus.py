@@ -61,11 +61,33 @@ def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
 
 
 def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
-    """The splits whose documents differ from those the run recorded in data.json (files added,
-    removed or renamed in a text folder since); [] when they match or nothing was recorded."""
+    """The splits whose documents differ from those the run recorded in data.json (files added, removed,
+    renamed or edited in a text folder, pairs or articles of a data package changed); [] when they match
+    or nothing was recorded (a run recorded before content hashes compares ids alone)."""
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
         return []
-    recorded = json.loads(path.read_text()).get("ids_sha256", {})
-    now = corpus.manifest()["ids_sha256"]
-    return [s for s in now if s in recorded and recorded[s] != now[s]]
+    recorded = json.loads(path.read_text())
+    now = corpus.manifest()
+    changed = []
+    for split in now["ids_sha256"]:
+        for key in ("ids_sha256", "content_sha256"):
+            before = recorded.get(key, {}).get(split)
+            if before is not None and before != now[key][split] and split not in changed:
+                changed.append(split)
+    return changed
+
+
+def check_data_unchanged(run_dir: Path, corpus: Corpus, data: DataConfig) -> None:
+    """A resumed run reads the data it started with: ConfigError naming the splits that changed since
+    data.json recorded them. A run directory without data.json records it now."""
+    changed = split_changes(run_dir, corpus)
+    if changed:
+        where = data.corpus if data.path is None else data.path
+        raise ConfigError(
+            f"the {', '.join(changed)} split(s) of {where!r} differ from those this run recorded in "
+            f"{Path(run_dir) / MANIFEST} (documents or pairs added, removed, renamed or edited since): the run "
+            "would go on with other data; restore the data or start a new run"
+        )
+    if not (Path(run_dir) / MANIFEST).is_file():
+        write_manifest(run_dir, corpus)

@@ -18,7 +18,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import MANIFEST, load_task_corpus, split_changes, train_tokenizer, write_manifest
+from tformer.tasks.corpus import check_data_unchanged, load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -40,17 +40,13 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 
 
 class LMTask:
-    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         corpus = load_task_corpus(cfg.data, "lm")  # checks the corpus is text for a language model
-        if (run_dir / "tokenizer.json").exists():  # a run going on (a fresh one deleted its tokenizer)
-            changed = split_changes(run_dir, corpus)
-            if changed:
-                raise ConfigError(
-                    f"the {', '.join(changed)} split(s) of {cfg.data.corpus!r} differ from those this run "
-                    f"recorded in {run_dir / MANIFEST} (documents added, removed or renamed since): the run "
-                    "would go on with other data; restore the corpus or start a new run"
-                )
+        if (
+            resume or (run_dir / "tokenizer.json").exists()
+        ):  # a run going on (a fresh one deleted its tokenizer)
+            check_data_unchanged(run_dir, corpus, cfg.data)
         else:
             write_manifest(run_dir, corpus)
         train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]

@@ -27,7 +27,7 @@ from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import load_task_corpus, train_tokenizer, write_manifest
+from tformer.tasks.corpus import check_data_unchanged, load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
@@ -125,9 +125,11 @@ def seq2seq_loss_sum(
 class TranslationTask:
     """The task protocol of `tformer.tasks` for sentence-pair translation."""
 
-    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
+    def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         self.corpus = load_translation_corpus(cfg.data)
+        if resume:
+            check_data_unchanged(run_dir, self.corpus, cfg.data)
         train = list(self.corpus["train"])[: cfg.data.max_train_docs]
         self.src_tok, self.tgt_tok = self._tokenizers(train)
         self.collate = Seq2SeqCollator(self.tgt_tok.pad_id, self.tgt_tok.bos_id, self.tgt_tok.eos_id)
@@ -135,9 +137,13 @@ class TranslationTask:
         self.val_ds = self.dataset(self.corpus["val"])
         for name, ds in (("train", self.train_ds), ("val", self.val_ds)):
             check_scoreable(ds, f"the {name} split", cfg.data.seq_len)
-        write_manifest(
-            run_dir, self.corpus, train_pairs_used=len(train), train_pairs_too_long=self.train_ds.n_filtered
-        )
+        if not resume:
+            write_manifest(
+                run_dir,
+                self.corpus,
+                train_pairs_used=len(train),
+                train_pairs_too_long=self.train_ds.n_filtered,
+            )
 
     def _tokenizers(self, train: Sequence[Pair]) -> tuple[Tokenizer, Tokenizer]:
         data, tgt_path, src_path = (

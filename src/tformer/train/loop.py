@@ -50,6 +50,7 @@ from tformer.train.run_dir import (
     outermost_missing,
     refuse_foreign_files,
     release_run_dir,
+    restore_run_tokenizer,
 )
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
@@ -115,6 +116,25 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         )
 
 
+def warn_compile_switch(cfg: TrainConfig, meta: dict[str, Any]) -> None:
+    """`compile` may change on resume, but with dropout on the compiled and the eager step draw different
+    dropout masks from the same RNG state: the run goes on, not bit-identically. Said, not silent."""
+    saved = meta.get("train_config")
+    if not isinstance(saved, dict) or bool(saved.get("compile")) == cfg.compile:
+        return
+    model = cfg.model.to_dict()
+    rates = {k: v for k, v in model.items() if "dropout" in k and isinstance(v, float) and v > 0}
+    if rates:
+        warnings.warn(
+            f"compile={cfg.compile} on resume of a run with compile={bool(saved.get('compile'))} and "
+            f"{', '.join(f'model.{k}={v:g}' for k, v in rates.items())}: "
+            "compiled and eager steps draw different dropout masks, so the losses from here will not be "
+            "bit-identical to a run that kept its compile setting",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _duration(seconds: float) -> str:
     """12s, 3.4 min, 1.2 h."""
     if seconds < 120:
@@ -173,6 +193,7 @@ class Trainer:
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
+            warn_compile_switch(cfg, meta)
             at = step_of(resume_from)
             if cfg.steps < at:
                 raise ValueError(
@@ -236,7 +257,9 @@ class Trainer:
     def _build(self, task, cfg: TrainConfig, meta: dict | None, resume_from: Path | None) -> None:
         """Data, tokenizer, model, parallel layout, optimizer, schedule and loader of the run."""
         with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
-            task.setup(cfg, self.run_dir, self.device)
+            if meta is not None and self.env.is_main:
+                restore_run_tokenizer(self.run_dir, meta, resume_from)
+            task.setup(cfg, self.run_dir, self.device, resume=meta is not None)
         self.model_cfg = task.model_config(cfg)
         if meta is not None:
             check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
@@ -395,6 +418,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        if s.step == step0 == self.cfg.steps and self._last_eval_step() != s.step:
+            self._log_eval()  # a resume that starts at its last step: the evaluation an ending run makes
         self.save()
         self.checkpointer.wait()
         if self.env.is_main:
@@ -562,13 +587,20 @@ class Trainer:
             total=self.cfg.steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True
         )
 
-    def final_report(self) -> dict[str, Any]:
+    def _last_eval_step(self) -> int | None:
         evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
+        return evals[-1]["step"] if evals else None
+
+    def final_report(self) -> dict[str, Any]:
+        """The run's step and counters, and its latest evaluation (made at `eval_step`)."""
+        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
+        latest = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")} if evals else {}
         return {
             "step": self.state.step,
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,
-            **(evals[-1] if evals else {}),
+            **({"eval_step": evals[-1]["step"]} if evals else {}),
+            **latest,
         }
 
 

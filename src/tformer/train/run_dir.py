@@ -6,9 +6,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
+
+from tformer.train.checkpoint import CheckpointError
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a fresh run writes into its directory, replacing what is there
@@ -90,3 +93,27 @@ def release_run_dir(run_dir: Path, handle) -> None:
     if key in _LOCKS and _LOCKS[key][0] is handle:
         del _LOCKS[key]
     handle.close()  # releases the run directory
+
+
+def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
+    """A resumed run trains with the vocabulary its checkpoint was trained with (the checkpoint's
+    meta.json holds it). tokenizer.json missing from the run directory is written back from there, with a
+    warning (a task would train a new one on the data as it is now); one that differs from it is an error."""
+    saved = meta.get("tokenizer")
+    if not isinstance(saved, str):
+        return  # a checkpoint without its tokenizer: the task reads the run's own
+    path = run_dir / RUN_TOKENIZERS[0]
+    if not path.exists():
+        path.write_text(saved, encoding="utf-8")
+        warnings.warn(f"{path} was missing: restored from {checkpoint / 'meta.json'}", stacklevel=3)
+        return
+    try:
+        same = json.loads(path.read_text(encoding="utf-8")) == json.loads(saved)
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise CheckpointError(
+            f"{path} is not the vocabulary {checkpoint.name} was trained with (its meta.json holds that one): "
+            "the resumed run would read other token ids; restore the file (or delete it to have it restored) "
+            "or start a new run"
+        )
