@@ -232,7 +232,13 @@ class Trainer:
         self.forward_model = torch.compile(self.parallel.model) if cfg.compile else self.parallel.model
         self.autocast = autocast_context(self.device, cfg.dtype)
         optim = cfg.optim
-        if optim.schedule != "constant" and optim.warmup_steps >= cfg.steps and self.env.is_main:
+        steps_left = resume_from is None or step_of(resume_from) < cfg.steps  # else the schedule has run
+        if (
+            optim.schedule != "constant"
+            and optim.warmup_steps >= cfg.steps
+            and self.env.is_main
+            and steps_left
+        ):
             end = lr_factor(cfg.steps - 1, cfg.steps, optim)  # the warm-up takes every step
             if end > optim.min_lr_ratio:
                 warnings.warn(
