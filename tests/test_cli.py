@@ -394,6 +394,10 @@ def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactne
             ["--preset", "shakespeare"],
             "the config differs from the run's: batch_size: 8 in the checkpoint, 16 now",
         ),
+        (  # a dense run made MoE: the section is named once (each of its settings had been listed)
+            ["--set", "model.moe.n_experts=4"],
+            "the config differs from the run's: model.moe: None in the checkpoint, {'n_experts': 4, ",
+        ),
     ):
         assert main(["train", "--out", str(run), "--resume", "--no-progress", *argv]) == 2
         err = capsys.readouterr().err.strip()

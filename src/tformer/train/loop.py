@@ -90,6 +90,24 @@ def _moved(key: str, before: Any, now: Any) -> bool:
     return key == "data.corpus" and texts and now.startswith("text:")
 
 
+def _whole_sections(keys: list[str], before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """A section one side does not have (model.moe of a dense run: None, flattened as one key) is named
+    once, not as each of its settings."""
+    every = before.keys() | now.keys()
+    absent = {k for k in every if before.get(k, 0) is None or now.get(k, 0) is None}
+    absent = {a for a in absent if any(k.startswith(a + ".") for k in every)}
+    named = [k for k in keys if not any(k.startswith(a + ".") for a in absent)]
+    return sorted({*named, *(a for a in absent if any(k.startswith(a + ".") for k in keys))})
+
+
+def _value(flat: dict[str, Any], key: str) -> str:
+    """A flattened setting as the user wrote it; a section as the dict of its settings."""
+    if key in flat:
+        return repr(flat[key])
+    section = {k.removeprefix(key + "."): v for k, v in flat.items() if k.startswith(key + ".")}
+    return repr(section) if section else "None"
+
+
 def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, model: bool) -> None:
     """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's:
     the `model.*` settings (model=True, once the task has resolved the model config) or all the others
@@ -103,9 +121,10 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         if k.startswith("model.") == model and k.split(".")[0] not in RESUMABLE
         and before.get(k) != now.get(k) and not _moved(k, before.get(k), now.get(k))
     ]  # fmt: skip
+    changed = _whole_sections(changed, before, now)
     if changed:
         shown = "; ".join(
-            f"{k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in changed[:4]
+            f"{k}: {_value(before, k)} in the checkpoint, {_value(now, k)} now" for k in changed[:4]
         )
         more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
         raise CheckpointError(
