@@ -31,7 +31,11 @@ class RopeConfig(Config):
     fraction: share of each head's features that is rotated (partial rotary, as in GPT-NeoX).
     scaling: "linear" position interpolation (Chen et al., 2023), "ntk" NTK-aware base change,
         "yarn" (Peng et al., 2023); `factor` stretches the trained context. `original_max_seq_len`
-        (the trained context; default max_seq_len / factor) and the yarn_beta_* are read by "yarn" only.
+        (the trained context; default max_seq_len / factor), the yarn_beta_* and yarn_ramp are read by
+        "yarn" only. yarn_ramp "rotations" blends each frequency by the paper's ramp of its rotations in
+        the trained context; "dims" by a ramp over the dimension index between the dimensions where those
+        rotation counts fall (the YaRN authors' code and Hugging Face's, so YaRN weights trained there
+        keep their frequencies).
     cross_attention: rotate queries and keys in encoder-decoder cross-attention too (default no:
         source and target positions are different sequences, so their difference has no meaning).
 
@@ -46,6 +50,7 @@ class RopeConfig(Config):
     original_max_seq_len: int | None = None
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    yarn_ramp: Literal["rotations", "dims"] = "rotations"
     cross_attention: bool = False
 
     def check(self) -> None:

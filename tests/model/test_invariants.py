@@ -19,6 +19,7 @@ ROPES = {
     "rope-linear": RopeConfig(scaling="linear", factor=2.0),
     "rope-ntk": RopeConfig(scaling="ntk", factor=4.0),
     "rope-yarn": RopeConfig(scaling="yarn", factor=4.0, original_max_seq_len=16),
+    "rope-yarn-dims": RopeConfig(scaling="yarn", factor=4.0, original_max_seq_len=16, yarn_ramp="dims"),
 }
 SCHEMES = {"sinusoidal": {}, "learned": {}, "none": {}} | {k: {"rope": v} for k, v in ROPES.items()}
 

@@ -122,3 +122,38 @@ def test_decoder_matches_hf_llama() -> None:
     torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
     # Max absolute logit difference measured when this test was written: printed for the record.
     print("max |logit diff| vs HF Llama:", (ours(tokens) - hf(tokens).logits).abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("hidden", "heads", "factor", "original", "theta"),
+    [
+        (4096, 32, 4.0, 4096, 10000.0),
+        (64, 4, 4.0, 16, 10000.0),
+        (512, 8, 8.0, 256, 500000.0),
+        (96, 3, 2.0, 64, 10000.0),
+    ],
+)
+def test_yarn_dims_ramp_equals_hugging_faces_frequencies(hidden, heads, factor, original, theta) -> None:
+    """yarn_ramp="dims" is the YaRN authors' code as Hugging Face runs it (YaRN weights trained there keep
+    their frequencies); the default "rotations" ramp is the paper's formula and differs in between."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tformer import RopeConfig
+    from tformer.model.positions import rope_inv_freq
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        max_position_embeddings=int(original * factor),
+        rope_scaling={"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+                      "rope_theta": theta},
+    )  # fmt: skip
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    rope = RopeConfig(
+        theta=theta, scaling="yarn", factor=factor, original_max_seq_len=original, yarn_ramp="dims"
+    )
+    ours, scale = rope_inv_freq(hidden // heads, rope, int(original * factor))
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(their_scale, rel=1e-12)
+    paper, _ = rope_inv_freq(hidden // heads, rope.replace(yarn_ramp="rotations"), int(original * factor))
+    assert not torch.allclose(paper.float(), theirs.float(), rtol=1e-3)

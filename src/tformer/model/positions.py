@@ -69,7 +69,8 @@ def rope_inv_freq(rot_dim: int, rope: RopeConfig, max_seq_len: int) -> tuple[Ten
     ntk:    base' = base * s^(d / (d - 2))    (NTK-aware: high frequencies kept, low ones stretched)
     yarn:   theta_i blended between theta_i / s and theta_i by the ramp gamma(r_i) of the number of
             rotations r_i = L / wavelength_i in the trained context L, with a softmax temperature
-            that scales q and k by 0.1 ln(s) + 1 (Peng et al., 2023).
+            that scales q and k by 0.1 ln(s) + 1 (Peng et al., 2023). yarn_ramp "dims": gamma linear in
+            the pair index i between the (floored / ceiled) indices where r_i = beta_fast and beta_slow.
     """
     i2 = torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim  # (d/2,) = 2i/d
     s = rope.factor
@@ -83,7 +84,18 @@ def rope_inv_freq(rot_dim: int, rope: RopeConfig, max_seq_len: int) -> tuple[Ten
         original = rope.original_max_seq_len or max(1, int(max_seq_len / s))
         rotations = original * inv_freq / (2 * math.pi)  # r_i = L / lambda_i
         lo, hi = rope.yarn_beta_slow, rope.yarn_beta_fast
-        gamma = ((rotations - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: interpolate, 1: keep
+        if rope.yarn_ramp == "rotations":
+            gamma = ((rotations - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: interpolate, 1: keep
+        else:  # r_i = L theta^(-2i/d) / 2 pi  <=>  i = d ln(L / (2 pi r)) / (2 ln theta)
+
+            def index(r: float) -> float:
+                return rot_dim * math.log(original / (2 * math.pi * r)) / (2 * math.log(rope.theta))
+
+            first = max(math.floor(index(hi)), 0)  # pairs up to here keep their frequency
+            last = min(math.ceil(index(lo)), rot_dim - 1)  # pairs from here are interpolated
+            last = last + 0.001 if last == first else last
+            pairs = torch.arange(rot_dim // 2, dtype=torch.float64)
+            gamma = 1 - ((pairs - first) / (last - first)).clamp(0.0, 1.0)
         inv_freq = (1 - gamma) * inv_freq / s + gamma * inv_freq
         return inv_freq, 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
     return inv_freq, 1.0
