@@ -58,8 +58,15 @@ def test_empty_batch_and_sequence(lm) -> None:
 def test_sequence_longer_than_the_model_allows(positions: str) -> None:
     model = make(tiny().replace(positions=positions, max_seq_len=16))
     model(torch.zeros(1, 16, dtype=torch.long))  # exactly the limit works
-    with pytest.raises(ValueError, match=r"reaches position 16 but the model allows at most max_seq_len=16"):
+    with pytest.raises(
+        ValueError, match=r"the sequence reaches position 16 but the model allows at most max_seq_len=16"
+    ):
         model(torch.zeros(1, 17, dtype=torch.long))
+    seq2seq = make(tiny("encoder_decoder").replace(positions=positions, max_seq_len=16))
+    fits, long = torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 17, dtype=torch.long)
+    for src, tgt, side in ((long, fits, "source"), (fits, long, "target")):  # which side is too long
+        with pytest.raises(ValueError, match=rf"the {side} reaches position 16 but the model allows"):
+            seq2seq(src, tgt)
 
 
 def test_cached_decoding_past_the_limit(lm) -> None:

@@ -60,8 +60,10 @@ def check_targets(
     return targets
 
 
-def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int, scheme: str) -> Tensor:
-    """positions: (T,) or (B, T) integer positions in [0, max_seq_len)."""
+def check_positions(
+    positions: Tensor, batch: int, length: int, max_seq_len: int, scheme: str, what: str = "sequence"
+) -> Tensor:
+    """positions: (T,) or (B, T) integer positions in [0, max_seq_len) of the `what` (source, target...)."""
     if not isinstance(positions, Tensor) or positions.dtype not in _INT_DTYPES:
         raise TypeError(
             "positions must be a torch.long (or torch.int32) tensor, got "
@@ -82,7 +84,7 @@ def check_positions(positions: Tensor, batch: int, length: int, max_seq_len: int
             "none": "raise max_seq_len",
         }.get(scheme, f"positions='{scheme}' has no entries beyond it")
         raise ValueError(
-            f"sequence reaches position {hi.item()} but the model allows at most max_seq_len={max_seq_len} "
+            f"the {what} reaches position {hi.item()} but the model allows at most max_seq_len={max_seq_len} "
             f"positions (0..{max_seq_len - 1}); {hint}"
         )
     return positions

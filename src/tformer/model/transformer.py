@@ -43,11 +43,13 @@ class Stack(nn.Module):
         x = self.tok_embed(tokens) * self.embed_scale  # (B, T, D)
         return self.embed_drop(self.input_positions(x, positions))
 
-    def resolve_positions(self, tokens: Tensor, positions: Tensor | None, start: int) -> Tensor:
+    def resolve_positions(
+        self, tokens: Tensor, positions: Tensor | None, start: int, what: str = "sequence"
+    ) -> Tensor:
         b, t = tokens.shape
         if positions is None:
             positions = torch.arange(start, start + t, device=tokens.device)  # (T,)
-        return check_positions(positions, b, t, self.cfg.max_seq_len, self.cfg.positions)
+        return check_positions(positions, b, t, self.cfg.max_seq_len, self.cfg.positions, what)
 
 
 class Encoder(Stack):
@@ -62,7 +64,7 @@ class Encoder(Stack):
         check_tokens(tokens, self.tok_embed.num_embeddings, "source tokens")
         b, t = tokens.shape
         key_padding_mask = check_key_padding(key_padding_mask, b, t, "source key_padding_mask")
-        positions = self.resolve_positions(tokens, None, 0)
+        positions = self.resolve_positions(tokens, None, 0, "source")
         mask = padding_mask(t, key_padding_mask, t, tokens.device)
         x = self.embed(tokens, positions)
         for block in self.blocks:
@@ -209,7 +211,7 @@ class EncoderDecoder(nn.Module):
         cache.use_source(memory.states)  # the caller's tensor: the decoder may cast a copy under autocast
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
-        positions = self.decoder.resolve_positions(tgt, positions, start)
+        positions = self.decoder.resolve_positions(tgt, positions, start, "target")
         return self.lm_head(self.decoder(tgt, positions, key_padding_mask, cache, memory))  # (B, T, V)
 
     def forward(
