@@ -457,3 +457,15 @@ print(before, "torch" in sys.modules, Tokenizer.__name__, save_weights.__name__)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "Tokenizer", "save_weights"], out.stdout + out.stderr
+
+
+def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
+    """A Ctrl-C in the first second of a command, while torch is imported, had printed a traceback."""
+    import importlib
+
+    def interrupted(name: str, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert main(["eval", "--run", "nowhere"]) == 130
+    assert capsys.readouterr().err == "tformer eval: interrupted\n"

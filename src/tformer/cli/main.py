@@ -212,12 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     module_name, func_name = COMMANDS[args.command][2].split(":")
-    import importlib
-
-    func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
-    from tformer.train.step import NonFiniteError  # after parsing: --help does not import torch
-
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: say things once, from rank 0
+    try:  # after parsing: --help does not import torch; a Ctrl-C while it loads (~1 s) is an interruption too
+        import importlib
+
+        func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
+        from tformer.train.step import NonFiniteError
+    except KeyboardInterrupt:
+        if not rank:
+            print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
     formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"
     try:

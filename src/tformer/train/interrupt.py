@@ -37,7 +37,9 @@ class StopRequests:
     it once), so there repeats are ignored: torchrun itself kills workers that have not exited 30 s
     later. A signal the process was told to ignore stays ignored."""
 
-    REPEAT_S = 2.0  # a second SIGINT sooner than this after the first is the same keypress, forwarded
+    # a second SIGINT sooner than this after the first is the same keypress, forwarded by a wrapper (a
+    # parent such as `timeout` passing on what the terminal sent it); a person's second Ctrl-C comes later
+    REPEAT_S = 0.25
 
     def __init__(self, announce: bool = True) -> None:
         self.announce = announce
