@@ -97,11 +97,15 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 5 and 0 <= result["accuracy"] <= 1 and len(result["confusion"]) == 5
     assert (
-        Path(result["confusion_png"]) == trained_run / "confusion_test.png"
-        and (trained_run / "confusion_test.png").exists()
+        Path(result["confusion_png"]) == trained_run / "eval_confusion_test.png"
+        and (trained_run / "eval_confusion_test.png").exists()
     )
     assert main(["eval", "--run", run]) == 0
     assert "macro-F1" in capsys.readouterr().out
+    trained = (trained_run / "confusion_val.json").read_text()  # training's last evaluation
+    assert main(["eval", "--run", run, "--split", "val", "--json"]) == 0
+    assert (trained_run / "confusion_val.json").read_text() == trained  # kept, beside eval's own
+    assert Path(json.loads(capsys.readouterr().out)["confusion_png"]).name == "eval_confusion_val.png"
 
 
 def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) -> None:

@@ -2,7 +2,8 @@
 
 Each text keeps its first data.seq_len tokens (a BOS first when pooling is "cls": it is the token the
 head reads). Batches are length-bucketed. Evaluation reports loss, accuracy and macro-F1, and writes
-the confusion matrix as confusion_<split>.png (and .json) into the run directory.
+the confusion matrix as confusion_<split>.png (and .json) into the run directory (`tformer eval`:
+eval_confusion_<split>.png, so it never replaces training's).
 
 Run directory, besides what the trainer writes: tokenizer.json and data.json (the corpus manifest,
 whose "labels" are the class names in index order).
@@ -212,12 +213,13 @@ def evaluate_dataset(
     return {**result, "macro_f1": scores.macro_f1}, scores
 
 
-def write_confusion(scores: ClassificationScores, run_dir: Path, split: str) -> Path | None:
-    """run_dir/confusion_<split>.png and .json; None when the directory is not writable."""
+def write_confusion(scores: ClassificationScores, run_dir: Path, split: str, prefix: str = "") -> Path | None:
+    """run_dir/<prefix>confusion_<split>.png and .json; None when the directory is not writable."""
+    name = f"{prefix}confusion_{split}"
     try:
-        (run_dir / f"confusion_{split}.json").write_text(json.dumps(scores.to_dict(), indent=2))
+        (run_dir / f"{name}.json").write_text(json.dumps(scores.to_dict(), indent=2))
         title = f"{split}: accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})"
-        return plot_confusion(scores, run_dir / f"confusion_{split}.png", title)
+        return plot_confusion(scores, run_dir / f"{name}.png", title)
     except OSError:
         return None
 
@@ -244,7 +246,8 @@ def load_classifier(run: LoadedRun | str | Path) -> Classifier:
 
 def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: int | None = None) -> dict:
     """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run (or its path) on a
-    split; the matrix also goes to <run>/confusion_<split>.png."""
+    split; the matrix also goes to <run>/eval_confusion_<split>.png (training's evaluations write
+    confusion_val.png)."""
     run = require_task(run, "classification", "classification")
     classifier = load_classifier(run)
     cfg = run.train_config
@@ -255,7 +258,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
     collate = ClassificationCollator(classifier.tokenizer.pad_id)
     result, scores = evaluate_dataset(run.model, ds, collate, classifier.labels, cfg.batch_size, max_batches)
-    png = write_confusion(scores, run_dir_of(run.checkpoint), split)
+    png = write_confusion(scores, run_dir_of(run.checkpoint), split, prefix="eval_")
     return {
         "data": f"{cfg.data.corpus} {split} split",
         "checkpoint_step": run.step,
