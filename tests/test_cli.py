@@ -335,6 +335,14 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
     )
     assert main([*argv, "--seq-len", "16"]) == 0  # the default: 64 tokens, or what fits (56 here)
     assert json.loads(capsys.readouterr().out)["decode_new_tokens"] == 56
+    # the vocabulary training would build (data.vocab_size: its BPE), not ModelConfig's default of 32000
+    assert (
+        main([*argv, "--seq-len", "16", "--set", "data.vocab_size=300", "--set", "model.vocab_size=32000"])
+        == 0
+    )
+    small = json.loads(capsys.readouterr().out)["params_total"]
+    assert main([*argv, "--seq-len", "16", "--set", "data.vocab_size=600"]) == 0
+    assert json.loads(capsys.readouterr().out)["params_total"] - small == 300 * 64  # the tied embedding / head
 
 
 def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, capsys) -> None:

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         )
     device = resolve_device(cfg.device)
     b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
-    mcfg = cfg.model.replace(max_seq_len=max(cfg.model.max_seq_len, t))  # as training sizes it
+    # as training sizes it: the vocabulary is the BPE one it trains (data.vocab_size), the context fits T
+    mcfg = cfg.model.replace(vocab_size=cfg.data.vocab_size, max_seq_len=max(cfg.model.max_seq_len, t))
     room = mcfg.max_seq_len - PROMPT
     # the default shrinks to what fits (if anything does); a count the user asked for is never changed
     n_new = args.new_tokens or (min(DEFAULT_NEW, room) if room > 0 else DEFAULT_NEW)
