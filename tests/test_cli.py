@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -39,7 +40,7 @@ def test_no_progress_prints_plain_lines(trained_run: Path, capsys, tmp_path: Pat
     assert "\r" not in out
 
 
-def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path) -> None:
+def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatch) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("to be")
     prompts = tmp_path / "prompts.txt"
@@ -64,6 +65,24 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path) -> None:
     assert len(blocks) == 2 and blocks[0].startswith("1 of 2 ---\nto be")
     assert blocks[1].startswith("2 of 2 ---\nthe question")
     assert "prompts.txt: line 2 is empty: skipped" in err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(prompts.read_bytes())))  # - is stdin
+    assert (
+        main(
+            [
+                "generate",
+                "--run",
+                str(trained_run),
+                "--prompts-file",
+                "-",
+                "--greedy",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    piped, err = capsys.readouterr()
+    assert piped == out and "stdin: line 2 is empty: skipped" in err
     assert main(["eval", "--run", str(trained_run), "--split", "val", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["checkpoint_step"] == 4 and result["bits_per_char"] > 0
@@ -342,7 +361,9 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
     )
     small = json.loads(capsys.readouterr().out)["params_total"]
     assert main([*argv, "--seq-len", "16", "--set", "data.vocab_size=600"]) == 0
-    assert json.loads(capsys.readouterr().out)["params_total"] - small == 300 * 64  # the tied embedding / head
+    assert (
+        json.loads(capsys.readouterr().out)["params_total"] - small == 300 * 64
+    )  # the tied embedding / head
 
 
 def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, capsys) -> None:
@@ -428,7 +449,7 @@ def test_version(capsys) -> None:
     assert done.value.code == 0 and capsys.readouterr().out == f"tformer {version('tformer')}\n"
 
 
-def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path) -> None:
+def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path, monkeypatch) -> None:
     """Perplexity of a user's text in the run's windows; a text shorter than one window is scored as one
     shorter window, with a warning that says so."""
     long_text = tmp_path / "long.txt"
@@ -443,6 +464,15 @@ def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path) -> None:
     out, err = capsys.readouterr()
     assert math.isfinite(json.loads(out)["eval_loss"])
     assert "short.txt holds" in err and "data.seq_len + 1 = 33: scored as one window of" in err
+    # "-" (and a pipe, /dev/stdin) is read like a file: the same score
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(long_text.read_bytes())))
+    assert main(["eval", "--run", str(trained_run), "--text-file", "-", "--json"]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert piped["data"] == "stdin" and piped["eval_loss"] == result["eval_loss"]
+    assert main(["eval", "--run", str(trained_run), "--text-file", str(tmp_path), "--json"]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
+    assert main(["eval", "--run", str(trained_run), "--text-file", str(short), "--split", "val"]) == 2
+    assert "give --split or --text-file, not both" in capsys.readouterr().err
 
 
 def test_help_does_not_import_torch() -> None:

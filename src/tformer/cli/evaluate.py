@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.cli.options import read_input_file, warn
+from tformer.cli.options import input_name, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 
 
@@ -17,6 +17,9 @@ def run(args: argparse.Namespace) -> int:
     from tformer.runs import load_run
     from tformer.tasks.lm import evaluate_lm
 
+    if args.text_file is not None and args.split is not None:
+        raise ValueError("give --split or --text-file, not both")
+    args.split = args.split or "test"
     run_ = load_run(args.run)
     cfg = run_.train_config
     if cfg.task != "lm":
@@ -24,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if args.text_file is not None:
         path = Path(args.text_file)
         text = read_input_file(path)
+        path = input_name(path)
         if not text.strip():
             raise ValueError(f"text file {path} is empty")
         stream = len(run_.tokenizer.encode(text)) + 1  # the tokens and the EOS after them
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_task_corpus(cfg.data, "lm")
         if args.split in split_changes(run_dir_of(run_.checkpoint), corpus):
             warn("eval", f"the {args.split} split differs from the one this run recorded (data.json): "
-                 "documents were added, removed or renamed since it trained")  # fmt: skip
+                 "documents were added, removed, renamed or edited since it trained")  # fmt: skip
         texts = list(corpus.texts(args.split))
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, named_as_flags, read_input_file, utf8_text, warn
+from tformer.cli.options import input_lines, input_name, named_as_flags, read_input_file, utf8_text, warn
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -43,14 +43,14 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if args.prompt is not None:
             raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        prompts = []
+        prompts, where = [], input_name(path)
         for number, line in enumerate(input_lines(read_input_file(path)), 1):
             if line.strip():
                 prompts.append(newlines(line))
             else:
-                warn("generate", f"{path}: line {number} is empty: skipped")
+                warn("generate", f"{where}: line {number} is empty: skipped")
         if not prompts:
-            raise ValueError(f"prompts file {path} holds no non-empty line")
+            raise ValueError(f"prompts file {where} holds no non-empty line")
         return prompts
     if args.prompt is None or not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")

@@ -61,7 +61,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts-file",
         default=None,
-        help="one prompt per line (escapes as --prompt); generates for all as a batch",
+        help="one prompt per line (escapes as --prompt; - reads stdin); generates for all as a batch",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -99,7 +99,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _translate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--text", default=None, help="one sentence")
-    p.add_argument("--file", default=None, help="one sentence per line (neither --text nor --file: stdin)")
+    p.add_argument(
+        "--file", default=None, help="one sentence per line; - or neither --text nor --file: stdin"
+    )
     p.add_argument("--beam", type=int, default=None, dest="beam_size", help="beam size (default 4)")
     p.add_argument("--length-penalty", type=float, default=None, help="GNMT alpha, 0 = none (default 0.6)")
     p.add_argument("--max-len", type=int, default=None, help="most target tokens (default 1.5 x source + 10)")
@@ -109,7 +111,9 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="with --sample; 0 = off (default)")
     p.add_argument("--top-p", type=float, default=None, help="with --sample (default 1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="with --sample (default 0)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded together")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=32, help="sentences decoded together (default 32)"
+    )
     p.add_argument("--scores", action="store_true", help="print each output's score after a tab")
 
 
@@ -117,8 +121,8 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
 def _classify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
     p.add_argument("--text", default=None, help="one text")
-    p.add_argument("--file", default=None, help="one text per line (neither --text nor --file: stdin)")
-    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--file", default=None, help="one text per line; - or neither --text nor --file: stdin")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="texts scored together (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object per text")
 
 
@@ -129,9 +133,13 @@ def _classify_args(p: argparse.ArgumentParser) -> None:
 )
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--split", default="test", choices=["train", "val", "test"])
-    p.add_argument("--text-file", default=None, help="evaluate on this text file instead of a split")
-    p.add_argument("--max-batches", type=positive_int, default=1000)
+    p.add_argument("--split", default=None, choices=["train", "val", "test"], help="default: test")
+    p.add_argument(
+        "--text-file", default=None, help="evaluate on this text file (- reads stdin) instead of a split"
+    )
+    p.add_argument(
+        "--max-batches", type=positive_int, default=1000, help="batches scored at most (default 1000)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

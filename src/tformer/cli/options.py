@@ -116,10 +116,19 @@ def utf8_text(text: str, where: str) -> str:
 def read_input_file(path: Path) -> str:
     """A text file given to a command (prompts, sources, texts to score or classify): decoded as the
     corpora are (tformer.data.corpora.read_text: UTF-8, else cp1252 / latin-1 with a warning; binary
-    files refused)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist or is not a file")
+    files refused). "-" is stdin; a pipe or device (/dev/stdin, a shell's <(...)) is read like a file."""
+    if str(path) == "-":
+        return read_stdin()
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a file")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
     return read_text(path, warn=True)
+
+
+def input_name(path: Path) -> str:
+    """How messages name an input file: "stdin" for "-"."""
+    return "stdin" if str(path) == "-" else str(path)
 
 
 def read_stdin() -> str:

@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tformer.cli.options import input_lines, named_as_flags, read_input_file, read_stdin, utf8_text, warn
+from tformer.cli.options import (
+    input_lines,
+    input_name,
+    named_as_flags,
+    read_input_file,
+    read_stdin,
+    utf8_text,
+    warn,
+)
 from tformer.generate.beam import SearchConfig
 
 
@@ -23,7 +31,7 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
         return [utf8_text(args.text, "--text").strip()], [1]
     if args.file is not None:
         path = Path(args.file)
-        lines, where = input_lines(read_input_file(path)), str(path)
+        lines, where = input_lines(read_input_file(path)), input_name(path)
     else:
         lines, where = input_lines(read_stdin()), "stdin"
     texts, numbers = [], []
