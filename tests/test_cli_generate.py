@@ -80,9 +80,12 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     assert "the prompt is empty" in capsys.readouterr().err
     long_prompt = " ".join(["to be"] * 100)
     assert main(["generate", "--run", str(trained_run), "--prompt", long_prompt]) == 2
-    assert "leaves no room for new tokens in the model's context of 64 tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "leaves no room for new tokens in the model's context of 64 tokens" in err
+    assert "(or pass --truncate-prompt to keep a prompt's last tokens)" in err
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
-    assert "lower max_new_tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "+ --max-new-tokens 500 exceeds the model's context" in err and "lower --max-new-tokens to" in err
     # without --max-new-tokens: 200 or what the context (64) leaves after the prompt
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--greedy", "--no-stream"]) == 0
     out, err = capsys.readouterr()

@@ -114,7 +114,17 @@ def run(args: argparse.Namespace) -> int:
         if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:
             streamed.add(int(ids[0]))
 
-    check_prompts(encoded, sampling.max_new_tokens, context)  # before printing anything
+    try:  # before printing anything; named as the options the user typed
+        check_prompts(encoded, sampling.max_new_tokens, context)
+    except ValueError as err:
+        message = (
+            str(err)
+            .replace("max_new_tokens=", "--max-new-tokens ")
+            .replace("lower max_new_tokens", "lower --max-new-tokens")
+        )
+        if "context" in message:
+            message += " (or pass --truncate-prompt to keep a prompt's last tokens)"
+        raise ValueError(message) from None
     if stream:
         sys.stdout.write(prompts[0])
     outputs = generate(
