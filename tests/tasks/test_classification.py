@@ -81,7 +81,11 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert len(rows) == 2 and set(rows[0]["probabilities"]) == set(LABELS)
+    assert [r["line"] for r in rows] == [1, 3]  # the input line each answers
     assert "line 2 is empty: skipped" in captured.err
+    assert main(["classify", "--run", run, "--file", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()  # text output: an empty line for the skipped one
+    assert len(lines) == 3 and lines[1] == "" and lines[0].split("\t")[0] in LABELS
     monkeypatch.setattr("sys.stdin", io.StringIO("market " * 200 + "\n"))
     assert main(["classify", "--run", run]) == 0
     captured = capsys.readouterr()

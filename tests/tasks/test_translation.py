@@ -218,7 +218,8 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
         main(["translate", "--run", run, "--file", str(path), "--beam", "2", "--length-penalty", "1.0"]) == 0
     )
     captured = capsys.readouterr()
-    assert len(captured.out.splitlines()) == 2
+    lines = captured.out.splitlines()  # one output line per input line: the skipped ones empty
+    assert len(lines) == 4 and lines[1] == lines[2] == "" and lines[0] and lines[3]
     assert "line 2 is empty: skipped" in captured.err and "line 3 is empty" in captured.err
     monkeypatch.setattr("sys.stdin", io.StringIO("Der Vogel hört das Pferd.\n" + "Hund " * 60 + "\n"))
     assert main(["translate", "--run", run, "--sample", "--seed", "3", "--max-len", "5"]) == 0

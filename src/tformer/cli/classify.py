@@ -3,15 +3,17 @@
 than the run's max length keep their first tokens, with a warning.
 
 Output, one line per text: the label, a tab, then `class=probability` pairs; --json prints one JSON
-object per line instead.
+object per line instead, with its input's line number. In text output an empty line stands for each
+skipped input line, so output line n answers input line n.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
-from tformer.cli.translate import read_texts, warn
+from tformer.cli.translate import aligned, read_texts, warn
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,13 +26,20 @@ def run(args: argparse.Namespace) -> int:
     for i in cut:
         warn("classify", f"line {numbers[i]} is longer than {classifier.max_len} tokens: truncated")
     probs = classifier.probabilities(ids, batch_size=args.batch_size)
-    for row in probs.tolist():
-        label = classifier.labels[max(range(len(row)), key=row.__getitem__)]
-        if args.json:
-            print(
-                json.dumps({"label": label, "probabilities": dict(zip(classifier.labels, row))}), flush=True
-            )
-        else:
-            shown = " ".join(f"{name}={p:.4f}" for name, p in zip(classifier.labels, row))
-            print(f"{label}\t{shown}", flush=True)
+
+    def lines() -> Iterator[str]:
+        for row, number in zip(probs.tolist(), numbers):
+            label = classifier.labels[max(range(len(row)), key=row.__getitem__)]
+            if args.json:
+                yield json.dumps(
+                    {"line": number, "label": label, "probabilities": dict(zip(classifier.labels, row))}
+                )
+            else:
+                yield label + "\t" + " ".join(f"{name}={p:.4f}" for name, p in zip(classifier.labels, row))
+
+    if args.json:  # JSON lines carry their input line's number instead of blank lines
+        for line in lines():
+            print(line, flush=True)
+    else:
+        aligned(lines(), numbers)
     return 0

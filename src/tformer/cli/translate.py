@@ -1,12 +1,13 @@
 """`tformer translate`: translate one sentence (--text), a file (--file, one sentence per line) or stdin.
 
-Empty lines: an error for --text; skipped with a warning in file / stdin mode (the output keeps one line
-per non-empty input line). Sources longer than the run's max length are truncated with a warning.
+Empty lines: an error for --text; skipped with a warning in file / stdin mode, where an empty output line
+stands for each, so output line n answers input line n. Sources longer than the run's max length are truncated with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 
 from tformer.cli.options import (
@@ -22,7 +23,9 @@ from tformer.generate.beam import SearchConfig
 
 
 def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int]]:
-    """The texts to process and their 1-based line numbers (--text counts as line 1)."""
+    """The texts to process and their 1-based line numbers (--text counts as line 1). Empty lines are
+    skipped with a warning; `aligned` prints an empty output line for each, so output line n answers
+    input line n."""
     if args.text is not None and args.file is not None:
         raise ValueError("give --text or --file, not both (or neither, to read stdin)")
     if args.text is not None:
@@ -87,7 +90,18 @@ def run(args: argparse.Namespace) -> int:
     sources, cut = translator.encode(texts)
     for i in cut:
         warn("translate", f"line {numbers[i]} is longer than {translator.max_src_len} tokens: truncated")
-    for hyp in translator.hypotheses(sources, search_cfg):
-        text = translator.text(hyp)
-        print(f"{text}\t{hyp.score:.4f}" if args.scores else text, flush=True)
+    outputs = (
+        translator.text(h) + (f"\t{h.score:.4f}" if args.scores else "")
+        for h in translator.hypotheses(sources, search_cfg)
+    )
+    aligned(outputs, numbers)
     return 0
+
+
+def aligned(outputs: Iterable[str], numbers: list[int]) -> None:
+    """Print each output on its input's line: an empty line stands for each skipped (empty) input line
+    before it, so a file's output lines pair with its input lines (e.g. for scoring against references)."""
+    line = 1
+    for text, number in zip(outputs, numbers):
+        print("\n" * (number - line) + text, flush=True)
+        line = number + 1
