@@ -133,3 +133,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step)
+
+
+def truncated_note(n: int, what: str) -> str:
+    """The note a score's text line gets when n of its inputs (`what`s) were cut to the run's max length."""
+    return f" | {n} {what}{'s' if n != 1 else ''} longer than the run's max length, truncated" if n else ""

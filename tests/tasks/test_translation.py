@@ -230,6 +230,10 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     result = json.loads(capsys.readouterr().out)
     assert result["sentences"] == 32 and 0 <= result["bleu"] <= 100 and result["copy_bleu"] >= 0
     assert Path(result["translations"]).read_text().count("\n") == 32
+    from tformer.tasks.translation import format_result
+
+    text = format_result(result | {"sources_truncated": 3})  # what the text output says of the JSON's fields
+    assert "| 3 sources longer than the run's max length, truncated\nsacrebleu signature: " in text
 
 
 def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, capsys) -> None:

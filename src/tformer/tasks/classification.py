@@ -31,7 +31,7 @@ from tformer.data.datasets import (
 )
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
-from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
+from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
     MANIFEST,
@@ -276,6 +276,7 @@ def format_result(result: dict) -> str:
     lines = [
         f"{result['data']} (step {result['checkpoint_step']}, {result['n']} texts): accuracy "
         f"{result['accuracy']:.2%} | macro-F1 {result['macro_f1']:.4f} | loss {result['eval_loss']:.4f}"
+        + truncated_note(result["texts_truncated"], "text")
     ]
     for name, s in result["per_class"].items():
         lines.append(

@@ -25,7 +25,7 @@ from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, S
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
-from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
+from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import check_data_unchanged, load_task_corpus, train_tokenizer, write_manifest
 from tformer.tasks.losses import cross_entropy_sum
@@ -340,5 +340,6 @@ def format_result(result: dict) -> str:
         f"{result['data']} (step {result['checkpoint_step']}, {result['sentences']} sentences, {how}): "
         f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
-        f"| {result['sentences_per_s']:.1f} sentences/s\n{result['bleu_signature']}"
+        f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}\n"
+        f"sacrebleu signature: {result['bleu_signature']}"
     )
