@@ -312,6 +312,9 @@ def test_corrupt_checkpoint_is_one_line_and_keeps_files(trained_run: Path, capsy
     err = capsys.readouterr().err
     assert "model.safetensors" in err and err.count("\n") == 1
     assert weights.exists() and (copy / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    previous = copy / "checkpoints" / "step_000002"
+    assert f"the run's previous checkpoint is {previous} (give its path to use it)" in err
+    assert main(["generate", "--run", str(previous), "--prompt", "to", "--max-new-tokens", "2"]) == 0
 
 
 def test_bench_reports_speed(capsys) -> None:

@@ -21,6 +21,7 @@ from tformer.train.checkpoint import (
     checkpoint_format,
     checkpoint_meta,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     step_of,
     unfinished_checkpoints,
@@ -118,6 +119,18 @@ def find_checkpoint(path: str | Path) -> Path:
 def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     device = resolve_device(str(device))  # "auto", or a clear error for a device this machine lacks
     ckpt = find_checkpoint(path)
+    try:
+        return _load_checkpoint(ckpt, device)
+    except CheckpointError as error:
+        earlier = [c for c in list_checkpoints(ckpt.parent.parent) if c != ckpt] if ckpt != Path(path) else []
+        if not earlier:
+            raise
+        raise CheckpointError(
+            f"{error}; the run's previous checkpoint is {earlier[-1]} (give its path to use it)"
+        ) from None
+
+
+def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
     meta = checkpoint_meta(ckpt)  # size and sha256 checked before anything is parsed
     try:
         model_cfg = ModelConfig.from_dict(meta["model_config"])
