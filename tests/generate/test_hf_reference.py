@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -15,8 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from tests.model.helpers import hf_llama_state_for_tformer
-from tformer import build_model
+from tests.model.helpers import tiny_llama_pair
 from tformer.generate.engine import generate
 from tformer.generate.sampling import (
     SamplingConfig,
@@ -25,9 +23,6 @@ from tformer.generate.sampling import (
     apply_top_k,
     apply_top_p,
 )
-from tformer.presets import llama_like
-
-VOCAB = 96
 
 
 def random_logits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,28 +68,7 @@ def test_repetition_penalty_equals_hf(penalty: float) -> None:
 @pytest.fixture(scope="module")
 def llama_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    ours = build_model(
-        llama_like(
-            vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=112, max_seq_len=64
-        )
-    ).eval()
-    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
-    return ours, hf
+    return tiny_llama_pair(bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
 def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int, **options) -> list[list[int]]:

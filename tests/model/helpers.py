@@ -45,6 +45,33 @@ def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, Tensor]:
     return state
 
 
+def tiny_llama_pair(**hf_options) -> tuple[nn.Module, nn.Module]:
+    """(tformer DecoderLM, Hugging Face LlamaForCausalLM) of one tiny random config (vocabulary 96, d_model
+    64, 2 layers, 4 heads over 2 K/V heads, FFN 112, context 64), HF's weights copied into tformer's."""
+    import transformers
+
+    from tformer.presets import llama_like
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **hf_options,
+    )
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    cfg = llama_like(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=112, max_seq_len=64)
+    ours = build_model(cfg).eval()
+    missing, unexpected = ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
+    assert not missing and not unexpected
+    return ours, hf
+
+
 NO_LOSS = {"aux_loss_coef": 0.0}  # MoE settings without balance losses
 
 

@@ -13,9 +13,8 @@ from torch import nn
 from tformer import ModelConfig, build_model
 from tformer.model import NO_CACHE
 from tformer.model.positions import sinusoidal_table
-from tformer.presets import llama_like
 
-from .helpers import hf_llama_state_for_tformer
+from .helpers import tiny_llama_pair
 
 
 def test_sinusoidal_table_is_the_papers_formula() -> None:
@@ -99,25 +98,7 @@ def test_encoder_decoder_matches_torch_nn_transformer(norm_first: bool) -> None:
 
 @torch.no_grad()
 def test_decoder_matches_hf_llama() -> None:
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    cfg = llama_like(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=112, max_seq_len=64)
-    ours = build_model(cfg).eval()
-    missing, unexpected = ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
-    assert not missing and not unexpected
+    ours, hf = tiny_llama_pair(rope_theta=10000.0, attention_bias=False, mlp_bias=False)
     tokens = torch.randint(0, 96, (2, 17))
     torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
     # Max absolute logit difference measured when this test was written: printed for the record.
