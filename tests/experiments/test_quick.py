@@ -116,6 +116,43 @@ def test_report_only_of_an_interrupted_study_names_what_is_missing(quick_run, tm
     assert arms[0].name in err and "Traceback" not in err
 
 
+def test_resume_trains_only_the_arms_that_did_not_finish(quick_run, tmp_path, capsys):
+    """A study stopped with one arm cut mid-training and one never started: --resume keeps the finished
+    arms' logs byte for byte and trains the two again, to the losses of the uninterrupted run."""
+    study, out, _ = quick_run
+    copy = tmp_path / "stopped"
+    shutil.copytree(out, copy)
+    for name in ("report.md", "report.html"):
+        (copy / name).unlink()
+    arms = sorted((copy / "arms").iterdir())
+    shutil.rmtree(arms[-1])
+    (arms[0] / "DONE").unlink()
+    log = arms[0] / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:3]))
+    kept = {a.name: (a / "metrics.jsonl").read_bytes() for a in arms[1:-1]}
+    assert main(["experiment", study, "--quick", "--out", str(copy)]) == 2  # a fresh start is refused
+    assert "continue it with --resume" in capsys.readouterr().err
+    assert main(["experiment", study, "--resume", "--out", str(copy), "--threads", "1"]) == 0
+    assert capsys.readouterr().out.count("(kept from the earlier attempt)") == len(kept)
+    assert {n: (copy / "arms" / n / "metrics.jsonl").read_bytes() for n in kept} == kept
+
+    def losses(run: Path, arm: str) -> list[tuple[int, float]]:
+        return [
+            (r["step"], r["loss"])
+            for r in read_records(run / "arms" / arm / "metrics.jsonl")
+            if r["kind"] == "train"
+        ]
+
+    for arm in (arms[0].name, arms[-1].name):
+        assert losses(copy, arm) == losses(out, arm) and losses(out, arm)
+    assert (copy / "report.md").is_file()
+    assert main(["experiment", study, "--resume", "--out", str(copy), "--steps", "3"]) == 2
+    assert (
+        "--resume goes on with the run's own settings; --steps would change nothing"
+        in capsys.readouterr().err
+    )
+
+
 def test_existing_run_is_not_overwritten(quick_run, capsys):
     study, out, _ = quick_run
     assert main(["experiment", study, "--quick", "--out", str(out)]) == 2

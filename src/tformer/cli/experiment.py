@@ -4,6 +4,7 @@ tformer experiment norm --quick                      # seconds: tiny models, a f
 tformer experiment moe --out runs/moe --seeds 3      # the full setting, about 30 minutes on 2 cores
 tformer experiment rope --device cuda --steps 4000 --d-model 512
 tformer experiment moe --report-only --out runs/moe  # rebuild the report from the run's logs
+tformer experiment moe --resume --out runs/moe       # continue a stopped study: its finished arms are kept
 """
 
 from __future__ import annotations
@@ -54,9 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/experiments/<study>[-quick])")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.add_argument("--report-only", action="store_true", help="rebuild the report of the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the stopped study in --out with its own settings: arms that finished are kept, the "
+        "others trained (each arm is seeded on its own, so the result is an uninterrupted run's)",
+    )
     p.add_argument("--seeds", type=positive_int, default=None, help="seeds 0..N-1 (full default 2, quick 1)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps of every arm")
-    p.add_argument("--d-model", type=positive_int, default=None)
+    p.add_argument("--d-model", type=positive_int, default=None, help="model width of every arm")
     p.add_argument(
         "--n-layers", type=positive_int, default=None, help="layers (rope, moe; norm uses --depths)"
     )
@@ -65,10 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--arch", default=None, choices=["decoder", "encoder_decoder"], help="norm: architecture")
     p.add_argument("--lr", type=float, default=None, help="one learning rate for every arm")
-    p.add_argument("--warmup-steps", type=nonnegative_int, default=None)
-    p.add_argument("--batch-size", type=positive_int, default=None)
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None, help="warm-up steps of every arm")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step")
     p.add_argument("--seq-len", type=positive_int, default=None, help="training context L")
-    p.add_argument("--vocab-size", type=positive_int, default=None)
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="BPE vocabulary of the study")
     p.add_argument(
         "--max-train-docs", type=positive_int, default=None, help="train on the first N works only"
     )
@@ -112,17 +119,27 @@ def run(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(STUDIES[args.study])
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
-    if args.report_only:
-        given = [f for f in (*OVERRIDES, "depths", "arch", "threads") if getattr(args, f, None) is not None]
+    if args.report_only and args.resume:
+        raise ValueError("give --report-only or --resume, not both")
+    if args.report_only or args.resume:
+        option = "--report-only" if args.report_only else "--resume"
+        given = [f for f in (*OVERRIDES, "depths", "arch") if getattr(args, f, None) is not None]
+        given += ["threads"] if args.report_only and args.threads is not None else []
         if given or args.overwrite:  # --quick stays: it names the default --out of a quick run
             flags = [f"--{f.replace('_', '-')}" for f in given] + ["--overwrite"] * args.overwrite
             raise ValueError(
-                f"--report-only rebuilds the report from the run's logs; {', '.join(flags)} would change "
-                "nothing (to train with other settings, run without --report-only)"
+                f"{option} goes on with the run's own settings; {', '.join(flags)} would change nothing "
+                f"(to train with other settings, run without {option} into another --out)"
             )
         if read_setting(out)["study"] != args.study:
             raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
-    else:
+    if args.resume:
+        setting = type(module.FULL).from_dict(read_setting(out)["setting"])
+        t0 = time.perf_counter()
+        with torch_threads(args.threads):
+            module.run(setting, out)
+        print(f"trained in {time.perf_counter() - t0:.1f} s")
+    elif not args.report_only:
         setting = resolve_setting(args, module)
         resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
         module.make_arms(setting)  # an arm's model or optimizer setting out of range

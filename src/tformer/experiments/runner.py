@@ -57,6 +57,7 @@ from tformer.train.optim import make_optimizer, make_scheduler
 
 METRICS = "metrics.jsonl"
 ARM = "arm.json"
+DONE = "DONE"  # written into an arm's directory once it trained and its analyses ran (what --resume keeps)
 SETTING = "setting.json"
 
 
@@ -164,9 +165,13 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
         raise ValueError(f"--out {run_dir} is a file; choose a directory")
     if (run_dir / SETTING).exists() or (run_dir / "arms").exists():
         if not overwrite:
-            state = "" if (run_dir / "report.md").exists() else " that did not finish (it has no report)"
+            if (run_dir / "report.md").exists():
+                raise ValueError(
+                    f"{run_dir} already holds an experiment run; pass --overwrite or choose another --out"
+                )
             raise ValueError(
-                f"{run_dir} already holds an experiment run{state}; pass --overwrite or choose another --out"
+                f"{run_dir} already holds an experiment run that did not finish (it has no report); continue "
+                "it with --resume, or pass --overwrite or choose another --out"
             )
         shutil.rmtree(run_dir / "arms", ignore_errors=True)
         for name in STUDY_FILES:
@@ -382,13 +387,15 @@ def instrumented_step(
     }
 
 
-def train_arm(arm: Arm, data: StudyData, setting: Setting, run_dir: Path, init_batches: int = 2) -> nn.Module:
-    """Train one arm under the study's budget, logging into run_dir/arms/<name>/; return the model."""
+def train_arm(
+    arm: Arm, data: StudyData, setting: Setting, run_dir: Path, index: int = 0, init_batches: int = 2
+) -> nn.Module:
+    """Train one arm (the study's `index`-th) under the study's budget, logging into run_dir/arms/<name>/
+    (anything an unfinished earlier attempt left there is replaced); return the model."""
     device = resolve_device(setting.device)
-    arms_dir = Path(run_dir) / "arms"
-    index = len(list(arms_dir.iterdir())) if arms_dir.exists() else 0
-    arm_dir = arms_dir / arm.name
-    arm_dir.mkdir(parents=True, exist_ok=True)
+    arm_dir = Path(run_dir) / "arms" / arm.name
+    shutil.rmtree(arm_dir, ignore_errors=True)
+    arm_dir.mkdir(parents=True)
     (arm_dir / ARM).write_text(json.dumps({"index": index, **arm.to_dict()}, indent=2))
     log = JsonlLog(arm_dir / METRICS)
     torch.manual_seed(arm.seed)
@@ -460,6 +467,12 @@ def read_arms(run_dir: Path) -> list[ArmLog]:
     return [ArmLog(m["name"], m["seed"], m["tags"], m["model"], read_records(path)) for m, path in metas]
 
 
+def finished_arms(run_dir: Path) -> set[str]:
+    """The arms of a run that trained to the end and ran their analyses (their DONE marker)."""
+    arms_dir = Path(run_dir) / "arms"
+    return {d.name for d in arms_dir.iterdir() if (d / DONE).is_file()} if arms_dir.is_dir() else set()
+
+
 def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
     """Every arm of the study trained to the end (or stopped by the non-finite rule): a report of an
     interrupted study would compare arms that are not there."""
@@ -473,25 +486,31 @@ def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise ValueError(
             f"the study in {run_dir} is incomplete: {len(arms) - len(missing)} of {len(arms)} arms finished "
-            f"(not {shown}; was it stopped?); run it again with --overwrite"
+            f"(not {shown}; was it stopped?); continue it with --resume, or start over with --overwrite"
         )
 
 
 def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, after=None) -> None:
     """Train every arm in order, one progress line each; `after(arm, model)` runs a study's extra
-    measurements on the trained model (its records go to the same metrics.jsonl)."""
+    measurements on the trained model (its records go to the same metrics.jsonl). Arms that finished in
+    an earlier attempt at this run (--resume) are kept: each arm is seeded on its own, so training only
+    the others gives what one uninterrupted run gives."""
+    done = finished_arms(run_dir)
     for i, arm in enumerate(arms, 1):
+        metrics = Path(run_dir) / "arms" / arm.name / METRICS
         t0 = time.perf_counter()
-        model = train_arm(arm, data, setting, run_dir)
-        if after is not None:
-            log = Path(run_dir) / "arms" / arm.name / METRICS
-            with log.open("a") as f:
-                for record in after(arm, model):
-                    f.write(json.dumps(record) + "\n")
-        evals = [r for r in read_records(Path(run_dir) / "arms" / arm.name / METRICS) if r["kind"] == "eval"]
+        if arm.name not in done:
+            model = train_arm(arm, data, setting, run_dir, index=i - 1)
+            if after is not None:
+                with metrics.open("a") as f:
+                    for record in after(arm, model):
+                        f.write(json.dumps(record) + "\n")
+            (metrics.parent / DONE).write_text("")
+        evals = [r for r in read_records(metrics) if r["kind"] == "eval"]
         final = f"{evals[-1]['eval_loss']:.4f}" if evals else "-"
-        print(
-            f"[{i}/{len(arms)}] {arm.name}: val loss {final} ({time.perf_counter() - t0:.1f} s with evaluations "
-            "and analyses)",
-            flush=True,
+        how = (
+            "kept from the earlier attempt"
+            if arm.name in done
+            else (f"{time.perf_counter() - t0:.1f} s with evaluations and analyses")
         )
+        print(f"[{i}/{len(arms)}] {arm.name}: val loss {final} ({how})", flush=True)
