@@ -131,6 +131,30 @@ def test_a_resume_at_its_last_step_reports_that_step_evaluated(corpus_dir: Path,
     assert partial["step"] == 7 and partial["eval_step"] == 6
 
 
+def test_a_run_saved_before_a_setting_existed_resumes(corpus_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint written before a config field was added (rope.yarn_ramp here) lacks it: the field
+    takes its default, not a refused change ("None in the checkpoint")."""
+    from tformer.train.checkpoint import CheckpointError, checkpoint_meta
+    from tformer.train.loop import check_resume_config
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    ckpt = latest_checkpoint(tmp_path / "r")
+    meta = checkpoint_meta(ckpt)
+    del meta["train_config"]["model"]["rope"]["yarn_ramp"]
+
+    from tformer import ModelConfig
+
+    cfg = cfg.replace(model=ModelConfig.from_dict(meta["model_config"]))  # as the task resolves it
+    for model in (False, True):
+        check_resume_config(cfg, meta, ckpt, model=model)
+    with pytest.raises(
+        CheckpointError, match=r"model.rope.yarn_ramp: 'rotations' in the checkpoint, 'dims' now"
+    ):
+        changed = cfg.model.replace(rope=cfg.model.rope.replace(yarn_ramp="dims"))
+        check_resume_config(cfg.replace(model=changed), meta, ckpt, model=True)
+
+
 def test_switching_compile_on_resume_with_dropout_is_said(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
     Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)

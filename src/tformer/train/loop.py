@@ -115,7 +115,11 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
     saved = meta.get("train_config")
     if not isinstance(saved, dict):
         return  # a checkpoint without its config: the model and optimizer loads still check shapes
-    before, now = _flatten(saved), _flatten(cfg.to_dict())
+    try:  # through the config classes: a setting added since the run was saved takes its default
+        before = _flatten(TrainConfig.from_dict(saved).to_dict())
+    except (ValueError, TypeError):  # a config this version no longer reads (ConfigError too): as saved
+        before = _flatten(saved)
+    now = _flatten(cfg.to_dict())
     changed = [
         k for k in sorted(before.keys() | now.keys())
         if k.startswith("model.") == model and k.split(".")[0] not in RESUMABLE
