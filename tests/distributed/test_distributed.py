@@ -338,6 +338,11 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
     assert json.loads((out / "report.json").read_text())["step"] == 2
+    # resumed at its last step, already evaluated: no rank evaluates (rank 1 alone in an FSDP forward hung)
+    proc = torchrun_train(out, corpus, "parallel.data=fsdp", resume=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in again if r["kind"] == "eval"] == [r for r in records if r["kind"] == "eval"]
 
 
 def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, capsys) -> None:

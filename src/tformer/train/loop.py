@@ -447,8 +447,11 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        if s.step == step0 == self.cfg.steps and self._last_eval_step() != s.step:
-            self._log_eval()  # a resume that starts at its last step: the evaluation an ending run makes
+        if s.step == step0 == self.cfg.steps:  # a resume that starts at its last step: the evaluation an
+            # ending run makes, unless it made it; rank 0 reads the log, every rank evaluates (a collective)
+            unevaluated = self.env.is_main and self._last_eval_step() != s.step
+            if self.parallel.comm.ranks_where(unevaluated):
+                self._log_eval()
         self.save()
         self.checkpointer.wait()
         if self.env.is_main:
@@ -616,13 +619,17 @@ class Trainer:
             total=self.cfg.steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True
         )
 
+    def _evals(self) -> list[dict[str, Any]]:
+        """The evaluation records of the run's metrics.jsonl (rank 0, which writes it; [] elsewhere)."""
+        return [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
+
     def _last_eval_step(self) -> int | None:
-        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
+        evals = self._evals()
         return evals[-1]["step"] if evals else None
 
     def final_report(self) -> dict[str, Any]:
         """The run's step and counters, and its latest evaluation (made at `eval_step`)."""
-        evals = [r for r in _read(self.run_dir) if r.get("kind") == "eval"] if self.env.is_main else []
+        evals = self._evals()
         latest = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")} if evals else {}
         return {
             "step": self.state.step,
