@@ -127,9 +127,14 @@ def run(args: argparse.Namespace) -> int:
         given += ["threads"] if args.report_only and args.threads is not None else []
         if given or args.overwrite:  # --quick stays: it names the default --out of a quick run
             flags = [f"--{f.replace('_', '-')}" for f in given] + ["--overwrite"] * args.overwrite
+            does = (
+                "rebuilds the report from the run's logs"
+                if args.report_only
+                else "goes on with the run's own settings"
+            )
             raise ValueError(
-                f"{option} goes on with the run's own settings; {', '.join(flags)} would change nothing "
-                f"(to train with other settings, run without {option} into another --out)"
+                f"{option} {does}; {', '.join(flags)} would change nothing (to train with other settings, "
+                f"run without {option}" + (" into another --out)" if args.resume else ")")
             )
         if read_setting(out)["study"] != args.study:
             raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
