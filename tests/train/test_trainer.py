@@ -75,7 +75,7 @@ def test_a_newer_trainer_takes_the_run_directory_over_in_a_process(corpus_dir: P
             use()
     first.close()  # leaves the lock with the second
     second.fit(until=3)
-    probe = "import pathlib, sys; from tformer.train.run_dir import lock_run_dir; lock_run_dir(pathlib.Path(sys.argv[1]), 0)"
+    probe = "import pathlib, sys; from tformer.train.run_dir import lock_run_dir; lock_run_dir(pathlib.Path(sys.argv[1]), sys)"
     other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "r")], capture_output=True, text=True)
     assert (
         other.returncode != 0 and f"in use by pid {os.getpid()}" in other.stderr
@@ -172,6 +172,33 @@ def test_switching_compile_on_resume_with_dropout_is_said(corpus_dir: Path, tmp_
         Trainer(
             quiet.replace(compile=True), tmp_path / "q", make_task("lm"), resume=True, progress=False
         ).close()
+
+
+def test_a_newer_trainer_resumes_from_the_save_the_older_had_in_flight(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """The older Trainer's fit failed in step 5 with step 4's async save in flight: the newer one commits
+    it before choosing where to resume (it had resumed from an older step, then met step 4 again as
+    'checkpoint exists already')."""
+    from tformer.train.config import ParallelConfig
+
+    parallel = ParallelConfig(checkpoint="dcp", async_save=True)
+    cfg = small_config(corpus_dir, steps=6, save_every=2, eval_every=100, parallel=parallel)
+    task, calls = make_task("lm"), []
+    loss = task.loss
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("step 5 fails")
+        return loss(model, batch)
+
+    task.loss = failing_loss
+    first = Trainer(cfg, tmp_path / "r", task, progress=False)
+    with pytest.raises(RuntimeError, match="step 5 fails"):
+        first.fit()
+    second = Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    assert second.state.step == 4 and second.fit()["step"] == 6
 
 
 def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:

@@ -51,6 +51,7 @@ from tformer.train.run_dir import (
     refuse_foreign_files,
     release_run_dir,
     restore_run_tokenizer,
+    take_over,
 )
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
@@ -195,13 +196,14 @@ class Trainer:
             )
         self.env = init_distributed(cfg.parallel, cfg.device)
         self.cfg, self.task = cfg, task
-        self._lock, self._handed_over, self._failed = None, False, False
+        self._lock, self._holds, self._handed_over, self._failed = None, False, False, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
         self.device = self.env.device(cfg.device)
         torch.manual_seed(cfg.seed)
+        take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
         resume_from = latest_checkpoint(self.run_dir) if resume else None
         if resume and resume_from is None:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {self.run_dir / 'checkpoints'}")
@@ -229,7 +231,8 @@ class Trainer:
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = lock_run_dir(self.run_dir, self) if self.env.is_main else None
+        self._lock = lock_run_dir(self.run_dir, self, exclusive=self.env.is_main)
+        self._holds = True
         if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
             for name in RUN_TOKENIZERS:
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -303,9 +306,11 @@ class Trainer:
 
     def _hand_over(self) -> None:
         """A newer Trainer in this process takes the run directory over (tformer.train.run_dir): finish the
-        saves in flight and write nothing more there."""
-        self.checkpointer.wait(barrier=False)  # only rank 0 holds the lock: the others are not told
-        self._lock, self._handed_over = None, True
+        saves in flight and write nothing more there. Every rank's Trainer is told, each in its process;
+        the save is committed without a barrier (rank 0 commits what every rank has written)."""
+        if not self._handed_over and getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.wait(barrier=False)
+        self._lock, self._holds, self._handed_over = None, False, True
 
     def _check_open(self) -> None:
         if self.model is None:
@@ -316,9 +321,9 @@ class Trainer:
             )
 
     def _release_lock(self) -> None:
-        if self._lock is not None:
-            release_run_dir(self.run_dir, self._lock)
-            self._lock = None
+        if self._holds:
+            release_run_dir(self.run_dir, self)
+            self._lock, self._holds = None, False
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:

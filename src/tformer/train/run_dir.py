@@ -34,22 +34,33 @@ def outermost_missing(path: Path) -> Path | None:
 _LOCKS: dict[Path, tuple[Any, weakref.ref]] = {}  # run directories this process holds, and their holder
 
 
-def lock_run_dir(run_dir: Path, holder: Any):
+def take_over(run_dir: Path) -> None:
+    """Before a new holder reads the run directory's checkpoints: the holder in this process that still
+    exists hands it over now (`holder._hand_over()`: finish its saves in flight, write nothing more there),
+    so a save it had in flight is committed before the new one chooses where to resume."""
+    entry = _LOCKS.get(Path(run_dir).resolve())
+    previous = entry[1]() if entry is not None else None
+    if previous is not None:
+        previous._hand_over()
+
+
+def lock_run_dir(run_dir: Path, holder: Any, exclusive: bool = True):
     """An exclusive lock on the run directory for as long as the returned file stays open: a second
     launch into the same --out (which would truncate the first's metrics and retrain its tokenizer) is
     an error naming the process that holds it. The kernel releases it when the process ends.
+    exclusive=False (ranks other than 0, whose rank 0 holds the file lock): only the holder is recorded.
 
     Within one process the newest holder wins, so a run can be resumed (or a notebook cell rerun) in the
-    process that stopped it: a holder that still exists is told to hand the directory over
-    (`holder._hand_over()`: finish its saves and write nothing more there)."""
+    process that stopped it: a holder that still exists is handed the directory over (`take_over`)."""
     key = run_dir.resolve()
     if key in _LOCKS:
-        handle, owner = _LOCKS[key]
-        previous = owner()
-        if previous is not None:
-            previous._hand_over()
+        take_over(run_dir)
+        handle = _LOCKS[key][0]
         _LOCKS[key] = (handle, weakref.ref(holder))
         return handle
+    if not exclusive:
+        _LOCKS[key] = (None, weakref.ref(holder))
+        return None
     handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held for the run's lifetime)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,12 +98,14 @@ def refuse_foreign_files(run_dir: Path) -> None:
         )
 
 
-def release_run_dir(run_dir: Path, handle) -> None:
-    """Give up the lock `lock_run_dir` returned."""
+def release_run_dir(run_dir: Path, holder: Any) -> None:
+    """`holder` gives the run directory up (the lock, if it is still the one holding it)."""
     key = run_dir.resolve()
-    if key in _LOCKS and _LOCKS[key][0] is handle:
+    entry = _LOCKS.get(key)
+    if entry is not None and entry[1]() is holder:
         del _LOCKS[key]
-    handle.close()  # releases the run directory
+        if entry[0] is not None:
+            entry[0].close()  # releases the run directory
 
 
 def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
