@@ -86,6 +86,9 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     assert main(["classify", "--run", run, "--file", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()  # text output: an empty line for the skipped one
     assert len(lines) == 3 and lines[1] == "" and lines[0].split("\t")[0] in LABELS
+    path.write_text("software computer internet\n\n", encoding="utf-8")  # a trailing empty line too
+    assert main(["classify", "--run", run, "--file", str(path)]) == 0
+    assert capsys.readouterr().out.split("\n")[1:] == ["", ""]
     monkeypatch.setattr("sys.stdin", io.StringIO("market " * 200 + "\n"))
     assert main(["classify", "--run", run]) == 0
     captured = capsys.readouterr()

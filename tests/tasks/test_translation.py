@@ -213,14 +213,16 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert main(["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--max-len", "500"]) == 0
     assert "--max-len 500 is above the model's context: outputs stop at" in capsys.readouterr().err
     path = tmp_path / "in.txt"
-    path.write_text("Der alte Hund sieht die Katze.\n\n  \nDer junge Mann mag das Kind.\n", encoding="utf-8")
+    path.write_text(
+        "Der alte Hund sieht die Katze.\n\n  \nDer junge Mann mag das Kind.\n\n", encoding="utf-8"
+    )
     assert (
         main(["translate", "--run", run, "--file", str(path), "--beam", "2", "--length-penalty", "1.0"]) == 0
     )
     captured = capsys.readouterr()
     lines = captured.out.splitlines()  # one output line per input line: the skipped ones empty
-    assert len(lines) == 4 and lines[1] == lines[2] == "" and lines[0] and lines[3]
-    assert "line 2 is empty: skipped" in captured.err and "line 3 is empty" in captured.err
+    assert len(lines) == 5 and lines[1] == lines[2] == lines[4] == "" and lines[0] and lines[3]
+    assert "line 2 is empty: skipped" in captured.err and "line 5 is empty" in captured.err
     monkeypatch.setattr("sys.stdin", io.StringIO("Der Vogel hört das Pferd.\n" + "Hund " * 60 + "\n"))
     assert main(["translate", "--run", run, "--sample", "--seed", "3", "--max-len", "5"]) == 0
     captured = capsys.readouterr()

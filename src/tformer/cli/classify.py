@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from tformer.runs import load_run
     from tformer.tasks.classification import load_classifier
 
-    texts, numbers = read_texts(args, "classify")
+    texts, numbers, n_lines = read_texts(args, "classify")
     classifier = load_classifier(load_run(args.run))
     ids, cut = classifier.encode(texts)
     for i in cut:
@@ -41,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
         for line in lines():
             print(line, flush=True)
     else:
-        aligned(lines(), numbers)
+        aligned(lines(), numbers, n_lines)
     return 0

@@ -22,16 +22,16 @@ from tformer.cli.options import (
 from tformer.generate.beam import SearchConfig
 
 
-def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int]]:
-    """The texts to process and their 1-based line numbers (--text counts as line 1). Empty lines are
-    skipped with a warning; `aligned` prints an empty output line for each, so output line n answers
-    input line n."""
+def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int], int]:
+    """The texts to process, their 1-based line numbers (--text counts as line 1) and the number of input
+    lines. Empty lines are skipped with a warning; `aligned` prints an empty output line for each, so
+    output line n answers input line n."""
     if args.text is not None and args.file is not None:
         raise ValueError("give --text or --file, not both (or neither, to read stdin)")
     if args.text is not None:
         if not args.text.strip():
             raise ValueError("the text is empty: give --text with some words (or --file FILE)")
-        return [utf8_text(args.text, "--text").strip()], [1]
+        return [utf8_text(args.text, "--text").strip()], [1], 1
     if args.file is not None:
         path = Path(args.file)
         lines, where = input_lines(read_input_file(path)), input_name(path)
@@ -46,7 +46,7 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
             warn(command, f"{where} line {n} is empty: skipped")
     if not texts:
         raise ValueError(f"{where} holds no non-empty line")
-    return texts, numbers
+    return texts, numbers, len(lines)
 
 
 # options that only one search method reads: flag -> SearchConfig field (their defaults are SearchConfig's)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from tformer.tasks.translation import load_translator
 
     search_cfg = search_from_args(args)
-    texts, numbers = read_texts(args, "translate")
+    texts, numbers, n_lines = read_texts(args, "translate")
     translator = load_translator(load_run(args.run))
     context = translator.model.cfg.max_seq_len
     if args.max_len is not None and args.max_len > context:
@@ -94,14 +94,16 @@ def run(args: argparse.Namespace) -> int:
         translator.text(h) + (f"\t{h.score:.4f}" if args.scores else "")
         for h in translator.hypotheses(sources, search_cfg)
     )
-    aligned(outputs, numbers)
+    aligned(outputs, numbers, n_lines)
     return 0
 
 
-def aligned(outputs: Iterable[str], numbers: list[int]) -> None:
-    """Print each output on its input's line: an empty line stands for each skipped (empty) input line
-    before it, so a file's output lines pair with its input lines (e.g. for scoring against references)."""
+def aligned(outputs: Iterable[str], numbers: list[int], n_lines: int) -> None:
+    """Print each output on its input's line: an empty line stands for each skipped (empty) input line, so
+    the n_lines output lines pair with the input lines (e.g. for scoring against references)."""
     line = 1
     for text, number in zip(outputs, numbers):
         print("\n" * (number - line) + text, flush=True)
         line = number + 1
+    if n_lines >= line:
+        print("\n" * (n_lines - line), flush=True)
