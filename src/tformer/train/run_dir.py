@@ -120,8 +120,10 @@ def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
         path.write_text(saved, encoding="utf-8")
         warnings.warn(f"{path} was missing: restored from {checkpoint / 'meta.json'}", stacklevel=3)
         return
-    try:
-        same = json.loads(path.read_text(encoding="utf-8")) == json.loads(saved)
+    from tformer.data.tokenizer import Tokenizer
+
+    try:  # each as the installed tokenizers library reads it (its JSON layout changes between versions)
+        same = Tokenizer.load(path).to_json_str() == Tokenizer.from_json_str(saved).to_json_str()
     except (OSError, ValueError):
         same = False
     if not same:
