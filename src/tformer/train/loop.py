@@ -218,7 +218,8 @@ class Trainer:
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
             check_resume_config(cfg, meta, resume_from, model=False)
-            warn_compile_switch(cfg, meta)
+            if self.env.is_main:
+                warn_compile_switch(cfg, meta)
             at = step_of(resume_from)
             if cfg.steps < at:
                 raise ValueError(
