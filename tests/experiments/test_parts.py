@@ -164,7 +164,10 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         prepare_run_dir(other, overwrite=False)
     assert (other / "thesis.tex").read_text() == "the user's"
     (study / "arms").mkdir()  # a study stopped before its report
-    with pytest.raises(ValueError, match="holds an experiment run that did not finish .*; continue it with --resume, or pass --overwrite"):
+    with pytest.raises(
+        ValueError,
+        match="holds an experiment run that did not finish .*; continue it with --resume, or pass --overwrite",
+    ):
         prepare_run_dir(study, overwrite=False)
     trained = tmp_path / "train-run"
     (trained / "checkpoints").mkdir(parents=True)

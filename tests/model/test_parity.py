@@ -126,6 +126,7 @@ def test_yarn_dims_ramp_equals_hugging_faces_frequencies(hidden, heads, factor, 
         hidden_size=hidden,
         num_attention_heads=heads,
         max_position_embeddings=int(original * factor),
+        rope_theta=theta,  # where transformers 4.x reads it (5.x: in rope_scaling)
         rope_scaling={"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
                       "rope_theta": theta},
     )  # fmt: skip
