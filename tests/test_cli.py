@@ -508,5 +508,9 @@ def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(importlib, "import_module", interrupted)
-    assert main(["eval", "--run", "nowhere"]) == 130
+    try:
+        status = main(["eval", "--run", "nowhere"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped main() as a traceback")
+    assert status == 130
     assert capsys.readouterr().err == "tformer eval: interrupted\n"

@@ -107,7 +107,7 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
     assert main([*argv, "--truncate-prompt", "--no-stream"]) == 0
     out, err = capsys.readouterr()
     assert (
-        "warning: prompt 1 is longer than the context allows (64 tokens with max_new_tokens=8): only its last 56"
+        "warning: prompt 1 is longer than the context allows (64 tokens with 8 new tokens): only its last 56"
         in err
     )
     assert out.startswith(long_prompt) and "Traceback" not in err
@@ -118,7 +118,10 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
         )
         == 0
     )
-    assert "(64 tokens with max_new_tokens=32): only its last 32" in capsys.readouterr().err
+    assert "(64 tokens with 32 new tokens): only its last 32" in capsys.readouterr().err
+    assert main([*argv[:-3], "--max-new-tokens", "64", "--truncate-prompt"]) == 2  # no room left for a prompt
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 64 leaves no room for a prompt" in err and "Traceback" not in err
 
 
 def test_truncate_prompts_keeps_the_tail() -> None:

@@ -9,6 +9,7 @@ import importlib.util
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -389,3 +390,26 @@ def test_split_by_hash_keeps_groups_together():
     assert sorted(x for s in SPLITS for x in splits[s]) == sorted(items)
     assert sum("a" in splits[s] for s in SPLITS) == 1
     assert splits == C.split_by_hash(items, lambda x: x, n_val=2, n_test=2)
+
+
+def test_cached_loads_read_edited_files_afresh_and_stamp_only_path_arguments(tmp_path, monkeypatch):
+    from tformer.data.corpora import cached_by_files
+
+    calls: list[tuple] = []
+
+    @cached_by_files(maxsize=4)
+    def load(path: str, lang: str = "de") -> str:
+        calls.append((path, lang))
+        return Path(path).read_text()
+
+    data = tmp_path / "data.txt"
+    data.write_text("one")
+    assert load(str(data)) == "one" and load(str(data)) == "one" and len(calls) == 1  # cached
+    data.write_text("three")  # edited since: another size
+    assert load(str(data)) == "three" and len(calls) == 2
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "de").mkdir()  # a language that names a folder here is not data
+    (tmp_path / "de" / "x").write_text("x")
+    assert load(str(data)) == "three" and len(calls) == 2
+    (tmp_path / "de" / "y").write_text("y")  # would have changed the key had "de" been stamped
+    assert load(str(data)) == "three" and len(calls) == 2

@@ -99,11 +99,14 @@ def run(args: argparse.Namespace) -> int:
             room = max(room, context // 2)
         sampling = sampling.replace(max_new_tokens=min(DEFAULT_NEW_TOKENS, max(1, room)))
     if args.truncate_prompt:
-        encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)
+        try:
+            encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)
+        except ValueError as err:  # named as the option the user typed
+            raise ValueError(str(err).replace("max_new_tokens=", "--max-new-tokens ")) from None
         for i in cut:
             print(
                 f"tformer generate: warning: prompt {i + 1} is longer than the context allows "
-                f"({context} tokens with max_new_tokens={sampling.max_new_tokens}): only its last "
+                f"({context} tokens with {sampling.max_new_tokens} new tokens): only its last "
                 f"{len(encoded[i])} tokens are used",
                 file=sys.stderr,
             )

@@ -140,6 +140,13 @@ def cached_by_files(maxsize: int) -> Callable:
 
     def wrap(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
+        # only the parameters that name data (path, root, *_path, *_root): a language or direction that
+        # happens to name a file or folder in the working directory is not one
+        paths = [
+            name
+            for name in signature.parameters
+            if name in ("path", "root") or name.endswith(("_path", "_root"))
+        ]
 
         @functools.lru_cache(maxsize=maxsize)
         def cached(values: tuple, stamps: tuple):
@@ -150,7 +157,7 @@ def cached_by_files(maxsize: int) -> Callable:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             values = tuple(bound.arguments.values())
-            return cached(values, tuple(_stamp(v) for v in values))
+            return cached(values, tuple(_stamp(bound.arguments[name]) for name in paths))
 
         load.cache_clear = cached.cache_clear
         return load
