@@ -220,3 +220,21 @@ def test_set_takes_a_plain_string_as_typed() -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(ConfigError, match="unknown preset 'gpt5'; available: paper-base, tiny"):
         get_preset("gpt5")
+
+
+def test_a_seed_outside_torchs_range_names_the_field() -> None:
+    from tformer.train.config import TrainConfig
+
+    for seed in (2**64, -(2**63) - 1):  # torch.manual_seed had failed on them in the trainer
+        with pytest.raises(ConfigError, match=r"TrainConfig.seed must be in \[-2\*\*63, 2\*\*64\)"):
+            TrainConfig(seed=seed)
+    assert TrainConfig(seed=-1).seed == -1 and TrainConfig(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_a_model_too_large_for_memory_names_its_sizes() -> None:
+    from tformer import build_model
+
+    with pytest.raises(
+        ValueError, match=r"does not fit in memory \(one tensor needs .* GiB\).*max_seq_len=2199"
+    ):
+        build_model(ModelConfig(max_seq_len=2**41, positions="learned"))

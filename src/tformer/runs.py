@@ -25,6 +25,7 @@ from tformer.train.checkpoint import (
     load_checkpoint,
     step_of,
     unfinished_checkpoints,
+    why_none_committed,
 )
 from tformer.train.config import TrainConfig
 
@@ -105,7 +106,7 @@ def find_checkpoint(path: str | Path) -> Path:
         path = path.parent  # the run's checkpoints folder: its newest checkpoint
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"{path} holds no committed checkpoint (looked in {path / 'checkpoints'})")
+        raise FileNotFoundError(f"{path} holds no committed checkpoint ({why_none_committed(path)})")
     newer = unfinished_checkpoints(path, step_of(found))
     if newer:
         warnings.warn(

@@ -63,6 +63,15 @@ def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: P
         Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         Trainer(cfg, tmp_path / "empty", make_task("lm"), resume=True, progress=False)
+    for step in (1, 2):  # every checkpoint's manifest damaged: the newest is named, not only "none"
+        (tmp_path / "r" / "checkpoints" / f"step_{step:06d}" / "COMMITTED").write_text("{")
+    named = r"r holds no committed checkpoint \(.*step_000002 has no readable commit manifest"
+    with pytest.raises(FileNotFoundError, match=named):
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    from tformer.runs import load_run
+
+    with pytest.raises(FileNotFoundError, match=named):
+        load_run(tmp_path / "r")
 
 
 def test_a_newer_trainer_takes_the_run_directory_over_in_a_process(corpus_dir: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ inputs on the host, builds the mask as data, then runs the blocks.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import torch
@@ -244,4 +245,15 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     """The model `cfg` describes, initialised by `cfg.init`."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"build_model expects a ModelConfig, got {type(cfg).__name__}")
-    return ARCHITECTURES[cfg.arch](cfg)
+    try:
+        return ARCHITECTURES[cfg.arch](cfg)
+    except (RuntimeError, MemoryError) as err:  # the allocator's message names bytes, not the setting
+        if isinstance(err, RuntimeError) and "allocate" not in str(err):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(err))
+        what = f"one tensor needs {int(asked.group(1)) / 2**30:,.1f} GiB" if asked else "out of memory"
+        raise ValueError(
+            f"the model does not fit in memory ({what}): "
+            f"check its sizes: vocab_size={cfg.vocab_size}, d_model={cfg.d_model}, n_layers={cfg.n_layers}, "
+            f"d_ff={cfg.d_ff}, max_seq_len={cfg.max_seq_len} (position tables hold max_seq_len rows)"
+        ) from None

@@ -361,6 +361,15 @@ def unfinished_checkpoints(run_dir: str | Path, after_step: int) -> list[Path]:
     )  # fmt: skip
 
 
+def why_none_committed(run_dir: str | Path) -> str:
+    """Why a run directory holds no committed checkpoint, for an error message: the newest `step_*`
+    directory without a readable commit, where one exists, else where it looked."""
+    damaged = unfinished_checkpoints(run_dir, -1)
+    if damaged:
+        return f"{damaged[-1]} has no readable commit manifest (damaged, or a save that did not finish)"
+    return f"looked in {Path(run_dir) / CHECKPOINTS_DIR}"
+
+
 def refuse_unfinished(run_dir: str | Path, resume_from: Path | None) -> None:
     """CheckpointError if a `step_*` directory without a readable commit (a damaged checkpoint: saves
     commit by renaming a finished directory) lies beyond the step a run starts from, where a later save
@@ -477,8 +486,22 @@ class _Reader:
         commit = self._json_of(MARKER, self._read(MARKER, None))
         if not isinstance(commit, dict) or not isinstance(commit.get("files"), dict):
             raise CheckpointError(f"{path / MARKER}: not a tformer commit manifest")
-        if commit.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format_version {commit['format_version']} > {FORMAT_VERSION}")
+        version = commit.get("format_version", 0)
+        damaged = [
+            name
+            for name, entry in commit["files"].items()
+            if not (
+                isinstance(entry, dict)
+                and type(entry.get("bytes")) is int
+                and isinstance(entry.get("sha256"), str)
+                and len(entry["sha256"]) == 64
+            )
+        ]
+        if type(version) is not int or damaged:
+            what = f"its entry for {damaged[0]!r}" if damaged else "its format_version"
+            raise CheckpointError(f"{path / MARKER}: {what} is damaged (not what a tformer save writes)")
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {version} > {FORMAT_VERSION}")
         self.files: dict[str, Any] = commit["files"]
         self.format = commit.get("format", "safetensors")
         if self.format == DCP_FORMAT and not (path / DCP_METADATA).is_file():

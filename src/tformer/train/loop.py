@@ -39,6 +39,7 @@ from tformer.train.checkpoint import (
     list_checkpoints,
     refuse_unfinished,
     step_of,
+    why_none_committed,
 )
 from tformer.train.config import TrainConfig
 from tformer.train.interrupt import Stopped, StopRequests
@@ -206,7 +207,9 @@ class Trainer:
         take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
         resume_from = latest_checkpoint(self.run_dir) if resume else None
         if resume and resume_from is None:
-            raise FileNotFoundError(f"--resume: no committed checkpoint under {self.run_dir / 'checkpoints'}")
+            raise FileNotFoundError(
+                f"--resume: {self.run_dir} holds no committed checkpoint ({why_none_committed(self.run_dir)})"
+            )
         if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
             raise ValueError(
                 f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
