@@ -104,3 +104,43 @@ def test_bad_tokenizer_input_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"vocab_size 2,000,000 is above the 1,048,576"):
         Tokenizer.train_bpe(["some text"] * 10, 2_000_000)
     assert tok.save(tmp_path / "tok.JSON").name == "tok.JSON" and (tmp_path / "tok.JSON").is_file()
+
+
+def test_decode_takes_one_row_of_int_ids_and_names_anything_else():
+    """A 2-D tensor, bools, floats, None and a string had failed inside the library or decoded silently."""
+    import torch
+
+    tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
+    ids = tok.encode("some text")
+    assert tok.decode(torch.tensor(ids)) == tok.decode(ids) == "some text"  # a 1-D tensor is a row
+    assert tok.decode_batch(torch.tensor([ids, ids])) == ["some text"] * 2
+    for bad, needle in (
+        (torch.tensor([ids]), r"ids must be one sequence of token ids \(1-D\), got shape \(1, \d+\)"),
+        ([True, False], r"ids\[0\] must be an int token id, got True"),
+        ([5, 1.5], r"ids\[1\] must be an int token id, got 1.5"),
+        ([None], r"ids\[0\] must be an int token id, got None"),
+        ("abc", "ids must be a sequence of int token ids, got str"),
+    ):
+        with pytest.raises(TypeError, match=needle):
+            tok.decode(bad)
+    with pytest.raises(TypeError, match=r"batch\[1\] must be a sequence of int token ids, got str"):
+        tok.decode_batch([ids, "ab"])
+    assert tok.id_to_token(-1) is None and tok.id_to_token(10**9) is None and tok.id_to_token(5) is not None
+
+
+def test_encode_and_training_name_bad_arguments():
+    tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
+    with pytest.raises(
+        ValueError, match=r"text is not valid Unicode: a lone surrogate '\\ud800' at character 1"
+    ):
+        tok.encode("a\ud800b")  # the library said "TextInputSequence must be str"
+    with pytest.raises(ValueError, match=r"texts\[1\] is not valid Unicode"):
+        tok.encode_batch(["a", "\udcff"])
+    with pytest.raises(TypeError, match="add_bos must be True or False, got 2"):
+        tok.encode("a", add_bos=2)  # had added two BOS tokens
+    with pytest.raises(TypeError, match=r"texts\[0\] must be a str, got int"):
+        Tokenizer.train_bpe([1, 2], 300)
+    with pytest.raises(ValueError, match="min_frequency must be an int >= 0, got -1"):
+        Tokenizer.train_bpe(["a b"], 300, min_frequency=-1)
+    with pytest.raises(ValueError, match=r"special_tokens must be 4 strings .*got 'abcd'"):
+        Tokenizer.train_bpe(["a b"], 300, special_tokens="abcd")  # had been 4 one-letter tokens

@@ -167,6 +167,11 @@ def test_decoder_without_memory_and_mismatched_batches() -> None:
         model(src, tgt)
     with pytest.raises(ValueError, match="target batch size 3 does not match the encoder memory's 2"):
         model.decode(tgt, model.encode(src))
+    other = make(tiny("encoder_decoder").with_overrides({"d_model": 32, "d_ff": 64}))
+    with pytest.raises(
+        ValueError, match=r"memory's states are \(3, 5, 32\), not \(batch, source length, d_model=64"
+    ):
+        model.decode(tgt, other.encode(torch.zeros(3, 5, dtype=torch.long)))  # another model's memory
     with pytest.raises(ValueError, match="source tokens contains id 999"):
         model(torch.full((3, 5), 999), tgt)
 

@@ -49,11 +49,19 @@ class Tokenizer:
 
         The vocabulary may come out smaller than `vocab_size` when the texts run out of merges.
         """
-        if len(special_tokens) != 4:
-            raise ValueError(f"special_tokens must be (pad, bos, eos, unk), got {tuple(special_tokens)}")
-        if isinstance(texts, str):
-            raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
-        texts = [t for t in texts if t.strip()]
+        if (
+            isinstance(special_tokens, str)
+            or len(special_tokens) != 4
+            or not all(isinstance(t, str) and t for t in special_tokens)
+        ):
+            raise ValueError(f"special_tokens must be 4 strings (pad, bos, eos, unk), got {special_tokens!r}")
+        if (
+            isinstance(min_frequency, bool)
+            or not isinstance(min_frequency, numbers.Integral)
+            or min_frequency < 0
+        ):
+            raise ValueError(f"min_frequency must be an int >= 0, got {min_frequency!r}")
+        texts = [t for t in _texts(texts) if t.strip()]
         if not texts:
             raise ValueError("no text to train a tokenizer on (every text is empty)")
         alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -105,7 +113,9 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._backend.id_to_token(token_id)
+        """The token of an id, None for an id outside the vocabulary."""
+        token_id = _token_id(token_id, "token_id")
+        return self._backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
 
     # ------------------------------------------------------------ encode / decode
 
@@ -113,25 +123,27 @@ class Tokenizer:
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _flags(add_bos, add_eos)
+        (text,) = _texts([text], "text")
         return self._wrap(self._backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
     def encode_batch(
         self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
     ) -> list[list[int]]:
         """Encode many texts at once (parallel in the library)."""
-        if isinstance(texts, str):
-            raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
-        texts = list(texts)
-        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-        if bad is not None:
-            raise TypeError(f"texts[{bad}] must be a str, got {type(texts[bad]).__name__}")
+        _flags(add_bos, add_eos)
+        texts = _texts(texts)
         encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
-    def _checked(self, ids: Iterable[int]) -> list[int]:
-        ids = list(ids)
+    def _checked(self, ids: Iterable[int], where: str = "ids") -> list[int]:
+        """ids as a list of ints in the vocabulary: a list, tuple or 1-D tensor / array of integers."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TypeError(f"{where} must be a sequence of int token ids, got {type(ids).__name__}")
+        if getattr(ids, "ndim", 1) != 1:  # a tensor or array: one row only
+            raise TypeError(f"{where} must be one sequence of token ids (1-D), got shape {tuple(ids.shape)}")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        ids = [_token_id(i, f"{where}[{n}]") for n, i in enumerate(ids)]
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:  # the library drops such ids silently (or overflows on negative ones)
             raise ValueError(f"token id {bad} is outside this tokenizer's vocabulary of {self.vocab_size}")
@@ -141,8 +153,16 @@ class Tokenizer:
         return self._backend.decode(self._checked(ids), skip_special_tokens=skip_special)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
+            raise TypeError(f"batch must be a sequence of token id sequences, got {type(batch).__name__}")
+        if getattr(batch, "ndim", 2) != 2:
+            raise TypeError(
+                f"batch must hold one sequence of ids per row (2-D), got shape {tuple(batch.shape)}"
+            )
+        rows = batch.tolist() if hasattr(batch, "tolist") else batch
         return self._backend.decode_batch(
-            [self._checked(ids) for ids in batch], skip_special_tokens=skip_special
+            [self._checked(ids, f"batch[{i}]") for i, ids in enumerate(rows)],
+            skip_special_tokens=skip_special,
         )
 
     # ------------------------------------------------------------ storage
@@ -189,3 +209,35 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
+
+
+def _texts(texts: Iterable[str], name: str = "texts") -> list[str]:
+    """texts as a list of str, each valid Unicode (the library refuses a lone surrogate, e.g. from a file
+    read with errors="surrogateescape", with a message that says only "must be str")."""
+    if isinstance(texts, str) and name == "texts":
+        raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        where = name if name != "texts" else f"texts[{i}]"
+        if not isinstance(text, str):
+            raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} "
+                "(read text files as UTF-8 with errors='replace')"
+            ) from None
+    return texts
+
+
+def _token_id(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an int token id, got {value!r}")
+    return int(value)
+
+
+def _flags(add_bos: object, add_eos: object) -> None:
+    for name, value in (("add_bos", add_bos), ("add_eos", add_eos)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -208,6 +208,11 @@ class EncoderDecoder(nn.Module):
             raise ValueError(
                 f"target batch size {b} does not match the encoder memory's {memory.states.shape[0]}"
             )
+        if memory.states.dim() != 3 or memory.states.shape[-1] != self.cfg.d_model:
+            raise ValueError(
+                f"the encoder memory's states are {tuple(memory.states.shape)}, not (batch, source length, "
+                f"d_model={self.cfg.d_model}): give decode this model's own encode(src)"
+            )
         cache = as_cache(cache, len(self.decoder.blocks))
         cache.use_source(memory.states)  # the caller's tensor: the decoder may cast a copy under autocast
         start = cache.seq_len
