@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,10 @@ def check_texts(texts: Iterable[str]) -> list[str]:
 
 def find_checkpoint(path: str | Path) -> Path:
     """A run directory (its newest committed checkpoint) or one checkpoint directory."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"the run must be a path (a run directory or a checkpoint), got {type(path).__name__}"
+        )
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist (expected a run directory or a checkpoint directory)")

@@ -105,6 +105,24 @@ def test_generate_names_a_model_whose_logits_are_not_finite() -> None:
             generate(model, [[1, 2]], sampling)
 
 
+def test_callbacks_and_sampling_helpers_check_their_arguments(lm) -> None:
+    from tformer.generate.sampling import apply_top_k, sample_next
+
+    with pytest.raises(TypeError, match="decode must be a function"):  # had failed after a step
+        generate(lm, [[1]], GREEDY.replace(stop_strings=("x",)), decode="abc")
+    with pytest.raises(TypeError, match="on_step must be a function"):
+        generate(lm, [[1]], GREEDY, on_step=3)
+    logits = torch.zeros(2, 4)
+    logits[1, 2] = float("nan")
+    for temperature in (0.0, 1.0):  # greedy had picked the NaN's index, sampling failed inside torch
+        with pytest.raises(ValueError, match="the logits of row 1 hold NaN or \\+inf"):
+            sample_next(logits, temperature=temperature, generator=None)
+    masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])  # -inf marks a masked token: fine
+    assert int(sample_next(masked, temperature=0.0, generator=None)) == 2
+    with pytest.raises(TypeError, match="top_k must be an int, got 2.5"):
+        apply_top_k(torch.zeros(1, 4), 2.5)
+
+
 def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
     src = torch.randint(3, 24, (2, 5))
     cfg = SearchConfig(method="greedy", max_len_a=0.0, max_len_b=4)
@@ -113,6 +131,8 @@ def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
         search(seq2seq, src, None, cfg, banned=[99], **ids)
     with pytest.raises(ValueError, match="banned ids cover the whole vocabulary of 24 tokens"):
         search(seq2seq, src, None, cfg, banned=range(24), **ids)
+    with pytest.raises(ValueError, match="eos_id 2 is among the banned ids: no output could end"):
+        search(seq2seq, src, None, cfg, banned=[0, 2], **ids)  # had run to max_len, never finished
     with pytest.raises(ValueError, match="eos_id must be a token id"):
         search(seq2seq, src, None, cfg, bos_id=1, eos_id=24)
     with pytest.raises(TypeError, match=r"src must be a \(batch, length\) tensor"):

@@ -72,6 +72,10 @@ def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: P
 
     with pytest.raises(FileNotFoundError, match=named):
         load_run(tmp_path / "r")
+    with pytest.raises(TypeError, match="the run must be a path .*got NoneType"):
+        load_run(None)
+    with pytest.raises(TypeError, match="run_dir must be a path, got NoneType"):
+        Trainer(cfg, None, make_task("lm"), progress=False)
 
 
 def test_a_newer_trainer_takes_the_run_directory_over_in_a_process(corpus_dir: Path, tmp_path: Path) -> None:

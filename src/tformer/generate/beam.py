@@ -392,6 +392,8 @@ def search(
         raise ValueError(
             f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
         )
+    if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
+        raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
     with decoding_layout(model) if fast_decode else contextlib.nullcontext():
         return _search(
             model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned, flat=fast_decode

@@ -170,6 +170,9 @@ def generate(
         check_token_id(eos_id, vocab, "eos_id")
     if sampling.stop_strings and decode is None:
         raise ValueError("stop_strings need decode= (a function from token ids to text) to be found")
+    for name, fn in (("decode", decode), ("on_step", on_step)):  # before any step runs
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function (or None), got {type(fn).__name__}")
     was_training = model.training
     with contextlib.ExitStack() as layout:
         layout.callback(model.train, was_training)  # also when a step raises

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     top_k <= 0 or >= V leaves the logits unchanged. (B, V) -> (B, V).
     """
     _check_logits(logits)
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k must be an int, got {top_k!r}")
     if top_k <= 0 or top_k >= logits.size(-1):
         return logits
     values, indices = logits.topk(top_k, dim=-1)  # (B, k)
@@ -139,8 +142,16 @@ def sample_next(
     `generator`, which the caller seeds: same seed, same tokens.
     """
     _check_logits(logits)
-    if temperature < 0:
+    if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    # -inf is a masked token; NaN / +inf break argmax and the softmax (two ops per step when all finite)
+    broken = None if bool(torch.isfinite(logits).all()) else torch.isnan(logits) | (logits == math.inf)
+    if broken is not None and bool(broken.any()):
+        row = int(broken.any(dim=-1).nonzero()[0])
+        raise ValueError(
+            f"the logits of row {row} hold NaN or +inf: the model's output overflowed (e.g. in low "
+            "precision) or its weights hold NaN or inf"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     filtered = apply_top_p(apply_top_k(apply_temperature(logits.float(), temperature), top_k), top_p)

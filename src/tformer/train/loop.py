@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -199,6 +200,8 @@ class Trainer:
         self.cfg, self.task = cfg, task
         self._lock, self._holds, self._handed_over, self._failed = None, False, False, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
