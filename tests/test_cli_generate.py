@@ -140,3 +140,12 @@ def test_prompt_escapes() -> None:
 
     assert newlines(r"a\nb") == "a\nb" and newlines(r"a\\nb") == "a\\nb"
     assert newlines(r"x\\y") == "x\\y" and newlines(r"tab\t") == "tab\\t" and newlines("plain") == "plain"
+
+
+def test_greedy_refuses_the_sampling_options_it_would_ignore(trained_run: Path, capsys) -> None:
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "1.5", "--seed", "9"]) == 2  # had run, silently greedy
+    err = capsys.readouterr().err
+    assert "error: --temperature, --seed apply to sampling only, not with --greedy" in err
+    assert "Traceback" not in err
+    assert main([*argv, "--repetition-penalty", "1.3"]) == 0  # greedy reads the penalty

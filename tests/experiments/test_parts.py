@@ -182,6 +182,10 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     [
         (["--lr", "nan"], "OptimConfig.lr must be a finite number"),
         (["--batch-size", "100000"], "makes no full batch per process"),
+        (
+            ["--steps", "3"],
+            "--steps 3 is below the study's 4 warm-up steps: give --warmup-steps too (at most 3)",
+        ),
     ],
 )
 def test_a_study_that_fails_before_training_leaves_no_directory(argv, needle, tmp_path, capsys):

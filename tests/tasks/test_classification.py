@@ -113,6 +113,11 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     assert main(["eval", "--run", run, "--split", "val", "--json"]) == 0
     assert (trained_run / "confusion_val.json").read_text() == trained  # kept, beside eval's own
     assert Path(json.loads(capsys.readouterr().out)["confusion_png"]).name == "eval_confusion_val.png"
+    from tformer.tasks.classification import evaluate_run
+
+    whole, one_batch = evaluate_run(run, "train"), evaluate_run(run, "train", max_batches=1)
+    assert one_batch["n"] == 8 and whole["texts_truncated"] > 8  # the note had counted the whole split
+    assert 0 < one_batch["texts_truncated"] <= 8
 
 
 def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) -> None:

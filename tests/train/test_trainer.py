@@ -58,7 +58,8 @@ def test_exact_resume_with_dropout(corpus_dir: Path, tmp_path: Path) -> None:
 
 def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, steps=2, save_every=1)
-    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
+    report = Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
+    assert json.loads((tmp_path / "r" / "report.json").read_text()) == report  # not only from the CLI
     with pytest.raises(ValueError, match="already holds checkpoints; pass --resume"):
         Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):

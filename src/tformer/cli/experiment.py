@@ -95,6 +95,12 @@ def resolve_setting(args: argparse.Namespace, module):
     if unused:
         flags = ", ".join("--" + k.replace("_", "-") for k in unused)
         raise ValueError(f"experiment {args.study} has no option {flags}")
+    warmup = getattr(setting, "warmup_steps", None)
+    if args.steps is not None and args.warmup_steps is None and warmup is not None and args.steps < warmup:
+        raise ValueError(
+            f"--steps {args.steps} is below the study's {warmup} warm-up steps: give --warmup-steps too "
+            f"(at most {args.steps})"
+        )
     return setting.replace(**changes)
 
 

@@ -26,14 +26,26 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         return _sampling_config(args)
 
 
+# the sampling options and their defaults when not given (None in argparse, to tell "given" apart)
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 50, "top_p": 1.0, "seed": 0}
+
+
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    given = [name for name in SAMPLING_DEFAULTS if getattr(args, name) is not None]
+    if args.greedy and given:  # they would be ignored: greedy draws nothing
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(
+            f"{flags} {'applies' if len(given) == 1 else 'apply'} to sampling only, not with --greedy"
+        )
+    value = {name: SAMPLING_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+             for name in SAMPLING_DEFAULTS}  # fmt: skip
     return SamplingConfig(
-        temperature=0.0 if args.greedy else args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        temperature=0.0 if args.greedy else value["temperature"],
+        top_k=value["top_k"],
+        top_p=value["top_p"],
         repetition_penalty=args.repetition_penalty,
         max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
-        seed=args.seed,
+        seed=value["seed"],
         stop_strings=tuple(newlines(s) for s in args.stop),  # "\n" as in prompts
     )
 

@@ -70,9 +70,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         help="tokens to generate (default: 200, or what the model's context leaves after the prompt; with "
         "--truncate-prompt at least half the context)",
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="default: 0.8; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="default: 50; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; default: 1.0 (off)")
+    p.add_argument("--temperature", type=float, default=None, help="default: 0.8; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="default: 50; 0 = off")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling; default: 1.0 (off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1.0 (off)")
     p.add_argument(
         "--stop",
@@ -82,7 +82,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "text only; "
         "the text is printed once, cut before it (no streaming)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; default: 0")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; default: 0")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
     p.add_argument(

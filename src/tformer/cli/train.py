@@ -7,7 +7,6 @@ writes the report (see docs/distributed.md).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tformer.cli.options import resolve_train_config
@@ -30,7 +29,6 @@ def run(args: argparse.Namespace) -> int:
         if trainer.env.is_main:
             print(f"\nrun directory: {out}")
             print(task.describe_result(report))
-            (out / "report.json").write_text(json.dumps(report, indent=2))
         if not args.no_sample and trainer.env.world_size == 1:
             print(trainer.sample())
     finally:

@@ -185,6 +185,14 @@ class ClassificationTask:
         return "\n".join(lines) + "\n---"
 
 
+def eval_order(ds: ClassificationDataset, batch_size: int, max_batches: int | None) -> list[int]:
+    """The texts an evaluation scores, in the order it batches them: by length, and with max_batches,
+    that many batches' worth spread over the lengths."""
+    lengths = ds.lengths()
+    order = sorted(range(len(ds)), key=lambda i: lengths[i])
+    return order if max_batches is None else spread(order, max_batches * batch_size)
+
+
 @torch.no_grad()
 def evaluate_dataset(
     model: nn.Module,
@@ -194,12 +202,9 @@ def evaluate_dataset(
     batch_size: int,
     max_batches: int | None = None,
 ) -> tuple[dict[str, float], ClassificationScores]:
-    """Loss, accuracy and macro-F1 over up to max_batches length-sorted batches."""
+    """Loss, accuracy and macro-F1 over up to max_batches length-sorted batches (`eval_order`)."""
     device = next(model.parameters()).device
-    lengths = ds.lengths()
-    order = sorted(range(len(ds)), key=lambda i: lengths[i])
-    if max_batches is not None:
-        order = spread(order, max_batches * batch_size)
+    order = eval_order(ds, batch_size, max_batches)
     total, y_true, y_pred = 0.0, [], []
     for start in range(0, len(order), batch_size):
         batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
@@ -262,7 +267,9 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     return {
         "data": f"{cfg.data.corpus} {split} split",
         "checkpoint_step": run.step,
-        "texts_truncated": len(cut),
+        "texts_truncated": len(
+            set(cut) & set(eval_order(ds, cfg.batch_size, max_batches))
+        ),  # of those scored
         **result,
         "n": scores.n,
         "per_class": scores.per_class,

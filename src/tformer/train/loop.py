@@ -470,7 +470,12 @@ class Trainer:
             plot_loss_curve(self.run_dir)
         self.metrics.close()
         self._failed = False
-        return self.final_report()
+        report = self.final_report()
+        if self.env.is_main:  # written through a temporary file: a reader never sees half of it
+            tmp = self.run_dir / "report.json.tmp"
+            tmp.write_text(json.dumps(report, indent=2))
+            os.replace(tmp, self.run_dir / "report.json")
+        return report
 
     def _plot_so_far(self) -> None:
         """loss.png of a run that stops early (Ctrl-C, SIGTERM, the non-finite guard): the steps so far."""
