@@ -38,6 +38,7 @@ class LoadedRun:
     train_config: TrainConfig
     checkpoint: Path
     step: int
+    src_tokenizer: Tokenizer | None = None  # a translation run's separate source vocabulary
 
 
 COMMAND_OF_TASK = {
@@ -142,6 +143,8 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         model_cfg = ModelConfig.from_dict(meta["model_config"])
         train_cfg = TrainConfig.from_dict(meta["train_config"])
         tokenizer = Tokenizer.from_json_str(meta["tokenizer"])
+        src = meta.get("src_tokenizer")  # checkpoints of separate-vocabulary translation runs
+        src_tokenizer = None if src is None else Tokenizer.from_json_str(src)
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
     model = build_model(model_cfg)
@@ -151,7 +154,7 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         step = load_dcp_weights(ckpt, model, train_cfg)
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
-    return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step)
+    return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
 
 
 def truncated_note(n: int, what: str) -> str:

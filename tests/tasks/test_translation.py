@@ -152,6 +152,20 @@ def test_separate_vocabularies(dictionary_file: Path, tmp_path: Path) -> None:
         len(translator.translate(["Der alte Hund sieht die Katze.", "Der Mann."], SearchConfig(max_len=8)))
         == 2
     )
+    # the checkpoint keeps the source vocabulary too: deleted, it is restored; another one is refused
+    source = tmp_path / "sep" / "src_tokenizer.json"
+    kept = source.read_text()
+    source.unlink()
+    assert load_translator(load_run(tmp_path / "sep")).src_tok == translator.src_tok  # the checkpoint's own
+    longer = cfg.replace(steps=2)
+    with pytest.warns(UserWarning, match="src_tokenizer.json was missing: restored from"):
+        Trainer(longer, tmp_path / "sep", make_task("translation"), resume=True, progress=False).close()
+    assert source.read_text() == kept
+    source.write_text((tmp_path / "sep" / "tokenizer.json").read_text())  # the target's: other ids
+    from tformer.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="src_tokenizer.json is not the vocabulary step_000001 was"):
+        Trainer(longer, tmp_path / "sep", make_task("translation"), resume=True, progress=False)
 
 
 def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_path: Path) -> None:

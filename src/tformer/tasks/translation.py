@@ -209,6 +209,10 @@ class TranslationTask:
     def tokenizer_json(self) -> str:
         return self.tgt_tok.to_json_str()
 
+    def src_tokenizer_json(self) -> str | None:
+        """The separate source vocabulary (None when joint), kept in each checkpoint like the target one."""
+        return self.src_tok.to_json_str() if self.cfg.data.tokenizer == "separate" else None
+
     def describe_result(self, report: dict) -> str:
         if "eval_loss" not in report:
             return "no evaluation recorded"
@@ -262,7 +266,9 @@ def load_translator(run: LoadedRun | str | Path) -> Translator:
     run = require_task(run, "translation", "translation")
     cfg = run.train_config
     src_tok = run.tokenizer
-    if cfg.data.tokenizer == "separate":
+    if cfg.data.tokenizer == "separate" and run.src_tokenizer is not None:
+        src_tok = run.src_tokenizer  # the checkpoint's own
+    elif cfg.data.tokenizer == "separate":  # a checkpoint that did not keep it: the run directory's file
         path = run_dir_of(run.checkpoint) / SRC_TOKENIZER
         if not path.exists():
             raise FileNotFoundError(f"separate vocabularies: the source tokenizer {path} is missing")

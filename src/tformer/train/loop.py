@@ -351,11 +351,17 @@ class Trainer:
                 "model_config": self.model_cfg.to_dict(),
                 "task": self.cfg.task,
                 "tokenizer": self.task.tokenizer_json(),
+                **({"src_tokenizer": src} if (src := self._src_tokenizer_json()) is not None else {}),
             },
             keep_last=self.cfg.keep_last,
         )
         self._saved = (s.step, path)
         return path
+
+    def _src_tokenizer_json(self) -> str | None:
+        """A task's separate source vocabulary (translation with data.tokenizer=separate), else None."""
+        read = getattr(self.task, "src_tokenizer_json", None)
+        return None if read is None else read()
 
     def _restore(self, path: Path) -> None:
         try:

@@ -109,16 +109,20 @@ def release_run_dir(run_dir: Path, holder: Any) -> None:
 
 
 def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
-    """A resumed run trains with the vocabulary its checkpoint was trained with (the checkpoint's
-    meta.json holds it). tokenizer.json missing from the run directory is written back from there, with a
-    warning (a task would train a new one on the data as it is now); one that differs from it is an error."""
-    saved = meta.get("tokenizer")
+    """A resumed run trains with the vocabularies its checkpoint was trained with (the checkpoint's
+    meta.json holds them: "tokenizer", and a translation run's separate "src_tokenizer"). A file missing
+    from the run directory is written back from there, with a warning (a task would train a new one on the
+    data as it is now); one that differs from it is an error."""
+    for key, name in zip(("tokenizer", "src_tokenizer"), RUN_TOKENIZERS):
+        _restore_one(run_dir / name, meta.get(key), checkpoint)
+
+
+def _restore_one(path: Path, saved: object, checkpoint: Path) -> None:
     if not isinstance(saved, str):
-        return  # a checkpoint without its tokenizer: the task reads the run's own
-    path = run_dir / RUN_TOKENIZERS[0]
+        return  # a checkpoint without this tokenizer: the task reads the run's own
     if not path.exists():
         path.write_text(saved, encoding="utf-8")
-        warnings.warn(f"{path} was missing: restored from {checkpoint / 'meta.json'}", stacklevel=3)
+        warnings.warn(f"{path} was missing: restored from {checkpoint / 'meta.json'}", stacklevel=4)
         return
     from tformer.data.tokenizer import Tokenizer
 
