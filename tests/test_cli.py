@@ -442,6 +442,13 @@ def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactne
     )
     assert (run / "checkpoints" / "step_000006").is_dir()
     assert json.loads((run / "config.json").read_text())["steps"] == 6
+    (run / "config.json").unlink()  # without it: the newest checkpoint's config (steps 6), plus --set
+    assert (
+        main(["train", "--out", str(run), "--resume", "--no-progress", "--no-sample", "--set", "steps=7"])
+        == 0
+    )
+    assert (run / "checkpoints" / "step_000007").is_dir()
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 8  # the run's, not a preset's
 
 
 def test_version(capsys) -> None:

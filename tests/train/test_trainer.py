@@ -231,6 +231,21 @@ def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path:
     with pytest.raises(FileExistsError, match="holds config.json, which .* not a tformer run"):
         Trainer(cfg, mine, make_task("lm"), progress=False)
     assert (mine / "config.json").read_text() == '{"my": "settings"}'
+    (mine / "config.json").unlink()
+    for name in (
+        "src_tokenizer.json",
+        "data.json",
+        "metrics.jsonl",
+        "loss.png",
+        "report.json",
+        "tensorboard",
+    ):
+        path = mine / name
+        path.mkdir() if name == "tensorboard" else path.write_text("the user's")
+        with pytest.raises(FileExistsError, match=f"holds {name}, which a new run would replace"):
+            Trainer(cfg, mine, make_task("lm"), progress=False)
+        assert path.is_dir() if name == "tensorboard" else path.read_text() == "the user's"
+        path.rmdir() if name == "tensorboard" else path.unlink()
 
     stopped = tmp_path / "stopped"
     stopped.mkdir()
@@ -317,6 +332,23 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_pat
         first.fit()
     assert (tmp_path / "f" / "loss.png").is_file()  # a plot without any loss: no legend warning
     assert not [w for w in seen if "legend" in str(w.message)]
+
+
+def test_the_nonfinite_stop_names_the_ranks_under_torchrun() -> None:
+    """The words a multi-rank stop uses (the 2-rank runs check `nonfinite_ranks` itself)."""
+    from types import SimpleNamespace
+
+    from tformer.train.loop import nonfinite_stop
+
+    on = SimpleNamespace(nonfinite_ranks=[1, 3], loss=float("nan"), grad_norm=float("nan"))
+    assert "steps with a non-finite loss or gradient norm (non-finite loss on rank 1, 3) (loss nan" in (
+        nonfinite_stop(7, 3, 4, on)
+    )
+    behind = SimpleNamespace(nonfinite_ranks=[], loss=2.5, grad_norm=float("inf"))
+    assert "(every rank's loss was finite; the gradients were summed over ranks, so no rank is named)" in (
+        nonfinite_stop(7, 3, 2, behind)
+    )
+    assert "rank" not in nonfinite_stop(7, 3, 1, on)  # one process: nothing to name
 
 
 def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: Path) -> None:

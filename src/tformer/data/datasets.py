@@ -115,8 +115,8 @@ def pad_sequences(seqs: Sequence[torch.Tensor], pad_value: int) -> tuple[torch.T
 class Seq2SeqDataset(Dataset):
     """(src ids, tgt ids) pairs; pairs too long (or empty) are filtered out and counted.
 
-    A pair is kept when 1 <= len(src) <= max_src_len and 1 <= len(tgt) + 1 <= max_tgt_len (the
-    collator adds BOS/EOS to the target, one token each side). `kept[i]` is the index in the
+    A pair is kept when 1 <= len(src) <= max_src_len and 1 <= len(tgt) <= max_tgt_len - 1 (the
+    collator adds BOS/EOS to the target, one token each side; an empty target is dropped). `kept[i]` is the index in the
     input of dataset item i, to line hypotheses up with reference texts.
     """
 

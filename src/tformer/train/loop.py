@@ -543,15 +543,9 @@ class Trainer:
                 }
             )
             if s.nonfinite_in_a_row >= self.cfg.max_nonfinite:
-                where = ""
-                if self.env.world_size > 1 and result.nonfinite_ranks:
-                    where = f" (non-finite loss on rank {', '.join(map(str, result.nonfinite_ranks))})"
-                elif self.env.world_size > 1:  # found in the gradients, which backward summed over ranks
-                    where = " (every rank's loss was finite; the gradients were summed over ranks, so no rank is named)"
                 raise NonFiniteError(
-                    f"step {s.step}: {s.nonfinite_in_a_row} consecutive steps with a non-finite loss or gradient "
-                    f"norm{where} (loss {result.loss}, grad norm {result.grad_norm}); stopping. Lower the "
-                    f"learning rate or check the data; {self._last_checkpoint_words()}."
+                    nonfinite_stop(s.step, s.nonfinite_in_a_row, self.env.world_size, result)
+                    + f" Lower the learning rate or check the data; {self._last_checkpoint_words()}."
                 )
         else:
             s.nonfinite_in_a_row = 0
@@ -661,6 +655,21 @@ class Trainer:
             **({"eval_step": evals[-1]["step"]} if evals else {}),
             **latest,
         }
+
+
+def nonfinite_stop(step: int, in_a_row: int, world_size: int, result: Any) -> str:
+    """Why a run stops on non-finite steps: the step, how many in a row, and under torchrun the ranks whose
+    loss was not finite (a non-finite gradient behind finite losses is found after backward summed the
+    gradients over the ranks, so no rank can be named)."""
+    where = ""
+    if world_size > 1 and result.nonfinite_ranks:
+        where = f" (non-finite loss on rank {', '.join(map(str, result.nonfinite_ranks))})"
+    elif world_size > 1:
+        where = " (every rank's loss was finite; the gradients were summed over ranks, so no rank is named)"
+    return (
+        f"step {step}: {in_a_row} consecutive steps with a non-finite loss or gradient norm{where} "
+        f"(loss {result.loss}, grad norm {result.grad_norm}); stopping."
+    )
 
 
 def _read(run_dir: Path) -> list[dict]:
