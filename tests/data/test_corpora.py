@@ -147,9 +147,85 @@ def test_binary_and_utf16_files_are_not_text(tmp_path, data):
 
 def test_an_empty_text_path_is_an_error():
     """`text:` alone had read every .txt under the working directory."""
-    for name in ("text:", "text:  "):
-        with pytest.raises(ValueError, match="needs a file or folder after the colon"):
+    for name in ("text:", "text:  ", "pairs:", "labels:"):
+        with pytest.raises(ValueError, match="needs a path after the colon"):
             load_corpus(name)
+
+
+def test_binary_without_nul_bytes_and_joined_files_in_a_users_text(tmp_path):
+    """Random bytes without a NUL had been read as latin-1 (with a warning) and trained on; byte-order
+    marks of files joined together had become vocabulary tokens."""
+    import random
+
+    rng = random.Random(0)
+    noise = bytes(rng.randrange(1, 256) for _ in range(4000))
+    (tmp_path / "blob.txt").write_bytes(noise)
+    with pytest.raises(ValueError, match=r"blob.txt is not a text file: not UTF-8, and [\d,]+ of its"):
+        C.read_text(tmp_path / "blob.txt", warn=True)
+    (tmp_path / "joined.txt").write_bytes(b"\xef\xbb\xbfone\n\xef\xbb\xbftwo\n")
+    assert C.read_text(tmp_path / "joined.txt", warn=True) == "one\ntwo\n"
+
+
+def test_a_users_pairs_file(tmp_path):
+    lines = [f"quelle {i} satz\tsource {i} sentence" for i in range(60)]
+    (tmp_path / "p.tsv").write_text("\n".join([lines[0], "", *lines, lines[3]]) + "\n")  # a blank, repeats
+    corpus = load_corpus(f"pairs:{tmp_path / 'p.tsv'}", direction="de-en")
+    assert corpus.task == "translation" and corpus_task(f"pairs:{tmp_path}") == "translation"
+    got = [p for s in SPLITS for p in corpus[s]]
+    assert sorted((p.src, p.tgt) for p in got) == sorted(tuple(x.split("\t")) for x in lines)  # once each
+    assert [len(corpus[s]) for s in SPLITS] == [54, 3, 3] and corpus.direction == "de-en"
+    assert load_corpus(f"pairs:{tmp_path / 'p.tsv'}").manifest() == corpus.manifest()  # deterministic
+    (tmp_path / "bad.tsv").write_text("a\tb\nc\td\te\n")
+    with pytest.raises(
+        ValueError, match=r"bad.tsv line 2: expected one source<TAB>target pair, found 2 tabs"
+    ):
+        load_corpus(f"pairs:{tmp_path / 'bad.tsv'}")
+    (tmp_path / "bad.tsv").write_text("a\tb\n \tc\n")
+    with pytest.raises(ValueError, match="line 2: expected one source<TAB>target pair, found an empty side"):
+        load_corpus(f"pairs:{tmp_path / 'bad.tsv'}")
+    with pytest.raises(ValueError, match="is a folder: give one text file"):
+        load_corpus(f"pairs:{tmp_path}")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_corpus(f"pairs:{tmp_path / 'nope.tsv'}")
+
+
+def test_a_users_labelled_folders(tmp_path):
+    for label in ("pos", "neg", "empty"):
+        (tmp_path / label).mkdir()
+    for i in range(12):
+        (tmp_path / "pos" / f"{i}.txt").write_text(f"good text number {i}")
+        (tmp_path / "neg" / f"{i}.txt").write_text(f"bad text number {i}")
+    (tmp_path / "neg" / "copy.txt").write_text("bad text number 0")  # a duplicate: read once
+    (tmp_path / "pos" / ".draft.txt").write_text("hidden")
+    (tmp_path / "notes.txt").write_text("loose")
+    with pytest.warns(UserWarning, match="1 file\\(s\\) outside the label folders are not read"):
+        corpus = load_corpus(f"labels:{tmp_path}")
+    assert corpus.task == "classification" and corpus.labels == ("neg", "pos")  # an empty folder is no label
+    for s, n in zip(SPLITS, (10, 1, 1)):
+        assert sorted(d.label for d in corpus[s]) == ["neg"] * n + ["pos"] * n  # stratified
+    assert not any("draft" in d.id for s in SPLITS for d in corpus[s])
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "1.txt").write_text("alone")
+    with pytest.raises(ValueError, match="label 'odd' .* has 1 distinct non-empty text file"):
+        load_corpus(f"labels:{tmp_path}")
+    one = tmp_path / "one"
+    (one / "only").mkdir(parents=True)
+    for i in range(3):
+        (one / "only" / f"{i}.txt").write_text(f"text {i}")
+    with pytest.raises(ValueError, match="has 1 label folder.*a classifier needs at least 2"):
+        load_corpus(f"labels:{one}")
+    with pytest.raises(ValueError, match="is not a folder"):
+        load_corpus(f"labels:{tmp_path / 'notes.txt'}")
+
+
+def test_a_file_name_that_is_not_utf8_is_recorded(tmp_path):
+    """A Latin-1 file name had failed in data.json's hash with a codec error naming no file."""
+    import os
+
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"text {i}\n" * 20)
+    os.rename(tmp_path / "0.txt", os.fsdecode(bytes(tmp_path / "r") + b"\xe9sum\xe9.txt"))
+    assert load_corpus(f"text:{tmp_path}").manifest()["counts"] == {"train": 1, "val": 1, "test": 1}
 
 
 # ---------------------------------------------------------------- trans-de-en
@@ -374,7 +450,9 @@ def test_a_small_data_path_names_the_topic_or_the_empty_splits(tmp_path):
 def test_unknown_corpus_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown corpus 'wiki'") as info:
         load_corpus("wiki")
-    assert all(name in str(info.value) for name in CORPORA) and "text:<path>" in str(info.value)
+    assert all(name in str(info.value) for name in CORPORA) and all(
+        f"{kind}:<" in str(info.value) for kind in ("text", "pairs", "labels")
+    )
     assert [corpus_task(n) for n in ("shakespeare", "trans-de-en", "libreoffice", "bbc-news", "text:x")] == [
         "lm",
         "translation",

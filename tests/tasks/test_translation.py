@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -252,7 +253,7 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert "| 3 sources longer than the run's max length, truncated\nsacrebleu signature: " in text
 
 
-def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, capsys) -> None:
+def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     def error(argv: list[str]) -> str:
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -272,7 +273,17 @@ def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, caps
     missing = error(
         ["train", "--preset", "tiny-translation", "--set", f"data.path={tmp_path / 'no-file'}", "--out", out]
     )
-    assert "Install it with: apt-get update && apt-get install -y trans-de-en" in missing
+    assert "trans-de-en dictionary not found at" in missing and "use data.corpus=pairs:" in missing
+    import functools
+
+    import tformer.data.corpora as corpora
+
+    # the package not installed: the loader at its default location, which holds nothing here
+    absent = functools.partial(corpora.load_trans_de_en, path=tmp_path / "no-package" / "de-en")
+    monkeypatch.setitem(corpora.CORPORA, "trans-de-en", absent)
+    missing = error(["train", "--preset", "tiny-translation", "--set", "data.path=null", "--out", out])
+    assert missing.endswith("Install it with: apt-get update && apt-get install -y trans-de-en")
+    monkeypatch.undo()
     assert "available: bbc-news" in error(
         ["train", "--preset", "tiny-translation", "--set", "data.corpus=wmt14", "--out", out]
     )
@@ -333,3 +344,43 @@ def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained
         load_translator(3)
     with pytest.raises(ValueError, match=r"device 'gpu' is not one torch knows \(e.g. 'auto', 'cpu', 'cuda'"):
         load_run(trained_run, device="gpu")
+
+
+def test_a_users_own_pairs_train_and_translate(tmp_path: Path, capsys) -> None:
+    """`data.corpus=pairs:FILE`: the user's tab-separated pairs, end to end; data.path for the installed
+    corpus names what to use instead when it finds no dictionary there."""
+    words = {"hund": "dog", "katze": "cat", "mann": "man", "frau": "woman", "kind": "child", "baum": "tree"}
+    rng = random.Random(0)
+    lines = []
+    for _ in range(200):
+        chosen = rng.choices(list(words), k=rng.randint(2, 5))
+        lines.append(" ".join(chosen) + "\t" + " ".join(words[w] for w in chosen))
+    (tmp_path / "mine.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny-translation", "--set", f"data.corpus=pairs:{tmp_path / 'mine.tsv'}"]
+    assert main([*argv, "--set", "steps=2", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "data.json").read_text())["name"] == f"pairs:{tmp_path / 'mine.tsv'}"
+    capsys.readouterr()
+    assert main(["translate", "--run", str(out), "--text", "hund katze"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["eval", "--run", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sentences"] == len(
+        load_corpus(f"pairs:{tmp_path / 'mine.tsv'}")["test"]
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny-translation",
+                "--set",
+                f"data.path={tmp_path}",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "for your own data use data.corpus=pairs:<file of source<TAB>target lines>" in err
+    assert "Install it with" not in err  # the user's path: installing the package would not help

@@ -103,7 +103,9 @@ class Corpus:
         """What a run records about its data: source, rule, counts, and per split a hash of its items' ids
         and one of their contents (ids, texts, labels)."""
         ids = {
-            s: hashlib.sha256("\n".join(x.id for x in items).encode()).hexdigest()[:16]
+            s: hashlib.sha256("\n".join(x.id for x in items).encode("utf-8", "surrogatepass")).hexdigest()[
+                :16
+            ]
             for s, items in self.splits.items()
         }
         contents = {}
@@ -244,11 +246,19 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
         except UnicodeDecodeError:
             encoding, text = "latin-1", raw.decode("latin-1")
         if warn:
+            controls = sum(1 for c in text if c < " " and c not in "\t\n\r\f")
+            if controls > max(8, len(text) // 100):  # text has next to none; random bytes ~1 in 8
+                raise ValueError(
+                    f"{name} is not a text file: not UTF-8, and {controls:,} of its {len(text):,} bytes are "
+                    "control characters (binary data?); move it out of the data"
+                ) from None
             warnings.warn(
                 f"{name} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
                 UserWarning,
                 stacklevel=3,
             )
+    if warn:  # a user's file: byte-order marks inside it (files joined together) are not text either
+        text = text.replace("\ufeff", "")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -367,6 +377,94 @@ def _folder_texts(path: Path) -> list[Path]:
             stacklevel=3,
         )
     return files
+
+
+def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
+    """The user's translation pairs: one text file, a `source<TAB>target` pair per line (empty lines
+    skipped; any other line without exactly one tab is an error naming it). Identical pairs are kept once;
+    pairs with the same source stay in one split (5% val, 5% test by sha256 of the source). `direction`
+    names the two languages (it picks sacrebleu's tokenizer for the target, e.g. "en-zh"). Read afresh on
+    every call."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(
+            f"pairs corpus {str(path)!r} is a folder: give one text file of source<TAB>target lines"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"pairs corpus file {str(path)!r} does not exist")
+    seen: set[tuple[str, str]] = set()
+    pairs = []
+    for number, line in enumerate(read_text(path, warn=True).split("\n"), 1):
+        if not line.strip():
+            continue
+        sides = line.split("\t")
+        if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():
+            what = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
+            raise ValueError(
+                f"{path} line {number}: expected one source<TAB>target pair, found {what}: {line[:60]!r}"
+            )
+        src, tgt = sides[0].strip(), sides[1].strip()
+        if (src, tgt) not in seen:
+            seen.add((src, tgt))
+            pairs.append(Pair(f"{path.name}:{number}", src, tgt))
+    if len(pairs) < 3:
+        raise ValueError(f"pairs corpus {str(path)!r} holds {len(pairs)} distinct pair(s); need at least 3")
+    n_val, n_test = _fraction_counts(len(pairs), 0.05, 0.05, 1)
+    rule = f"identical pairs once; by sha256(source): test={n_test}, val={n_val}, train=the rest"
+    splits = split_by_hash(pairs, lambda p: p.src, n_val, n_test)
+    return Corpus(f"pairs:{path}", "translation", splits, rule, str(path), direction=direction)
+
+
+def load_labelled(path: str | Path) -> Corpus:
+    """The user's labelled texts: a folder with one subfolder per label (its name is the label) holding
+    text files (as `text:` folders: nested folders read, hidden files skipped, other files warned about).
+    Identical texts are kept once; each label is split on its own (10% val, 10% test by sha256 of the
+    text, at least one each), so every label is in every split. Read afresh on every call."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise (ValueError if path.exists() else FileNotFoundError)(
+            f"labelled corpus {str(path)!r} is not a folder: give a folder with one subfolder of text files "
+            "per label"
+        )
+    folders = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    loose = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    if loose:
+        warnings.warn(
+            f"labelled corpus {str(path)!r}: {len(loose)} file(s) outside the label folders are not read "
+            f"(e.g. {loose[0]!r})",
+            stacklevel=3,
+        )
+    seen: set[str] = set()
+    splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
+    labels = []
+    for folder in folders:
+        docs = []
+        for p in _folder_texts(folder):
+            text = read_text(p, warn=True).strip()
+            if text and text not in seen:
+                seen.add(text)
+                docs.append(Document(f"{folder.name}/{p.relative_to(folder).as_posix()}", text, folder.name))
+        if not docs:
+            continue
+        if len(docs) < 3:
+            raise ValueError(
+                f"label {folder.name!r} ({folder}) has {len(docs)} distinct non-empty text file(s); each "
+                "label needs at least 3 to be in the train, val and test splits"
+            )
+        n_val, n_test = _fraction_counts(len(docs), 0.1, 0.1, 1)
+        for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():
+            splits[s].extend(items)
+        labels.append(folder.name)
+    if len(labels) < 2:
+        raise ValueError(
+            f"labelled corpus {str(path)!r} has {len(labels)} label folder(s) with text files "
+            f"({', '.join(TEXT_SUFFIXES)}); a classifier needs at least 2"
+        )
+    rule = "identical texts once; per label, by sha256(text): test=10%, val=10% (at least 1), train=the rest"
+    return Corpus(
+        f"labels:{path}", "classification", {s: tuple(v) for s, v in splits.items()}, rule, str(path),
+        tuple(labels),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- translation
@@ -566,28 +664,47 @@ CORPUS_TASKS = {
     "trans-de-en": "translation",
     "libreoffice": "translation",
     "bbc-news": "classification",
-    "text": "lm",
 }
+# the user's own data: "<kind>:<path>" -> (task, loader)
+USER_CORPORA: dict[str, tuple[str, Callable[..., Corpus]]] = {
+    "text": ("lm", load_text),
+    "pairs": ("translation", load_pairs),
+    "labels": ("classification", load_labelled),
+}
+USER_CORPUS_FORMS = "text:<file or folder>, pairs:<tab-separated file>, labels:<folder of label folders>"
+
+
+def user_corpus(name: str) -> tuple[str, str] | None:
+    """(kind, path) of a corpus name like "text:notes/", None for a registry name."""
+    kind, colon, path = name.partition(":")
+    return (kind, path.strip()) if colon and kind in USER_CORPORA else None
 
 
 def corpus_task(name: str) -> str:
     """The task a corpus name serves, without loading it."""
-    return CORPUS_TASKS["text" if name.startswith("text:") else _known(name)]
+    user = user_corpus(name)
+    return USER_CORPORA[user[0]][0] if user else CORPUS_TASKS[_known(name)]
 
 
 def _known(name: str) -> str:
     if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(sorted(CORPORA))}, text:<path>")
+        raise ValueError(
+            f"unknown corpus {name!r}; available: {', '.join(sorted(CORPORA))}, {USER_CORPUS_FORMS}"
+        )
     return name
 
 
 def load_corpus(name: str, **options: Hashable) -> Corpus:
-    """Load a corpus by registry name (see CORPORA) or `text:<file or folder>`; options go to its loader."""
-    if name.startswith("text:"):
-        path = name[len("text:") :].strip()
+    """Load a corpus by registry name (see CORPORA) or the user's own data (USER_CORPORA: `text:<file or
+    folder>`, `pairs:<file>`, `labels:<folder>`); options go to its loader."""
+    user = user_corpus(name)
+    if user is not None:
+        kind, path = user
         if not path:
-            raise ValueError("corpus 'text:' needs a file or folder after the colon, e.g. text:notes/")
-        return _check_splits(load_text(path, **options))
+            raise ValueError(f"corpus '{kind}:' needs a path after the colon ({USER_CORPUS_FORMS})")
+        loader = USER_CORPORA[kind][1]
+        accepted = inspect.signature(loader).parameters
+        return _check_splits(loader(path, **{k: v for k, v in options.items() if k in accepted}))
     return _check_splits(CORPORA[_known(name)](**options))
 
 
@@ -597,8 +714,8 @@ def _check_splits(corpus: Corpus) -> Corpus:
     if empty:
         counts = ", ".join(f"{s} {len(corpus.splits.get(s, ()))}" for s in SPLITS)
         same = ""
-        if corpus.name.startswith("text:"):  # split by text hash (the installed corpora split by name)
-            distinct = len({d.text for s in SPLITS for d in corpus.splits.get(s, ())})
+        if user_corpus(corpus.name):  # split by text hash (the installed corpora split by name)
+            distinct = len({corpus_text(d) for s in SPLITS for d in corpus.splits.get(s, ())})
             total = sum(len(corpus.splits.get(s, ())) for s in SPLITS)
             same = f"; identical texts, empty ones too, stay in one split: {distinct} distinct of {total}"
         raise ValueError(
@@ -606,6 +723,11 @@ def _check_splits(corpus: Corpus) -> Corpus:
             f"({counts}; split: {corpus.split_rule}{same})"
         )
     return corpus
+
+
+def corpus_text(item: Item) -> str:
+    """What a split keeps together: a document's text, a pair's source."""
+    return item.src if isinstance(item, Pair) else item.text
 
 
 def iter_texts(corpus: Corpus, split: str) -> Iterable[str]:

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from tformer.data.corpora import Corpus, corpus_task, load_corpus
+from tformer.data.corpora import Corpus, MissingDataError, corpus_task, load_corpus
 from tformer.data.tokenizer import Tokenizer
 from tformer.schema import ConfigError
 from tformer.train.config import DataConfig
@@ -27,11 +27,33 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
         raise ConfigError(
             f"data.corpus {data.corpus!r} is a {noun.get(kind, kind)} corpus, not a {noun.get(task, task)} one"
         )
+    own = OWN_DATA[task]
     if data.path is not None:
         if data.corpus not in PATH_OPTION:
-            raise ConfigError(f"data.path is not supported for corpus {data.corpus!r}")
+            raise ConfigError(
+                f"data.path is not supported for corpus {data.corpus!r} (it names where an installed corpus's "
+                f"files are); for your own data use {own}"
+            )
         options[PATH_OPTION[data.corpus]] = data.path
+        try:
+            return load_corpus(data.corpus, **options)
+        except (MissingDataError, OSError) as err:  # the user's path: installing the package would not help
+            reason = (
+                str(err).split(". Install it with")[0] if isinstance(err, MissingDataError) else err.strerror
+            )
+            raise FileNotFoundError(
+                f"data.path={data.path!r}: {reason} (data.path names a copy of the {data.corpus} package's "
+                f"files; for your own data use {own})"
+            ) from None
     return load_corpus(data.corpus, **options)
+
+
+# how a task takes the user's own data (tformer.data.corpora.USER_CORPORA)
+OWN_DATA = {
+    "lm": "data.corpus=text:<file or folder>",
+    "translation": "data.corpus=pairs:<file of source<TAB>target lines>",
+    "classification": "data.corpus=labels:<folder with one folder of text files per label>",
+}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, field: str = "data.vocab_size") -> Tokenizer:

@@ -89,8 +89,12 @@ def _moved(key: str, before: Any, now: Any) -> bool:
     ModelConfig.from_dict dropped from a saved config (its arch never read it) is no change either."""
     if key == "data.path" or (key.removeprefix("model.") in SEQ2SEQ_ONLY and now is None):
         return True
-    texts = isinstance(before, str) and isinstance(now, str) and before.startswith("text:")
-    return key == "data.corpus" and texts and now.startswith("text:")
+    if key != "data.corpus" or not isinstance(before, str) or not isinstance(now, str):
+        return False
+    from tformer.data.corpora import user_corpus
+
+    was, is_ = user_corpus(before), user_corpus(now)  # the user's data moved: the same kind, elsewhere
+    return was is not None and is_ is not None and was[0] == is_[0]
 
 
 def _whole_sections(keys: list[str], before: dict[str, Any], now: dict[str, Any]) -> list[str]:
