@@ -634,6 +634,28 @@ def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path)
         Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False).close()
 
 
+def test_a_test_split_too_short_to_score_is_said_before_training(tmp_path: Path) -> None:
+    """It had been found only by `tformer eval --split test`, after the training."""
+    from tformer.data import load_corpus
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    for i in range(8):  # long files; then a tiny one, renamed until the hash split puts it alone in test
+        (folder / f"{i}.txt").write_text(f"text number {i} " + "many words here " * 200)
+    for salt in range(500):
+        (folder / "tiny.txt").write_text(f"w{salt}")
+        corpus = load_corpus(f"text:{folder}")
+        if [d.id for d in corpus["test"]] == ["tiny.txt"]:
+            break
+    else:
+        pytest.fail("no salt put the tiny file alone in the test split")
+    with pytest.warns(
+        UserWarning,
+        match=r"the test split of 'text:.*' is \d+ tokens, too few for one window.*will not score",
+    ):
+        Trainer(small_config(folder, steps=1), tmp_path / "s", make_task("lm"), progress=False).close()
+
+
 def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
     for i in range(40):  # one long file per name; the val split (by hash) gets one of the short ones
         (tmp_path / "c" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
