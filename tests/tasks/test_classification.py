@@ -210,3 +210,16 @@ def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys)
     assert main(["train", "--preset", "tiny-classification", "--set", f"data.path={tmp_path / 'mine'}",
                  "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     assert "for your own data use data.corpus=labels:" in capsys.readouterr().err
+
+
+def test_a_bbc_copy_skips_hidden_files(tmp_path: Path) -> None:
+    """An editor's `.draft.txt` had become an article; macOS's `._x.txt` (NUL bytes) stopped the run."""
+    from tformer.data import load_corpus
+
+    from .conftest import write_bbc
+
+    root = write_bbc(tmp_path / "bbc")
+    before = load_corpus("bbc-news", root=str(root)).manifest()
+    (root / "bbcnews" / "data" / "tech" / ".draft.txt").write_text("a draft of mine")
+    (root / "bbcnews" / "data" / "tech" / "._000.txt").write_bytes(b"\x00\x05\x16\x07")
+    assert load_corpus("bbc-news", root=str(root)).manifest() == before

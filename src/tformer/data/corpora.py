@@ -608,7 +608,10 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
     seen: set[str] = set()
     splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
     for label in BBC_LABELS:
-        files = sorted(_require(data / label, f"BBC News topic {label!r}", BBC_INSTALL).glob("*.txt"))
+        topic = _require(data / label, f"BBC News topic {label!r}", BBC_INSTALL)
+        files = sorted(
+            p for p in topic.glob("*.txt") if not p.name.startswith(".")
+        )  # not editor / OS leftovers
         docs = []
         for p in files:
             text = read_text(p).strip()
