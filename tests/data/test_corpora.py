@@ -160,8 +160,12 @@ def test_binary_without_nul_bytes_and_joined_files_in_a_users_text(tmp_path):
     rng = random.Random(0)
     noise = bytes(rng.randrange(1, 256) for _ in range(4000))
     (tmp_path / "blob.txt").write_bytes(noise)
-    with pytest.raises(ValueError, match=r"blob.txt is not a text file: not UTF-8, and [\d,]+ of its"):
+    with pytest.raises(ValueError, match=r"blob.txt does not look like text: not UTF-8, and [\d,]+ of its"):
         C.read_text(tmp_path / "blob.txt", warn=True)
+    log = "caf\xe9 \x1b[31mred\x1b[0m\x0bline\x1cfield\x1a\n" * 50  # latin-1 with ESC, VT, separators, SUB
+    (tmp_path / "log.txt").write_bytes(log.encode("latin-1"))
+    with pytest.warns(UserWarning, match="is not UTF-8"):
+        assert C.read_text(tmp_path / "log.txt", warn=True) == log  # text that uses control codes is text
     (tmp_path / "joined.txt").write_bytes(b"\xef\xbb\xbfone\n\xef\xbb\xbftwo\n")
     assert C.read_text(tmp_path / "joined.txt", warn=True) == "one\ntwo\n"
 
@@ -204,6 +208,13 @@ def test_a_users_labelled_folders(tmp_path):
     for s, n in zip(SPLITS, (10, 1, 1)):
         assert sorted(d.label for d in corpus[s]) == ["neg"] * n + ["pos"] * n  # stratified
     assert not any("draft" in d.id for s in SPLITS for d in corpus[s])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'direktion'"):  # a typo is not dropped
+        load_corpus(f"labels:{tmp_path}", direktion="de-en")
+    (tmp_path / "neg" / "3.txt").write_text("good text number 3")  # also under pos: kept there only
+    with pytest.warns(UserWarning, match=r"1 text\(s\) appear under two labels, each kept under the first only: "
+                      r"pos/3.txt \(as neg/3.txt\)"):  # fmt: skip
+        load_corpus(f"labels:{tmp_path}")
+    (tmp_path / "neg" / "3.txt").write_text("bad text number 3")
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "1.txt").write_text("alone")
     with pytest.raises(ValueError, match="label 'odd' .* has 1 distinct non-empty text file"):

@@ -113,6 +113,8 @@ def test_decode_takes_one_row_of_int_ids_and_names_anything_else():
     tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
     ids = tok.encode("some text")
     assert tok.decode(torch.tensor(ids)) == tok.decode(ids) == "some text"  # a 1-D tensor is a row
+    assert tok.decode(list(torch.tensor(ids))) == "some text"  # 0-d tensors and NumPy ints are ids too
+    assert tok.id_to_token(torch.tensor(ids)[0]) == tok.id_to_token(ids[0])
     assert tok.decode_batch(torch.tensor([ids, ids])) == ["some text"] * 2
     for bad, needle in (
         (torch.tensor([ids]), r"ids must be one sequence of token ids \(1-D\), got shape \(1, \d+\)"),

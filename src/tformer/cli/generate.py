@@ -32,11 +32,12 @@ SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 50, "top_p": 1.0, "seed": 0}
 
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     given = [name for name in SAMPLING_DEFAULTS if getattr(args, name) is not None]
-    if args.greedy and given:  # they would be ignored: greedy draws nothing
+    if args.temperature == 0:  # greedy as a temperature: what --greedy means
+        given.remove("temperature")
+    if args.greedy and given:  # they change nothing: greedy draws nothing (scripts may pass them anyway)
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ValueError(
-            f"{flags} {'applies' if len(given) == 1 else 'apply'} to sampling only, not with --greedy"
-        )
+        verb = "applies" if len(given) == 1 else "apply"
+        warn("generate", f"{flags} {verb} to sampling only: ignored with --greedy")
     value = {name: SAMPLING_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
              for name in SAMPLING_DEFAULTS}  # fmt: skip
     return SamplingConfig(

@@ -232,6 +232,11 @@ def read_text(path: Path, warn: bool = False) -> str:
     return decode_text(Path(path).read_bytes(), str(path), warn)
 
 
+# control bytes that text does not use: not tab, line feed, vertical tab, form feed, carriage return,
+# SUB (an old end-of-file mark), ESC (terminal colour codes) or the separators 0x1c-0x1f
+BINARY_BYTES = bytes([*range(1, 9), *range(0x0E, 0x1A)])
+
+
 def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
     """`read_text` for bytes from elsewhere (stdin); `name` says where they came from."""
     if b"\x00" in raw:
@@ -246,11 +251,11 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
         except UnicodeDecodeError:
             encoding, text = "latin-1", raw.decode("latin-1")
         if warn:
-            controls = sum(1 for c in text if c < " " and c not in "\t\n\r\f")
-            if controls > max(8, len(text) // 100):  # text has next to none; random bytes ~1 in 8
+            controls = len(raw) - len(raw.translate(None, BINARY_BYTES))
+            if controls > max(16, len(raw) // 25):  # text next to none; random bytes 20 in 256
                 raise ValueError(
-                    f"{name} is not a text file: not UTF-8, and {controls:,} of its {len(text):,} bytes are "
-                    "control characters (binary data?); move it out of the data"
+                    f"{name} does not look like text: not UTF-8, and {controls:,} of its {len(raw):,} bytes are "
+                    "control codes no text uses (binary data?)"
                 ) from None
             warnings.warn(
                 f"{name} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
@@ -434,16 +439,22 @@ def load_labelled(path: str | Path) -> Corpus:
             f"(e.g. {loose[0]!r})",
             stacklevel=3,
         )
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # text -> the document id that has it
+    across: list[str] = []  # texts under two labels
     splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
     labels = []
     for folder in folders:
         docs = []
         for p in _folder_texts(folder):
-            text = read_text(p, warn=True).strip()
-            if text and text not in seen:
-                seen.add(text)
-                docs.append(Document(f"{folder.name}/{p.relative_to(folder).as_posix()}", text, folder.name))
+            text, doc_id = (
+                read_text(p, warn=True).strip(),
+                f"{folder.name}/{p.relative_to(folder).as_posix()}",
+            )
+            if text and text in seen and seen[text].split("/", 1)[0] != folder.name:
+                across.append(f"{doc_id} (as {seen[text]})")
+            elif text and text not in seen:
+                seen[text] = doc_id
+                docs.append(Document(doc_id, text, folder.name))
         if not docs:
             continue
         if len(docs) < 3:
@@ -455,6 +466,12 @@ def load_labelled(path: str | Path) -> Corpus:
         for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():
             splits[s].extend(items)
         labels.append(folder.name)
+    if across:
+        warnings.warn(
+            f"labelled corpus {str(path)!r}: {len(across)} text(s) appear under two labels, each kept under "
+            f"the first only: {', '.join(across[:3])}{' ...' if len(across) > 3 else ''}",
+            stacklevel=3,
+        )
     if len(labels) < 2:
         raise ValueError(
             f"labelled corpus {str(path)!r} has {len(labels)} label folder(s) with text files "
@@ -706,8 +723,9 @@ def load_corpus(name: str, **options: Hashable) -> Corpus:
         if not path:
             raise ValueError(f"corpus '{kind}:' needs a path after the colon ({USER_CORPUS_FORMS})")
         loader = USER_CORPORA[kind][1]
-        accepted = inspect.signature(loader).parameters
-        return _check_splits(loader(path, **{k: v for k, v in options.items() if k in accepted}))
+        accepted = inspect.signature(loader).parameters  # the tasks pass direction / terms to any corpus
+        passed = {k: v for k, v in options.items() if k in accepted or k not in ("direction", "terms")}
+        return _check_splits(loader(path, **passed))
     return _check_splits(CORPORA[_known(name)](**options))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -143,7 +144,8 @@ class Tokenizer:
         if getattr(ids, "ndim", 1) != 1:  # a tensor or array: one row only
             raise TypeError(f"{where} must be one sequence of token ids (1-D), got shape {tuple(ids.shape)}")
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        ids = [_token_id(i, f"{where}[{n}]") for n, i in enumerate(ids)]
+        if not all(type(i) is int for i in ids):  # the common case costs one pass; the rest is converted
+            ids = [_token_id(i, where, n) for n, i in enumerate(ids)]
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:  # the library drops such ids silently (or overflows on negative ones)
             raise ValueError(f"token id {bad} is outside this tokenizer's vocabulary of {self.vocab_size}")
@@ -155,7 +157,8 @@ class Tokenizer:
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
         if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
             raise TypeError(f"batch must be a sequence of token id sequences, got {type(batch).__name__}")
-        if getattr(batch, "ndim", 2) != 2:
+        ragged = str(getattr(batch, "dtype", "")) == "object"  # a NumPy array of rows of different lengths
+        if getattr(batch, "ndim", 2) != 2 and not ragged:
             raise TypeError(
                 f"batch must hold one sequence of ids per row (2-D), got shape {tuple(batch.shape)}"
             )
@@ -231,10 +234,16 @@ def _texts(texts: Iterable[str], name: str = "texts") -> list[str]:
     return texts
 
 
-def _token_id(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where} must be an int token id, got {value!r}")
-    return int(value)
+def _token_id(value: object, where: str, index: int | None = None) -> int:
+    """value as an int: anything `operator.index` takes (ints, NumPy integers, 0-d integer tensors)
+    except bools."""
+    if not isinstance(value, bool) and str(getattr(value, "dtype", "")) not in ("bool", "torch.bool"):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    name = where if index is None else f"{where}[{index}]"
+    raise TypeError(f"{name} must be an int token id, got {value!r}")
 
 
 def _flags(add_bos: object, add_eos: object) -> None:

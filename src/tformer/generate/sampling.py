@@ -144,16 +144,18 @@ def sample_next(
     _check_logits(logits)
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    # -inf is a masked token; NaN / +inf break argmax and the softmax (two ops per step when all finite)
-    broken = None if bool(torch.isfinite(logits).all()) else torch.isnan(logits) | (logits == math.inf)
-    if broken is not None and bool(broken.any()):
-        row = int(broken.any(dim=-1).nonzero()[0])
+    # -inf is a masked token; NaN / +inf break argmax and the softmax. A row's max is NaN or +inf exactly
+    # when the row holds one (max propagates NaN): one reduction and one host sync per step, and the max's
+    # index is the greedy token (the first maximal one, as argmax)
+    top, index = logits.max(dim=-1)
+    if not bool((top < math.inf).all()):
+        row = int((~(top < math.inf)).nonzero()[0])
         raise ValueError(
             f"the logits of row {row} hold NaN or +inf: the model's output overflowed (e.g. in low "
             "precision) or its weights hold NaN or inf"
         )
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return index
     filtered = apply_top_p(apply_top_k(apply_temperature(logits.float(), temperature), top_k), top_p)
     probs = filtered.softmax(dim=-1)  # (B, V)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)

@@ -38,10 +38,11 @@ def load_task_corpus(data: DataConfig, task: str, **options) -> Corpus:
         try:
             return load_corpus(data.corpus, **options)
         except (MissingDataError, OSError) as err:  # the user's path: installing the package would not help
-            reason = (
-                str(err).split(". Install it with")[0] if isinstance(err, MissingDataError) else err.strerror
-            )
-            raise FileNotFoundError(
+            if isinstance(err, MissingDataError):
+                reason, kind = str(err).split(". Install it with")[0], FileNotFoundError
+            else:
+                reason, kind = err.strerror or str(err), type(err)
+            raise kind(
                 f"data.path={data.path!r}: {reason} (data.path names a copy of the {data.corpus} package's "
                 f"files; for your own data use {own})"
             ) from None

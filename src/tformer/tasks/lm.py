@@ -57,10 +57,11 @@ class LMTask:
             self.tokenizer, train_texts, cfg.data.seq_len, f"the train split of {cfg.data.corpus!r}"
         )
         self.val_ds, self.val_chars = self.split_dataset("val")
-        try:  # not needed to train, but better said now than after it (`tformer eval` scores the test split)
-            self.split_dataset("test")
-        except ValueError as err:
-            warnings.warn(f"{err}: `tformer eval --split test` will not score this run", stacklevel=2)
+        if not resume:  # not needed to train, but better said before than after (`tformer eval` scores it)
+            try:
+                self.split_dataset("test")
+            except ValueError as err:
+                warnings.warn(f"{err}: `tformer eval --split test` will not score this run", stacklevel=2)
 
     def split_dataset(self, split: str) -> tuple[PackedLMDataset, int]:
         texts = list(self.corpus.texts(split))

@@ -364,7 +364,7 @@ def unfinished_checkpoints(run_dir: str | Path, after_step: int) -> list[Path]:
 def why_none_committed(run_dir: str | Path) -> str:
     """Why a run directory holds no committed checkpoint, for an error message: the newest `step_*`
     directory without a readable commit, where one exists, else where it looked."""
-    damaged = unfinished_checkpoints(run_dir, -1)
+    damaged = sorted(unfinished_checkpoints(run_dir, -1), key=step_of)
     if damaged:
         return f"{damaged[-1]} has no readable commit manifest (damaged, or a save that did not finish)"
     return f"looked in {Path(run_dir) / CHECKPOINTS_DIR}"

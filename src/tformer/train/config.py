@@ -159,7 +159,7 @@ class TrainConfig(Config):
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
     label_smoothing: float = 0.0
-    sample_every: int = 0  # print and log a sample every N steps (one process; 0 = only at the end)
+    sample_every: int = 0  # print and log a sample every N steps (one process; 0 = none during training)
     sample_tokens: int = 200  # new tokens of a language model's sample
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -182,7 +182,7 @@ class TrainConfig(Config):
             "must be 0 (off) or > 1",
         )
         self._require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
-        self._require(self.sample_every >= 0, "sample_every", "must be >= 0 (0 = only at the end)")
+        self._require(self.sample_every >= 0, "sample_every", "must be >= 0 (0 = none during training)")
         self._require(self.sample_tokens >= 1, "sample_tokens", "must be >= 1")
         self._require(  # what torch.manual_seed accepts
             -(2**63) <= self.seed < 2**64, "seed", "must be in [-2**63, 2**64) (torch.manual_seed's range)"
