@@ -167,6 +167,23 @@ def test_separate_vocabularies(dictionary_file: Path, tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="src_tokenizer.json is not the vocabulary step_000001 was"):
         Trainer(longer, tmp_path / "sep", make_task("translation"), resume=True, progress=False)
+    # a checkpoint of an older version, which kept no copy of the source vocabulary (its manifest updated)
+    from tformer.train.checkpoint import file_entry
+
+    step = tmp_path / "sep" / "checkpoints" / "step_000001"
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["meta"]["src_tokenizer"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    commit = json.loads((step / "COMMITTED").read_text())
+    commit["files"]["meta.json"] = file_entry(step / "meta.json")
+    (step / "COMMITTED").write_text(json.dumps(commit))
+    source.unlink()
+    with pytest.raises(
+        FileNotFoundError, match="the source tokenizer .* is missing, and this run's checkpoint keeps no copy"
+    ):
+        Trainer(longer, tmp_path / "sep", make_task("translation"), resume=True, progress=False)
+    source.write_text(kept)  # put back: the run goes on, and its translator reads the file
+    Trainer(longer, tmp_path / "sep", make_task("translation"), resume=True, progress=False).close()
 
 
 def test_dictionary_terms_join_the_training_pairs(dictionary_file: Path, tmp_path: Path) -> None:

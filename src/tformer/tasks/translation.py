@@ -153,6 +153,12 @@ class TranslationTask:
         )
         if tgt_path.exists():  # resuming: the run's own vocabularies
             tgt = Tokenizer.load(tgt_path)
+            if data.tokenizer == "separate" and not src_path.exists():  # a checkpoint older than its copy
+                raise FileNotFoundError(
+                    f"separate vocabularies: the source tokenizer {src_path} is missing, and this run's "
+                    "checkpoint keeps no copy of it (checkpoints of older versions did not): put the file "
+                    "back to resume, or start a new run"
+                )
             return (Tokenizer.load(src_path) if data.tokenizer == "separate" else tgt), tgt
         if data.tokenizer == "joint":
             tgt = train_tokenizer([t for p in train for t in (p.src, p.tgt)], data.vocab_size)
