@@ -401,3 +401,14 @@ def test_a_users_own_pairs_train_and_translate(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "for your own data use data.corpus=pairs:<file of source<TAB>target lines>" in err
     assert "Install it with" not in err  # the user's path: installing the package would not help
+
+
+def test_a_small_dictionary_copy_says_the_held_out_splits_take_most_of_it(dictionary_file: Path) -> None:
+    """A user's smaller copy had trained on what the fixed 500 + 1,000 held-out pairs left, silently."""
+    from tformer.data import corpora
+
+    corpora.load_trans_de_en.cache_clear()
+    with pytest.warns(
+        UserWarning, match=r"yields [\d,]+ clean sentence pairs, .*take 1,500 of them.*data.corpus=pairs:"
+    ):
+        load_corpus("trans-de-en", path=str(dictionary_file))

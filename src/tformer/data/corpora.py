@@ -586,6 +586,13 @@ def load_trans_de_en(
     if terms < 0:
         raise ValueError(f"terms must be >= 0, got {terms}")
     raw = parse_trans_de_en(path)
+    if len(raw) < 4 * (n_val + n_test):  # a small copy: the fixed held-out splits take most of it
+        warnings.warn(
+            f"the trans-de-en dictionary at {path} yields {len(raw):,} clean sentence pairs, and the corpus's "
+            f"fixed held-out splits take {n_val + n_test:,} of them (val {n_val}, test {n_test}); for pairs "
+            "of your own use data.corpus=pairs:<file of source<TAB>target lines>",
+            stacklevel=2,
+        )
     splits = split_by_hash(raw, lambda p: p[1], n_val, n_test)
     rule = (
         f"grouped by German sentence, ordered by sha256(German): test={n_test}, val={n_val}, train=the rest"
