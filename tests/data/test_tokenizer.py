@@ -172,3 +172,9 @@ def test_long_runs_without_spaces_train_in_pieces(monkeypatch):
     assert train(normal, 300)[0].to_json_str() == before.to_json_str()
     assert slow > 2 * fast, (slow, fast)  # ~8x here, measured side by side
     assert pieces.decode(pieces.encode(line[:5000])) == line[:5000]
+    spaces = "a" + " " * 50_000 + "b"  # whitespace is one pre-token too
+    monkeypatch.undo()
+    _, cut = train([spaces, *normal], 600)
+    monkeypatch.setattr(T, "_pieces", lambda texts: iter(texts))
+    _, uncut = train([spaces, *normal], 600)
+    assert uncut > 2 * cut, (uncut, cut)

@@ -591,7 +591,7 @@ def load_trans_de_en(
             f"the trans-de-en dictionary at {path} yields {len(raw):,} clean sentence pairs, and the corpus's "
             f"fixed held-out splits take {n_val + n_test:,} of them (val {n_val}, test {n_test}); for pairs "
             "of your own use data.corpus=pairs:<file of source<TAB>target lines>",
-            stacklevel=2,
+            stacklevel=4,  # past the cache's two wrappers: the caller
         )
     splits = split_by_hash(raw, lambda p: p[1], n_val, n_test)
     rule = (

@@ -258,7 +258,8 @@ LONG_RUN = 1024  # characters: BPE training time grows with the square of a pre-
 
 def _pieces(texts: list[str]) -> Iterator[str]:
     """What BPE trains on: the texts, with runs of LONG_RUN or more non-space characters (minified code,
-    base64, a language written without spaces) cut into pieces of LONG_RUN, each its own sequence. A
+    base64, a language written without spaces), or of whitespace, cut into pieces of LONG_RUN, each its
+    own sequence. A
     100,000-letter line had taken seconds, 300,000 a minute; merges are learned within pieces, and no
     text without such a run changes."""
     for text in texts:
@@ -268,4 +269,4 @@ def _pieces(texts: list[str]) -> Iterator[str]:
             yield from (piece for piece in _LONG.split(text) if piece)
 
 
-_LONG = re.compile(rf"(\S{{{LONG_RUN}}})")
+_LONG = re.compile(rf"(\S{{{LONG_RUN}}}|\s{{{LONG_RUN}}})")  # letters or whitespace: each one pre-token

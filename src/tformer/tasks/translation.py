@@ -277,7 +277,10 @@ def load_translator(run: LoadedRun | str | Path) -> Translator:
     elif cfg.data.tokenizer == "separate":  # a checkpoint that did not keep it: the run directory's file
         path = run_dir_of(run.checkpoint) / SRC_TOKENIZER
         if not path.exists():
-            raise FileNotFoundError(f"separate vocabularies: the source tokenizer {path} is missing")
+            raise FileNotFoundError(
+                f"separate vocabularies: the source tokenizer {path} is missing, and this run's checkpoint "
+                "keeps no copy of it (checkpoints of older versions did not): put the file back"
+            )
         src_tok = Tokenizer.load(path)
     return Translator(run.model, src_tok, run.tokenizer, cfg.data.seq_len)
 
