@@ -238,3 +238,10 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
         ValueError, match=r"does not fit in memory \(one tensor needs .* GiB\).*max_seq_len=2199"
     ):
         build_model(ModelConfig(max_seq_len=2**41, positions="learned"))
+
+
+def test_a_preset_name_that_is_not_a_string_is_named() -> None:
+    from tformer.train.presets import get_train_preset
+
+    with pytest.raises(ConfigError, match=r"unknown training preset \['x'\]; available: "):
+        get_train_preset(["x"])  # had been "unhashable type: 'list'"

@@ -117,6 +117,9 @@ def test_an_encoder_decoder_cache_keeps_to_one_source() -> None:
     model.decode(tgt[:, :2], first, cache=cache)
     with pytest.raises(ValueError, match="holds the cross-attention keys/values of another encoder memory"):
         model.decode(tgt[:, 2:], other, cache=cache)
+    for bad in ("a", -1, 1.5, True):
+        with pytest.raises(ValueError, match="truncate takes a length >= 0"):
+            cache.truncate(bad)
     cache.truncate(0)
     cached = model.decode(tgt, other, cache=cache)
     torch.testing.assert_close(cached, model.decode(tgt, other), rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@ the null object used in training and full forwards; `as_cache` checks what a cal
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Callable
 
 import torch
@@ -142,6 +143,13 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Forget slots from `length` on (e.g. to reuse a prefilled prompt); at 0 the encoder memory's
         K/V too, so the cache can decode another source."""
+        try:
+            ok = not isinstance(length, bool) and operator.index(length) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"truncate takes a length >= 0 (the slots to keep), got {length!r}")
+        length = operator.index(length)
         self.lengths = [min(n, length) for n in self.lengths]
         if length <= 0:
             self.cross_kv, self.cross_source = [None] * len(self.cross_kv), None

@@ -230,6 +230,6 @@ TRAIN_PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 def get_train_preset(name: str) -> TrainConfig:
-    if name not in TRAIN_PRESETS:
+    if not isinstance(name, str) or name not in TRAIN_PRESETS:
         raise ConfigError(f"unknown training preset {name!r}; available: {', '.join(TRAIN_PRESETS)}")
     return TRAIN_PRESETS[name]()
