@@ -281,8 +281,8 @@ def test_a_run_on_a_text_folder_notices_that_its_splits_changed(
     assert main([*argv, "steps=6"]) == 2
     err = capsys.readouterr().err
     assert "split(s) of" in err and "differ from those this run recorded" in err, err
-    assert main(["eval", "--run", str(run), "--split", "train", "--max-batches", "1", "--json"]) == 0
-    assert "warning: the train split differs from the one this run recorded" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="the train split differs from the one this run recorded"):
+        assert main(["eval", "--run", str(run), "--split", "train", "--max-batches", "1", "--json"]) == 0
 
 
 def test_run_paths_and_a_damaged_newest_checkpoint(trained_run: Path, capsys, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,8 +206,17 @@ def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys)
     capsys.readouterr()
     assert main(["classify", "--run", str(out), "--text", "good happy day"]) == 0
     assert capsys.readouterr().out.split("\t")[0] in ("cheerful", "gloomy")
-    assert main(["eval", "--run", str(out), "--json"]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["eval", "--run", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["labels"] == ["cheerful", "gloomy"]
+    assert not [w for w in seen if "differs" in str(w.message)]  # the split it trained with
+    for i in range(15, 30):  # more texts since the run trained: the splits move
+        (tmp_path / "mine" / "cheerful" / f"{i}.txt").write_text(
+            f"good day number {i} " * 5, encoding="utf-8"
+        )
+    with pytest.warns(UserWarning, match="the test split differs from the one this run recorded"):
+        assert main(["eval", "--run", str(out), "--json"]) == 0  # scored, but said (translation and LM alike)
     assert main(["train", "--preset", "tiny-classification", "--set", f"data.path={tmp_path / 'mine'}",
                  "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     assert "for your own data use data.corpus=labels:" in capsys.readouterr().err

@@ -384,6 +384,10 @@ def test_a_users_own_pairs_train_and_translate(tmp_path: Path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["sentences"] == len(
         load_corpus(f"pairs:{tmp_path / 'mine.tsv'}")["test"]
     )
+    with open(tmp_path / "mine.tsv", "a", encoding="utf-8") as f:  # more pairs since: the splits move
+        f.write("".join(f"hund {i} mann\tdog {i} man\n" for i in range(100)))
+    with pytest.warns(UserWarning, match="the test split differs from the one this run recorded"):
+        assert main(["eval", "--run", str(out), "--max-batches", "1", "--json"]) == 0
     assert (
         main(
             [

@@ -39,13 +39,11 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}")
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.tasks.corpus import load_task_corpus, split_changes
+        from tformer.tasks.corpus import load_task_corpus, warn_if_split_changed
         from tformer.tasks.translation import run_dir_of
 
         corpus = load_task_corpus(cfg.data, "lm")
-        if args.split in split_changes(run_dir_of(run_.checkpoint), corpus):
-            warn("eval", f"the {args.split} split differs from the one this run recorded (data.json): "
-                 "documents were added, removed, renamed or edited since it trained")  # fmt: skip
+        warn_if_split_changed(run_dir_of(run_.checkpoint), corpus, args.split)
         texts = list(corpus.texts(args.split))
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)

@@ -38,6 +38,7 @@ from tformer.tasks.corpus import (
     check_data_unchanged,
     load_task_corpus,
     train_tokenizer,
+    warn_if_split_changed,
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum
@@ -257,6 +258,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     classifier = load_classifier(run)
     cfg = run.train_config
     corpus = load_task_corpus(cfg.data, "classification")
+    warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
     index = {label: i for i, label in enumerate(classifier.labels)}
     docs = corpus[split]
     ids, cut = classifier.encode([d.text for d in docs])

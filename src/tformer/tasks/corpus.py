@@ -83,6 +83,18 @@ def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
     (Path(run_dir) / MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
 
 
+def warn_if_split_changed(run_dir: Path, corpus: Corpus, split: str) -> None:
+    """A warning when the split an evaluation scores is not the one the run recorded (its score then
+    does not compare with the run's, and documents may have moved in from its training split)."""
+    if split in split_changes(run_dir, corpus):
+        warnings.warn(
+            f"the {split} split differs from the one this run recorded (data.json): documents, pairs or "
+            "articles were added, removed, renamed or edited since it trained",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
     """The splits whose documents differ from those the run recorded in data.json (files added, removed,
     renamed or edited in a text folder, pairs or articles of a data package changed); [] when they match

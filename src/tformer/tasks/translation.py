@@ -27,7 +27,13 @@ from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import check_data_unchanged, load_task_corpus, train_tokenizer, write_manifest
+from tformer.tasks.corpus import (
+    check_data_unchanged,
+    load_task_corpus,
+    train_tokenizer,
+    warn_if_split_changed,
+    write_manifest,
+)
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
 from tformer.train.config import DataConfig, TrainConfig
@@ -296,7 +302,9 @@ def evaluate_run(
     run = require_task(run, "translation", "translation")
     cfg = run.train_config
     translator = load_translator(run)
-    pairs = list(load_translation_corpus(cfg.data)[split])
+    corpus = load_translation_corpus(cfg.data)
+    warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
+    pairs = list(corpus[split])
     if max_batches is not None:
         pairs = pairs[: max_batches * search_cfg.batch_size]
     sources, cut = translator.encode([p.src for p in pairs])
