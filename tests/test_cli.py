@@ -521,3 +521,22 @@ def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
         pytest.fail("the Ctrl-C escaped main() as a traceback")
     assert status == 130
     assert capsys.readouterr().err == "tformer eval: interrupted\n"
+
+
+def test_a_rank_whose_peer_failed_says_one_line(monkeypatch, capsys) -> None:
+    """Under torchrun, a rank waiting in a collective when another rank raised had printed gloo's
+    traceback below the real error."""
+    import tformer.cli.evaluate as evaluate
+
+    def peer_gone(args):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38577")
+
+    monkeypatch.setattr(evaluate, "run", peer_gone)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["eval", "--run", "x"]) == 1
+    assert (
+        capsys.readouterr().err == "tformer eval: rank 1 stopped: another rank failed (its error is above)\n"
+    )
+    monkeypatch.setenv("RANK", "0")  # rank 0, or another error: not hidden
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        main(["eval", "--run", "x"])

@@ -673,3 +673,20 @@ def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
             trainer.task.split_dataset(short[0])
         finally:
             trainer.close()
+
+
+def test_a_relative_data_path_is_recorded_absolute(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A run trained on `text:notes/` had recorded the path as typed: a resume or `tformer eval` started
+    in another directory looked for the data there."""
+    from tformer.runs import load_run
+
+    monkeypatch.chdir(corpus_dir.parent)
+    cfg = small_config(Path(corpus_dir.name), steps=2, save_every=2)
+    assert cfg.data.corpus == f"text:{corpus_dir.name}"
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["data"]["corpus"]
+    assert saved == f"text:{corpus_dir}"
+    monkeypatch.chdir(tmp_path)  # elsewhere: the run's own config finds the data
+    assert load_run(tmp_path / "r").train_config.data.corpus == saved
+    longer = TrainConfig.load(tmp_path / "r" / "config.json").replace(steps=3)
+    assert Trainer(longer, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()["step"] == 3

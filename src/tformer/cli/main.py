@@ -214,6 +214,15 @@ def _silence_stdout() -> None:
         pass
 
 
+# what a collective raises on a rank whose peer exited (gloo, nccl): that rank's own error is the one to read
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -249,6 +258,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = f" (rank {rank})" if rank else ""
             print(f"tformer {args.command}: error{where}: {err}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as err:
+        if rank and any(peer in str(err) for peer in PEER_GONE):  # under torchrun: another rank failed first
+            print(
+                f"tformer {args.command}: rank {rank} stopped: another rank failed (its error is above)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        raise
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         if not rank:
             print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)

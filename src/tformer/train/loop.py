@@ -77,6 +77,21 @@ RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "
              "spike_factor", "sample_every", "sample_tokens", "device", "compile", "parallel"}  # fmt: skip
 
 
+def absolute_data_paths(cfg: TrainConfig) -> TrainConfig:
+    """cfg with a relative user-corpus path (`text:`, `pairs:`, `labels:`) and data.path made absolute
+    against the working directory: a resume, `tformer eval` or another rank started elsewhere finds
+    the same files."""
+    from tformer.data.corpora import user_corpus
+
+    data, changes = cfg.data, {}
+    user = user_corpus(data.corpus)
+    if user is not None and user[1] and not os.path.isabs(os.path.expanduser(user[1])):
+        changes["corpus"] = f"{user[0]}:{os.path.abspath(os.path.expanduser(user[1]))}"
+    if data.path is not None and not os.path.isabs(os.path.expanduser(data.path)):
+        changes["path"] = os.path.abspath(os.path.expanduser(data.path))
+    return cfg.replace(data=data.replace(**changes)) if changes else cfg
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -201,6 +216,7 @@ class Trainer:
                 f"task must be a task name or tformer.tasks.make_task(name), got {type(task).__name__}"
             )
         self.env = init_distributed(cfg.parallel, cfg.device)
+        cfg = absolute_data_paths(cfg)  # the run's config names its data from any working directory
         self.cfg, self.task = cfg, task
         self._lock, self._holds, self._handed_over, self._failed = None, False, False, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
