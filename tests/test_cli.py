@@ -45,42 +45,28 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
     assert capsys.readouterr().out.startswith("to be")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n\nthe question\n")
-    assert (
-        main(
-            [
-                "generate",
-                "--run",
-                str(trained_run),
-                "--prompts-file",
-                str(prompts),
-                "--greedy",
-                "--max-new-tokens",
-                "4",
-            ]
-        )
-        == 0
-    )
+
+    def from_prompts(path: str) -> int:
+        argv = [
+            "generate",
+            "--run",
+            str(trained_run),
+            "--prompts-file",
+            path,
+            "--greedy",
+            "--max-new-tokens",
+            "4",
+        ]
+        return main(argv)
+
+    assert from_prompts(str(prompts)) == 0
     out, err = capsys.readouterr()
     blocks = out.split("--- prompt ")[1:]  # each output under its prompt's number
     assert len(blocks) == 2 and blocks[0].startswith("1 of 2 ---\nto be")
     assert blocks[1].startswith("2 of 2 ---\nthe question")
     assert "prompts.txt: line 2 is empty: skipped" in err
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(prompts.read_bytes())))  # - is stdin
-    assert (
-        main(
-            [
-                "generate",
-                "--run",
-                str(trained_run),
-                "--prompts-file",
-                "-",
-                "--greedy",
-                "--max-new-tokens",
-                "4",
-            ]
-        )
-        == 0
-    )
+    assert from_prompts("-") == 0
     piped, err = capsys.readouterr()
     assert piped == out and "stdin: line 2 is empty: skipped" in err
     assert main(["eval", "--run", str(trained_run), "--split", "val", "--json"]) == 0

@@ -45,9 +45,10 @@ def hf_llama_state_for_tformer(hf: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-def tiny_llama_pair(**hf_options) -> tuple[nn.Module, nn.Module]:
+def tiny_llama_pair(n_kv_heads: int = 2, context: int = 64, **hf_options) -> tuple[nn.Module, nn.Module]:
     """(tformer DecoderLM, Hugging Face LlamaForCausalLM) of one tiny random config (vocabulary 96, d_model
-    64, 2 layers, 4 heads over 2 K/V heads, FFN 112, context 64), HF's weights copied into tformer's."""
+    64, 2 layers, 4 heads over `n_kv_heads` K/V heads, FFN 112, `context` positions), HF's weights copied
+    into tformer's."""
     import transformers
 
     from tformer.presets import llama_like
@@ -58,14 +59,16 @@ def tiny_llama_pair(**hf_options) -> tuple[nn.Module, nn.Module]:
         intermediate_size=112,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=context,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         **hf_options,
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    cfg = llama_like(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=112, max_seq_len=64)
+    cfg = llama_like(
+        vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, d_ff=112, max_seq_len=context
+    )
     ours = build_model(cfg).eval()
     missing, unexpected = ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
     assert not missing and not unexpected

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tformer.model.linear as linear_module
-from tformer import RopeConfig, build_model
+from tformer import RopeConfig
 from tformer.model.attention import (
     ATTENTION_KERNELS,
     SDPA_HAS_GQA,
@@ -25,9 +24,9 @@ from tformer.model.attention import (
 from tformer.model.linear import FUSE_MIN_ROWS, stacked_linear
 from tformer.model.masks import Mask, causal_mask, padding_mask
 from tformer.model.positions import JOINT_MAX_T, HalfRotaryEmbedding, RotaryEmbedding, make_rotary
-from tformer.presets import llama_like, tiny
+from tformer.presets import tiny
 
-from .helpers import hf_llama_state_for_tformer, make, rand_tokens
+from .helpers import make, rand_tokens, tiny_llama_pair
 
 ROPES = {
     "plain": RopeConfig(),
@@ -234,31 +233,10 @@ def test_sdpa_without_mask_equals_explicit_all_true_mask() -> None:
 
 
 # ----------------------------------------------------------------------------- whole models
-def _hf_llama_and_ours(n_kv_heads: int):
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_heads,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    ours = build_model(llama_like(96, 64, 2, 4, n_kv_heads, 112, 512)).eval()
-    ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
-    return hf, ours
-
-
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 @torch.no_grad()
 def test_llama_parity_where_the_stacked_gemms_are_on(n_kv_heads: int) -> None:
-    hf, ours = _hf_llama_and_ours(n_kv_heads)
+    ours, hf = tiny_llama_pair(n_kv_heads, 512, rope_theta=10000.0, attention_bias=False, mlp_bias=False)
     tokens = torch.randint(0, 96, (4, FUSE_MIN_ROWS // 4))  # B * T = FUSE_MIN_ROWS: stacked GEMMs
     torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
 

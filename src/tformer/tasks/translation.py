@@ -159,13 +159,12 @@ class TranslationTask:
         )
         if tgt_path.exists():  # resuming: the run's own vocabularies
             tgt = Tokenizer.load(tgt_path)
-            if data.tokenizer == "separate" and not src_path.exists():  # a checkpoint older than its copy
-                raise FileNotFoundError(
-                    f"separate vocabularies: the source tokenizer {src_path} is missing, and this run's "
-                    "checkpoint keeps no copy of it (checkpoints of older versions did not): put the file "
-                    "back to resume, or start a new run"
-                )
-            return (Tokenizer.load(src_path) if data.tokenizer == "separate" else tgt), tgt
+            src = (
+                _source_tokenizer(src_path, " to resume, or start a new run")
+                if data.tokenizer == "separate"
+                else tgt
+            )
+            return src, tgt
         if data.tokenizer == "joint":
             tgt = train_tokenizer([t for p in train for t in (p.src, p.tgt)], data.vocab_size)
             src = tgt
@@ -273,6 +272,17 @@ def evaluate_loss(
 # ----------------------------------------------------------------------------- trained runs
 
 
+def _source_tokenizer(path: Path, what_then: str = "") -> Tokenizer:
+    """A separate-vocabulary run's src_tokenizer.json, for a checkpoint that keeps no copy of it (those of
+    older versions): an error saying so where the file is missing."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"separate vocabularies: the source tokenizer {path} is missing, and this run's checkpoint keeps "
+            f"no copy of it (checkpoints of older versions did not): put the file back{what_then}"
+        )
+    return Tokenizer.load(path)
+
+
 def load_translator(run: LoadedRun | str | Path) -> Translator:
     """The Translator of a run (loaded with `tformer.runs.load_run`, or its path)."""
     run = require_task(run, "translation", "translation")
@@ -281,13 +291,7 @@ def load_translator(run: LoadedRun | str | Path) -> Translator:
     if cfg.data.tokenizer == "separate" and run.src_tokenizer is not None:
         src_tok = run.src_tokenizer  # the checkpoint's own
     elif cfg.data.tokenizer == "separate":  # a checkpoint that did not keep it: the run directory's file
-        path = run_dir_of(run.checkpoint) / SRC_TOKENIZER
-        if not path.exists():
-            raise FileNotFoundError(
-                f"separate vocabularies: the source tokenizer {path} is missing, and this run's checkpoint "
-                "keeps no copy of it (checkpoints of older versions did not): put the file back"
-            )
-        src_tok = Tokenizer.load(path)
+        src_tok = _source_tokenizer(run_dir_of(run.checkpoint) / SRC_TOKENIZER)
     return Translator(run.model, src_tok, run.tokenizer, cfg.data.seq_len)
 
 
