@@ -7,6 +7,12 @@ with no EOS on either side (HF: eos_token_id None, min_new_tokens = max_new_toke
 exactly the same number of tokens; a call includes the prefill and its own KV cache. The generated
 ids of both sides are compared and the result printed. Rounds are interleaved (see harness.py).
 
+Both sides also decode compiled (leave out with --no-compile): tformer's `generate(compile=True)` (each
+step after the prompt as `tformer.model.compiled_step`'s program under torch.compile) and HF's own
+compiled decoding (a static cache and its forward under torch.compile), so the eager rows compare the
+libraries as they run by default and the compiled rows compare compiled with compiled. The first call of
+each is untimed; the time it took beyond a timed call (the compile) is printed.
+
 For scale the script also measures this machine's memory read bandwidth in the same run: at batch 1
 every decoded token reads all matmul weights once, which bounds ms/token from below.
 
@@ -26,7 +32,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
+import transformers  # noqa: E402
+from harness import (  # noqa: E402
+    LoadMeter,
+    paired_median,
+    print_table,
+    round_robin,
+    setup,
+    summarize,
+    write_json,
+)
 from peers import hf_llama, hf_llama_state_for_tformer, tformer_llama  # noqa: E402
 
 from tformer.generate.engine import generate  # noqa: E402
@@ -66,8 +81,36 @@ def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int
     return out[:, prompts.shape[1] :].tolist()
 
 
-def ours_generate(model: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
-    return generate(model, prompts.tolist(), SamplingConfig(temperature=0.0, max_new_tokens=new))
+def hf_generate_compiled(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
+    """HF's own compiled decoding: a static cache and its forward under torch.compile (HF compiles
+    automatically on GPUs only; `_compile_all_devices` asks for it on the CPU)."""
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True
+    out = hf.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        cache_implementation="static",
+        compile_config=compile_config,
+    )
+    return out[:, prompts.shape[1] :].tolist()
+
+
+def ours_generate(
+    model: nn.Module, prompts: torch.Tensor, new: int, compile: bool = False
+) -> list[list[int]]:
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=new)
+    return generate(model, prompts.tolist(), cfg, compile=compile)
+
+
+def timed(fn) -> tuple[object, float]:
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
@@ -101,6 +144,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="leave out both sides' compiled decoding (each compiles for ~20-60 s before its first call)",
+    )
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args()
     setup(args.threads)
@@ -114,15 +163,17 @@ def main() -> None:
     for batch in args.batch:
         torch.manual_seed(batch)
         prompts = torch.randint(1, s["vocab"], (batch, s["prompt"]))
-        outputs = {
-            "HF generate": hf_generate(hf, prompts, s["new"]),  # warm-up, and the ids to compare
-            "tformer generate": ours_generate(ours, prompts, s["new"]),
-        }
-        same = outputs["HF generate"] == outputs["tformer generate"]
         variants = {
             "HF generate": lambda p=prompts: hf_generate(hf, p, s["new"]),
             "tformer generate": lambda p=prompts: ours_generate(ours, p, s["new"]),
         }
+        if args.compile:
+            variants["HF generate, compiled"] = lambda p=prompts: hf_generate_compiled(hf, p, s["new"])
+            variants["tformer generate, compiled"] = lambda p=prompts: ours_generate(ours, p, s["new"], True)
+        # the first calls: a warm-up, the ids to compare, and (compiled) the time it takes to compile
+        first = {name: timed(fn) for name, fn in variants.items()}
+        outputs = {name: out for name, (out, _) in first.items()}
+        same = {name: out == outputs["HF generate"] for name, out in outputs.items() if name != "HF generate"}
         with LoadMeter() as load:
             bandwidth = read_bandwidth_gbs()
             times = round_robin(variants, rounds, warmup=0)
@@ -144,9 +195,26 @@ def main() -> None:
         )
         text = print_table(title, table, COLUMNS)
         floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+        compile_s = {
+            name: first[name][1] - rows[name].best_s for name in variants if name.endswith("compiled")
+        }
         lines = [
-            f"generated token ids identical on both sides: {same} (first difference: "
-            f"{first_difference(outputs['tformer generate'], outputs['HF generate'])})",
+            f"generated token ids identical to HF generate's: {name} {ok}"
+            + (
+                ""
+                if ok
+                else f" (first difference: {first_difference(outputs[name], outputs['HF generate'])})"
+            )
+            for name, ok in same.items()
+        ]
+        if args.compile:
+            pair = ("HF generate, compiled", "tformer generate, compiled")
+            lines.append(
+                f"compiled vs compiled: tformer {rows[pair[0]].best_s / rows[pair[1]].best_s:.2f}x HF (best), "
+                f"{paired_median(times, *pair):.2f}x (paired median); first call minus a later one (the "
+                "compile): " + ", ".join(f"{name} {t:.1f} s" for name, t in compile_s.items())
+            )
+        lines += [
             f"memory read bandwidth {bandwidth:.1f} GB/s: reading the {weight_bytes / 1e6:.0f} MB of matmul weights "
             f"takes {floor_ms:.1f} ms per decoding step",
             load.line(),
@@ -157,7 +225,10 @@ def main() -> None:
             "batch": batch,
             "rows": {n: r.as_dict() for n, r in rows.items()},
             "ids_identical": same,
-            "first_difference": first_difference(outputs["tformer generate"], outputs["HF generate"]),
+            "first_difference": {
+                name: first_difference(outputs[name], outputs["HF generate"]) for name in same
+            },
+            "compile_s": {name: round(t, 1) for name, t in compile_s.items()},
             "read_bandwidth_gbs": round(bandwidth, 2),
             "weights_mb": round(weight_bytes / 1e6, 1),
             "weight_read_ms_per_step": round(floor_ms, 2),

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         pad_id=tok.pad_id,
         decode=tok.decode,
         on_step=on_step if stream else None,
+        compile=args.compile,
     )
     if stream:
         streamed.finish()

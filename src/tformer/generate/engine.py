@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
+from tformer.model.compiled_step import CompiledDecodeStep
 from tformer.model.decode_step import DecodeStep
 from tformer.model.linear import decoding_layout
 from tformer.model.norms import rms_norms_as_layer_norm
@@ -134,6 +135,7 @@ def generate(
     decode: Callable[[list[int]], str] | None = None,
     on_step: Callable[[Tensor], None] | None = None,
     fast_decode: bool = True,
+    compile: bool = False,
 ) -> list[list[int]]:
     """New tokens for each prompt (the prompt excluded), stopping at EOS, a stop string or the budget.
 
@@ -149,6 +151,10 @@ def generate(
         (no module calls, checks or mask objects per step: 1.27x at batch 1 on the benchmark model)
         where the model is one it knows, else as `model(...)`.
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
+    compile: run each step after the prompt as `tformer.model.compiled_step.CompiledDecodeStep` under
+        `torch.compile`: the first call for a model shape and batch size compiles (~20 s on 2 CPU
+        cores), later ones (any prompt length) reuse it. Models it does not take (MoE FFNs, other norms) decode as with
+        compile=False, with a warning saying why.
     """
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if arch != "decoder":
@@ -162,6 +168,8 @@ def generate(
         )
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if compile and not fast_decode:
+        raise ValueError("compile=True is a fast path; fast_decode=False asks for the slow twin: choose one")
     prompts = as_token_lists(prompts, model.cfg.vocab_size)
     check_prompts(prompts, sampling.max_new_tokens, model.cfg.max_seq_len)
     vocab = model.cfg.vocab_size
@@ -176,13 +184,18 @@ def generate(
     was_training = model.training
     with contextlib.ExitStack() as layout:
         layout.callback(model.train, was_training)  # also when a step raises
-        if fast_decode:
+        step = None
+        if compile:  # read the model before the contexts below patch its forwards
+            step = CompiledDecodeStep.build(model, len(prompts))
+        if fast_decode and step is None:
             layout.enter_context(decoding_layout(model))
             layout.enter_context(rms_norms_as_layer_norm(model))
-        return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode)
+        return _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode, step)
 
 
-def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode) -> list[list[int]]:
+def _generate(
+    model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode, step_fn
+) -> list[list[int]]:
     device = next(model.parameters()).device
     model.eval()  # `generate` puts the mode back, also when a step raises
     tokens, real = _left_pad(prompts, pad_id, device)
@@ -197,7 +210,8 @@ def _generate(model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_de
             "the model's next-token logits after the prompt are NaN or infinite: its weights or activations "
             "hold NaN or inf (e.g. damaged weights, or an overflow in low precision)"
         )
-    step_fn = DecodeStep.build(model, b) if fast_decode else None  # after the prefill: it fills the cache
+    if step_fn is None and fast_decode:  # after the prefill, inside the decoding contexts
+        step_fn = DecodeStep.build(model, b)
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     history = tokens.masked_fill(~real, -1) if sampling.repetition_penalty != 1.0 else None
     next_pos = real.sum(-1, keepdim=True)  # (B, 1)

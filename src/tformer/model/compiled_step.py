@@ -1,0 +1,324 @@
+"""A decoding step of a `DecoderLM` over a static KV cache, for `torch.compile`: the opt-in
+`generate(..., compile=True)` path.
+
+Shapes: tokens (B,); positions (B,) int64; slot () int64 (the cache slot of the new tokens); allowed
+(B, C) bool over every cache slot (the prompt's padding False) or None; caches k/v (B, Hkv, C, E); logits
+(B, V). Hidden states stay (B, D).
+
+Why: `DecodeStep` (model/decode_step.py) runs a step's ~270 small ops one by one; each costs a few
+microseconds of dispatch, ~1.7 ms of a 5 ms step of the benchmark model, whose weights take ~2.5-3.5 ms
+to read. Compiled, the small ops fuse into a few C++ kernels between the products. `torch.compile`
+specialises on Python values, so a step whose cache slot is a Python int compiles once per position
+(measured: 175 s, then eager). Here nothing a step changes is a Python value: the slot and positions
+are tensors, the cache has a fixed capacity (`static_capacity`: rounded up to CAPACITY_STEP so calls
+with other prompt lengths share a graph) and attention reads every slot under a mask of the filled
+ones. The weights are arguments, not constants: one compiled graph serves every model of the same
+shapes and sees weight updates, and nothing is copied per call but the stacked q/k/v and gate/up
+products (as the flat step does).
+
+`static_step` is the same program uncompiled: tests/generate/test_compiled_step.py holds it to the
+model's forward (1e-5) and the compiled one to it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.model.blocks import PreNormBlock
+from tformer.model.cache import KVCache
+from tformer.model.decode_step import DecodeStep, unsupported
+from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
+from tformer.model.positions import HalfRotaryEmbedding, LearnedPositions, NoPositions, SinusoidalPositions
+from tformer.model.transformer import DecoderLM
+
+FFN_KINDS = {SwiGLU: "swiglu", ReluFFN: "relu", GeluFFN: "gelu"}
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm as its function's constants: kind "layer", "rms" or "none", and eps."""
+
+    kind: str
+    eps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a step computes beyond its tensors: the Python constants `torch.compile` specialises on."""
+
+    pre: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: str  # swiglu | relu | gelu
+    d_ff: int
+    attn_norm: Norm
+    ffn_norm: Norm
+    final_norm: Norm
+    embed_scale: float
+    rope: bool
+
+
+def _norm_spec(norm: nn.Module) -> tuple[Norm, dict[str, Tensor | None]] | None:
+    if type(norm) is nn.Identity:
+        return Norm("none"), {}
+    if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1:
+        return Norm("layer", norm.eps), {"weight": norm.weight, "bias": norm.bias}
+    if type(norm) is nn.RMSNorm and len(norm.normalized_shape) == 1:
+        eps = torch.finfo(norm.weight.dtype).eps if norm.eps is None else norm.eps
+        return Norm("rms", eps), {"weight": norm.weight}
+    return None
+
+
+def _apply_norm(spec: Norm, w: dict[str, Tensor | None], x: Tensor) -> Tensor:
+    if spec.kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], w["weight"], w["bias"], spec.eps)
+    if spec.kind == "rms":
+        return F.rms_norm(x, x.shape[-1:], w["weight"], spec.eps)
+    return x
+
+
+def why_not_static(model: nn.Module) -> str | None:
+    """Why `CompiledDecodeStep.build` gives no step for `model` (None: it gives one). It takes what the
+    flat step takes (`decode_step.unsupported`) with dense FFNs (an MoE FFN routes each token to its own
+    experts: shapes that change per step) and one norm kind per slot."""
+    if type(model) is not DecoderLM:
+        return f"{type(model).__name__} is not a DecoderLM"
+    reason = unsupported(model)
+    if reason is not None:
+        return reason
+    for i, block in enumerate(model.blocks):
+        if type(block.ffn) not in FFN_KINDS:
+            return f"block {i} has a {type(block.ffn).__name__} FFN (compiled decoding takes dense FFNs)"
+    for slot in ("attn_norm", "ffn_norm"):
+        specs = [_norm_spec(getattr(block, slot)) for block in model.blocks]
+        if None in specs or len({spec[0] for spec in specs}) != 1:
+            return f"the blocks' {slot} are not all one LayerNorm, RMSNorm or identity"
+    if _norm_spec(model.final_norm) is None:
+        return f"final norm {type(model.final_norm).__name__}"
+    if type(model.input_positions) not in (NoPositions, SinusoidalPositions, LearnedPositions):
+        return f"input positions {type(model.input_positions).__name__}"
+    return None
+
+
+def _tables(model: DecoderLM) -> dict[str, Tensor | None]:
+    positions, rotary = model.input_positions, model.rotary
+    pos_table = None
+    if type(positions) is SinusoidalPositions:
+        pos_table = positions.table
+    elif type(positions) is LearnedPositions:
+        pos_table = positions.pos_embed.weight
+    cos_sin = rotary.cos_sin if type(rotary) is HalfRotaryEmbedding else None  # (2, P, E)
+    return {
+        "embed": model.tok_embed.weight,
+        "pos_table": pos_table,
+        "cos": None if cos_sin is None else cos_sin[0],
+        "sin": None if cos_sin is None else cos_sin[1],
+        "final_norm": _norm_spec(model.final_norm)[1],
+        "head": model.lm_head.weight,
+        "head_bias": model.lm_head.bias,
+    }
+
+
+def _stack(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """One weight (and bias) for products that read the same input, as the model's `stacked_linear`."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    return weight, bias
+
+
+def _layer(block: nn.Module) -> dict[str, object]:
+    attn, ffn = block.attn, block.ffn
+    qkv, qkv_b = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+    up, up_b = _stack(ffn.gate_proj, ffn.up_proj) if type(ffn) is SwiGLU else _stack(ffn.up_proj)
+    return {
+        "attn_norm": _norm_spec(block.attn_norm)[1],
+        "ffn_norm": _norm_spec(block.ffn_norm)[1],
+        "qkv": qkv,
+        "qkv_bias": qkv_b,
+        "o": attn.o_proj.weight,
+        "o_bias": attn.o_proj.bias,
+        "up": up,
+        "up_bias": up_b,
+        "down": ffn.down_proj.weight,
+        "down_bias": ffn.down_proj.bias,
+    }
+
+
+def _attention(p: Program, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(E)) v of one query per row over every cache slot, masked slots excluded,
+    written as products and sums (which the compiler fuses into one kernel each); scores and weights
+    in fp32. q (B, H, E), k/v (B, Hkv, C, E), mask (B|1, C) -> (B, H * E)."""
+    b, c = q.shape[0], k.shape[2]
+    q = q.view(b, p.kv_heads, p.heads // p.kv_heads, 1, p.head_dim)  # query heads grouped by K/V head
+    scores = (q * k[:, :, None]).sum(-1, dtype=torch.float32) * p.head_dim**-0.5  # (B, Hkv, G, C)
+    scores = scores.masked_fill(~mask.view(-1, 1, 1, c), float("-inf"))
+    weights = scores.softmax(-1)
+    y = (weights[..., None] * v[:, :, None]).sum(-2)  # (B, Hkv, G, E), fp32
+    return y.to(q.dtype).reshape(b, p.heads * p.head_dim)
+
+
+def _self_attention(
+    p: Program, w: dict, x: Tensor, *, rotation: tuple[Tensor, Tensor] | None, k_buf: Tensor,
+    v_buf: Tensor, mask: Tensor,
+) -> Tensor:  # fmt: skip
+    """q/k/v as one product, q and k rotated together, k and v written into the cache slot, attention
+    over the cache, the output product. x (B, D) -> (B, D)."""
+    b, h, hkv, e = x.shape[0], p.heads, p.kv_heads, p.head_dim
+    qkv = F.linear(x, w["qkv"], w["qkv_bias"]).view(b, h + 2 * hkv, e)  # q, k, v heads
+    qk = qkv[:, : h + hkv]
+    if rotation is not None:  # half layout: x * [cos, cos] + [x2, x1] * [-sin, sin]
+        qk = qk * rotation[0] + qk.roll(e // 2, -1) * rotation[1]
+    n = mask.shape[1]  # slots filled after this step's: the new token is at n - 1
+    k_buf[:, :, n - 1 : n] = qk[:, h:, None]  # a slice, not an index: n stays symbolic when compiled
+    v_buf[:, :, n - 1 : n] = qkv[:, h + hkv :, None]
+    return F.linear(_attention(p, qk[:, :h], k_buf[:, :, :n], v_buf[:, :, :n], mask), w["o"], w["o_bias"])
+
+
+def _ffn(p: Program, w: dict, x: Tensor) -> Tensor:
+    """down(act(up(x))), or down(silu(gate(x)) * up(x)) with gate and up as one product."""
+    up = F.linear(x, w["up"], w["up_bias"])
+    if p.ffn == "swiglu":
+        gate, up = up.split(p.d_ff, dim=-1)
+        hidden = F.silu(gate) * up
+    else:
+        hidden = F.relu(up) if p.ffn == "relu" else F.gelu(up)
+    return F.linear(hidden, w["down"], w["down_bias"])
+
+
+def static_step(
+    p: Program,
+    tables: dict,
+    layers: tuple[dict, ...],
+    tokens: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+    ks: list[Tensor],
+    vs: list[Tensor],
+) -> Tensor:
+    """Logits (B, V) of one new token per row; writes its keys/values into slot `slot` of ks/vs."""
+    x = F.embedding(tokens, tables["embed"])  # (B, D)
+    if p.embed_scale != 1.0:
+        x = x * p.embed_scale
+    if tables["pos_table"] is not None:
+        x = x + tables["pos_table"][positions].to(x.dtype)
+    rotation = None
+    if p.rope:  # (B, 1, E) each: the tables' rows at each row's position
+        rotation = tuple(tables[name][positions][:, None].to(x.dtype) for name in ("cos", "sin"))
+    for w, k_buf, v_buf in zip(layers, ks, vs):
+        attn = partial(_self_attention, p, w, rotation=rotation, k_buf=k_buf, v_buf=v_buf, mask=mask)
+        ffn = partial(_ffn, p, w)
+        attn_norm = partial(_apply_norm, p.attn_norm, w["attn_norm"])
+        ffn_norm = partial(_apply_norm, p.ffn_norm, w["ffn_norm"])
+        if p.pre:  # x = x + Attn(norm(x)); x = x + FFN(norm(x))
+            x = x + attn(attn_norm(x))
+            x = x + ffn(ffn_norm(x))
+        else:  # x = norm(x + Attn(x)); x = norm(x + FFN(x))
+            x = attn_norm(x + attn(x))
+            x = ffn_norm(x + ffn(x))
+    x = _apply_norm(p.final_norm, tables["final_norm"], x)
+    return F.linear(x, tables["head"], tables["head_bias"])
+
+
+_COMPILED: list[Callable] = []
+
+
+def compiled_static_step() -> Callable:
+    """`static_step` under `torch.compile`, one per process: its graphs serve every build."""
+    if not _COMPILED:
+        # cpp_wrapper: the graph's ~75 kernel and product calls are made from C++, not Python (1.08x per
+        # step, median of 6 interleaved A/B rounds on the benchmark model; compiling takes ~20 s, not ~15)
+        options = {"cpp_wrapper": True}
+        _COMPILED.append(torch.compile(static_step, fullgraph=True, options=options))
+    return _COMPILED[0]
+
+
+class CompiledDecodeStep:
+    """`step(tokens, positions, key_padding, cache)` -> logits (B, V), as `DecodeStep`, over a cache
+    whose capacity `static_capacity` chose. compiled=False runs the same program eagerly (the twin the
+    tests compare the compiled one with)."""
+
+    def __init__(self, model: DecoderLM, rows: int, compiled: bool) -> None:
+        block = model.blocks[0]
+        self.rows, self.max_seq_len = rows, model.cfg.max_seq_len
+        self.program = Program(
+            pre=type(block) is PreNormBlock,
+            heads=block.attn.n_heads,
+            kv_heads=block.attn.n_kv_heads,
+            head_dim=block.attn.head_dim,
+            ffn=FFN_KINDS[type(block.ffn)],
+            d_ff=block.ffn.down_proj.in_features,
+            attn_norm=_norm_spec(block.attn_norm)[0],
+            ffn_norm=_norm_spec(block.ffn_norm)[0],
+            final_norm=_norm_spec(model.final_norm)[0],
+            embed_scale=float(model.embed_scale),
+            rope=type(model.rotary) is HalfRotaryEmbedding,
+        )
+        self.tables, self.layers = _tables(model), tuple(_layer(b) for b in model.blocks)
+        self.fn = compiled_static_step() if compiled else static_step
+        self.model, self.ran = model, not compiled  # `ran`: a compiled call has succeeded
+        self.fallback: Callable | None = None  # the flat step, where compiling failed
+        device = model.tok_embed.weight.device
+        self.slots = torch.arange(model.cfg.max_seq_len, device=device)  # positions of unpadded rows
+        self.slots_filled = torch.ones(1, model.cfg.max_seq_len, dtype=torch.bool, device=device)
+
+    @classmethod
+    def build(cls, model: nn.Module, rows: int, compiled: bool = True) -> CompiledDecodeStep | None:
+        """The step for `model` decoding `rows` rows, or None (with a warning naming why) where
+        `why_not_static(model)`."""
+        reason = why_not_static(model)
+        if reason is not None:
+            warnings.warn(f"compiled decoding not used: {reason}; decoding without it", stacklevel=3)
+            return None
+        return cls(model, rows, compiled)
+
+    def __call__(
+        self, tokens: Tensor, positions: Tensor | None, key_padding: Tensor | None, cache: KVCache
+    ) -> Tensor:
+        if self.fallback is not None:
+            return self.fallback(tokens, positions, key_padding, cache)
+        if tokens.shape[0] != self.rows:
+            raise ValueError(f"this decoding step was built for {self.rows} rows, got {tokens.shape[0]}")
+        slot, capacity = cache.seq_len, cache.capacity
+        if slot >= capacity:
+            raise ValueError(f"KV cache holds {capacity} positions; cannot add 1 after {slot}")
+        if cache.k[0] is None:
+            raise ValueError("the compiled step decodes after a prefill (which allocates the cache)")
+        pos = self.slots[slot : slot + 1].expand(self.rows) if positions is None else positions.view(-1)
+        mask = self.slots_filled[:, : slot + 1] if key_padding is None else key_padding  # (B|1, slot + 1)
+        # sizes that change between calls are symbolic in the compiled graph: one graph for every step
+        for tensor, dim in ((mask, 1), *((buf, 2) for buf in (*cache.k, *cache.v))):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        args = (self.program, self.tables, self.layers, tokens, pos, mask, cache.k, cache.v)
+        logits = self.fn(*args) if self.ran else self._first_call(args)
+        if logits is None:  # compiling failed
+            return self.fallback(tokens, positions, key_padding, cache)
+        cache.lengths = [slot + 1] * len(cache.lengths)
+        return logits
+
+    def _first_call(self, args: tuple) -> Tensor | None:
+        """The first compiled call, which compiles. Where compiling fails (no C++ compiler, a torch
+        without the backend) it says why, sets the flat step as the fallback and returns None (compiling
+        fails before the step writes the cache)."""
+        try:
+            logits = self.fn(*args)
+        except Exception as err:  # noqa: BLE001 (whatever the compiler raises; the step itself is tested)
+            lines = str(err).strip().splitlines()
+            warnings.warn(
+                f"torch.compile failed ({type(err).__name__}: {lines[0][:300] if lines else ''}); decoding "
+                "without it",
+                stacklevel=4,
+            )
+            self.fallback = DecodeStep.build(self.model, self.rows) or CompiledDecodeStep(
+                self.model, self.rows, compiled=False
+            )
+            return None
+        self.ran = True
+        return logits

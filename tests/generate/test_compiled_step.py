@@ -1,0 +1,150 @@
+"""The compiled decoding step (`tformer.model.compiled_step`): its program run eagerly against the model's
+own forward over the KV cache (1e-5), the compiled program against the eager one (slow: it compiles),
+and what `generate(compile=True)` does with models it does not take or a compiler that fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tformer import build_model
+from tformer.generate.engine import _left_pad, generate
+from tformer.generate.sampling import SamplingConfig
+from tformer.model import compiled_step as compiled_step_module
+from tformer.model.compiled_step import CompiledDecodeStep, why_not_static
+from tformer.presets import llama_like
+
+from .test_decode_step import CONFIGS, PROMPTS
+
+DENSE = sorted(name for name in CONFIGS if name != "deepseek_moe")
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+
+
+def make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(CONFIGS[name]).eval()
+
+
+def run_steps(model, prompts, step: CompiledDecodeStep, steps: int = 6):
+    """Feed the same tokens to the model (cache a) and to `step` (cache b): the logits of both per step
+    and both caches."""
+    tokens, real = _left_pad(prompts, 0, torch.device("cpu"))
+    padded = not bool(real.all())
+    b, length = tokens.shape
+    pairs = []
+    with torch.inference_mode():
+        caches = model.new_cache(length + steps + 2), model.new_cache(length + steps + 2)
+        positions = (real.cumsum(-1) - 1).clamp_min(0) if padded else None
+        key_padding = real if padded else None
+        for cache in caches:
+            logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
+        next_pos = real.sum(-1, keepdim=True)
+        for _ in range(steps):
+            nxt = logits.argmax(-1)
+            if padded:
+                key_padding = torch.cat([key_padding, torch.ones(b, 1, dtype=torch.bool)], dim=1)
+                positions, next_pos = next_pos, next_pos + 1
+            logits = model(nxt[:, None], positions=positions, key_padding_mask=key_padding, cache=caches[0])
+            logits = logits[:, -1]
+            pairs.append((step(nxt, positions, key_padding, caches[1]), logits))
+    return pairs, caches, length + steps
+
+
+@pytest.mark.parametrize("prompts", sorted(PROMPTS))
+@pytest.mark.parametrize("name", DENSE)
+def test_program_equals_the_model_forward(name: str, prompts: str) -> None:
+    """The program, run eagerly: logits and caches equal the model's to 1e-5 (the products and the
+    attention are written differently, so not bit for bit) for Pre/Post-Norm, LayerNorm/RMSNorm,
+    RoPE/sinusoidal/learned/no positions, SwiGLU/ReLU/GELU, GQA, biases, a tied head, padded rows."""
+    model = make(name)
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, len(PROMPTS[prompts]), compiled=False)
+    pairs, (a, c), n = run_steps(model, PROMPTS[prompts], step)
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert a.lengths == c.lengths == [n] * model.cfg.n_layers
+    for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
+        torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-6, rtol=1e-6)
+
+
+def test_program_attends_over_the_filled_slots_only() -> None:
+    """Slots past the new token hold garbage (NaN) in the cache: the logits do not see it."""
+    model = make("llama_mha")
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 1, compiled=False)
+        cache = model.new_cache(16)
+        model(torch.tensor([[5, 6, 7]]), cache=cache)
+        for k, v in zip(cache.k, cache.v):
+            k[:, :, 3:] = float("nan")
+            v[:, :, 3:] = float("nan")
+        logits = step(torch.tensor([8]), None, None, cache)
+    assert bool(torch.isfinite(logits).all())
+    assert cache.seq_len == 4
+
+
+def test_models_it_does_not_take_decode_without_it_with_a_warning() -> None:
+    model = make("deepseek_moe")
+    with torch.inference_mode():
+        assert why_not_static(model) == "block 0 has a MoE FFN (compiled decoding takes dense FFNs)"
+    with pytest.warns(UserWarning, match="compiled decoding not used: block 0 has a MoE FFN"):
+        fast = generate(model, [[5, 6, 7]], GREEDY, compile=True)
+    assert fast == generate(model, [[5, 6, 7]], GREEDY)
+    model.train()
+    assert "training mode" in why_not_static(model)
+
+
+def test_compile_with_the_slow_twin_is_refused() -> None:
+    with pytest.raises(ValueError, match="compile=True is a fast path; fast_decode=False"):
+        generate(make("llama_mha"), [[5, 6]], GREEDY, compile=True, fast_decode=False)
+
+
+def test_a_compiler_that_fails_is_named_and_decoding_goes_on(monkeypatch) -> None:
+    def broken(*args):
+        raise RuntimeError("Compiler: cc is not found\nmore detail")
+
+    monkeypatch.setattr(compiled_step_module, "compiled_static_step", lambda: broken)
+    model = make("llama_gqa_bias_tied")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    with pytest.warns(UserWarning, match=r"torch.compile failed \(RuntimeError: Compiler: cc is not found\)"):
+        fast = generate(model, prompts, GREEDY, compile=True)
+    assert fast == generate(model, prompts, GREEDY, fast_decode=False)
+
+
+def test_the_step_refuses_another_batch_size_and_a_full_cache() -> None:
+    model = make("llama_mha")
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 1, compiled=False)
+        cache = model.new_cache(3)
+        model(torch.tensor([[5, 6, 7]]), cache=cache)
+        with pytest.raises(ValueError, match="built for 1 rows, got 2"):
+            step(torch.tensor([1, 2]), None, None, cache)
+        with pytest.raises(ValueError, match="holds 3 positions; cannot add 1 after 3"):
+            step(torch.tensor([1]), None, None, cache)
+
+
+@pytest.mark.slow
+def test_compiled_generate_equals_the_eager_one_and_compiles_once() -> None:
+    """torch.compile of the step (~10-20 s here): the same greedy tokens as the flat step and logits
+    equal to the eager program to 1e-5, for one row and two padded rows; another prompt length and
+    another run of new tokens reuse the graph (the sizes that change per call and per step are symbolic)."""
+    torch.manual_seed(0)
+    model = build_model(llama_like(97, 64, 2, 4, 2, 128, 128)).eval()
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 1)
+        twin = CompiledDecodeStep.build(model, 1, compiled=False)
+        for _ in range(2):  # cache a for the compiled step, b for the twin
+            caches = model.new_cache(20), model.new_cache(20)
+            for cache in caches:
+                model(torch.tensor([[5, 6, 7, 8]]), cache=cache)
+            for token in (9, 10, 11):
+                got = step(torch.tensor([token]), None, None, caches[0])
+                torch.testing.assert_close(
+                    got, twin(torch.tensor([token]), None, None, caches[1]), atol=1e-5, rtol=1e-5
+                )
+    graphs = counters["stats"]["unique_graphs"]
+    for prompts in ([[5, 6, 7, 8]], [[1, 2, 3, 4, 5, 6, 7]], [[5, 6, 7, 8], [9, 10]]):
+        cfg = SamplingConfig(temperature=0.0, max_new_tokens=10 + len(prompts[0]))
+        assert generate(model, prompts, cfg, compile=True) == generate(model, prompts, cfg)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the batch of two rows only
