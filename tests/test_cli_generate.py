@@ -152,3 +152,22 @@ def test_greedy_says_which_sampling_options_it_ignores(trained_run: Path, capsys
     assert out == plain
     assert main([*argv, "--temperature", "0", "--repetition-penalty", "1.3"]) == 0  # both read by greedy
     assert "ignored" not in capsys.readouterr().err
+
+
+def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, capsys, monkeypatch) -> None:
+    """--compile decodes through the compiled step's program (run eagerly here, so the test does not
+    compile; tests/generate/test_compiled_step.py compiles it) and prints the flat step's greedy text."""
+    from tformer.model import compiled_step
+
+    calls: list[int] = []
+    monkeypatch.setattr(
+        compiled_step,
+        "compiled_static_step",
+        lambda: lambda *args: calls.append(1) or compiled_step.static_step(*args),
+    )
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--no-stream"]
+    argv += ["--max-new-tokens", "6"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--compile"]) == 0
+    assert capsys.readouterr().out == plain and len(calls) == 5  # every step after the prompt's

@@ -89,7 +89,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run each decoding step compiled with torch.compile (decoders with dense FFNs; others decode "
-        "without it, with a warning): compiling takes ~20 s on 2 CPU cores (a few s when torch's on-disk "
+        "without it, with a warning): compiling takes ~35 s on 2 CPU cores (~8 s when torch's on-disk "
         "cache holds it), then each step is faster at batch 1",
     )
     p.add_argument(

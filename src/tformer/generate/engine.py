@@ -152,7 +152,7 @@ def generate(
         where the model is one it knows, else as `model(...)`.
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     compile: run each step after the prompt as `tformer.model.compiled_step.CompiledDecodeStep` under
-        `torch.compile`: the first call for a model shape and batch size compiles (~20 s on 2 CPU
+        `torch.compile`: the first call for a model shape and batch size compiles (~35 s on 2 CPU
         cores), later ones (any prompt length) reuse it. Models it does not take (MoE FFNs, other norms) decode as with
         compile=False, with a warning saying why.
     """

@@ -1,20 +1,22 @@
-"""A decoding step of a `DecoderLM` over a static KV cache, for `torch.compile`: the opt-in
-`generate(..., compile=True)` path.
+"""A decoding step of a `DecoderLM` written for `torch.compile`: the opt-in `generate(..., compile=True)`
+path.
 
-Shapes: tokens (B,); positions (B,) int64; slot () int64 (the cache slot of the new tokens); allowed
-(B, C) bool over every cache slot (the prompt's padding False) or None; caches k/v (B, Hkv, C, E); logits
-(B, V). Hidden states stay (B, D).
+Shapes: tokens (B,); positions (B,) int64; mask (B|1, S) bool over the cache slots filled after this
+step (S = the new token's slot + 1; the prompt's padding False); caches k/v (B, Hkv, capacity, E);
+logits (B, V). Hidden states stay (B, D).
 
 Why: `DecodeStep` (model/decode_step.py) runs a step's ~270 small ops one by one; each costs a few
-microseconds of dispatch, ~1.7 ms of a 5 ms step of the benchmark model, whose weights take ~2.5-3.5 ms
-to read. Compiled, the small ops fuse into a few C++ kernels between the products. `torch.compile`
-specialises on Python values, so a step whose cache slot is a Python int compiles once per position
-(measured: 175 s, then eager). Here nothing a step changes is a Python value: the slot and positions
-are tensors, the cache has a fixed capacity (`static_capacity`: rounded up to CAPACITY_STEP so calls
-with other prompt lengths share a graph) and attention reads every slot under a mask of the filled
-ones. The weights are arguments, not constants: one compiled graph serves every model of the same
-shapes and sees weight updates, and nothing is copied per call but the stacked q/k/v and gate/up
-products (as the flat step does).
+microseconds of dispatch, ~1.7 ms of a 5 ms step of the benchmark model, whose weights take ~2.5-5 ms
+to read. Compiled, they fuse into 4 C++ kernels per layer between the products. `torch.compile`
+specialises on Python values, so a step whose cache slot is a Python int compiled once per position
+(measured: 175 s, then eager). Here nothing a step changes is a Python value: the positions are a
+tensor, and the number of filled slots is the mask's length, marked dynamic (as the caches' capacity),
+so one graph serves every step and every prompt length; the new keys/values are written as a slice
+(an index would specialise on it). Attention is written as products and sums, which the compiler fuses
+(a first version over a static capacity with every slot masked read the whole cache each step: at batch
+8 no faster than the flat step). The weights are arguments, not constants: one graph serves every model
+of the same shapes and sees weight updates; per call only the stacked q/k/v and gate/up weights are
+copied (as the flat step does).
 
 `static_step` is the same program uncompiled: tests/generate/test_compiled_step.py holds it to the
 model's forward (1e-5) and the compiled one to it.
@@ -153,9 +155,9 @@ def _layer(block: nn.Module) -> dict[str, object]:
 
 
 def _attention(p: Program, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(E)) v of one query per row over every cache slot, masked slots excluded,
-    written as products and sums (which the compiler fuses into one kernel each); scores and weights
-    in fp32. q (B, H, E), k/v (B, Hkv, C, E), mask (B|1, C) -> (B, H * E)."""
+    """softmax(q k^T / sqrt(E)) v of one query per row over the filled cache slots, masked ones
+    (padding) excluded, written as products and sums (which the compiler fuses into one kernel); scores
+    and weights in fp32. q (B, H, E), k/v (B, Hkv, S, E), mask (B|1, S) -> (B, H * E)."""
     b, c = q.shape[0], k.shape[2]
     q = q.view(b, p.kv_heads, p.heads // p.kv_heads, 1, p.head_dim)  # query heads grouped by K/V head
     scores = (q * k[:, :, None]).sum(-1, dtype=torch.float32) * p.head_dim**-0.5  # (B, Hkv, G, C)
@@ -234,7 +236,7 @@ def compiled_static_step() -> Callable:
     """`static_step` under `torch.compile`, one per process: its graphs serve every build."""
     if not _COMPILED:
         # cpp_wrapper: the graph's ~75 kernel and product calls are made from C++, not Python (1.08x per
-        # step, median of 6 interleaved A/B rounds on the benchmark model; compiling takes ~20 s, not ~15)
+        # step, median of 6 interleaved A/B rounds on the benchmark model; compiling took ~20 s, not ~15, with a warm cache)
         options = {"cpp_wrapper": True}
         _COMPILED.append(torch.compile(static_step, fullgraph=True, options=options))
     return _COMPILED[0]
@@ -242,7 +244,7 @@ def compiled_static_step() -> Callable:
 
 class CompiledDecodeStep:
     """`step(tokens, positions, key_padding, cache)` -> logits (B, V), as `DecodeStep`, over a cache
-    whose capacity `static_capacity` chose. compiled=False runs the same program eagerly (the twin the
+    the model's prefill filled. compiled=False runs the same program eagerly (the twin the
     tests compare the compiled one with)."""
 
     def __init__(self, model: DecoderLM, rows: int, compiled: bool) -> None:
