@@ -88,7 +88,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="run each decoding step compiled with torch.compile (decoders with dense FFNs; others decode "
+        help="run each decoding step compiled with torch.compile (dense and dropless MoE decoders; others decode "
         "without it, with a warning): compiling takes ~35 s on 2 CPU cores (~8 s when torch's on-disk "
         "cache holds it), then each step is faster at batch 1",
     )

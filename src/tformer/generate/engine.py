@@ -153,8 +153,8 @@ def generate(
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     compile: run each step after the prompt as `tformer.model.compiled_step.CompiledDecodeStep` under
         `torch.compile`: the first call for a model shape and batch size compiles (~35 s on 2 CPU
-        cores), later ones (any prompt length) reuse it. Models it does not take (MoE FFNs, other norms) decode as with
-        compile=False, with a warning saying why.
+        cores), later ones (any prompt length) reuse it. Models it does not take (MoE layers that
+        drop tokens over a capacity, other norms) decode as with compile=False, with a warning.
     """
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if arch != "decoder":

@@ -37,10 +37,13 @@ from tformer.model.blocks import PreNormBlock
 from tformer.model.cache import KVCache
 from tformer.model.decode_step import DecodeStep, unsupported
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
+from tformer.model.moe import Dropless, GeluExperts, MoE, NoShared, ReluExperts, SwiGLUExperts
 from tformer.model.positions import HalfRotaryEmbedding, LearnedPositions, NoPositions, SinusoidalPositions
+from tformer.model.router import SCORE_FUNCS, limit_groups, renormalize
 from tformer.model.transformer import DecoderLM
 
 FFN_KINDS = {SwiGLU: "swiglu", ReluFFN: "relu", GeluFFN: "gelu"}
+EXPERT_KINDS = {SwiGLUExperts: "swiglu", ReluExperts: "relu", GeluExperts: "gelu"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,29 @@ class Norm:
 
 
 @dataclass(frozen=True)
+class Dense:
+    """A dense FFN: kind swiglu | relu | gelu, hidden width."""
+
+    kind: str
+    width: int
+
+
+@dataclass(frozen=True)
+class Routed:
+    """An MoE FFN slot (model/moe.py `MoE`, dropless): the router's constants (model/router.py
+    `TopKRouter`), the experts' kind and width, the shared experts as one dense FFN or None."""
+
+    kind: str
+    width: int
+    top_k: int
+    score_func: str  # softmax | sigmoid
+    norm_topk: bool
+    routed_scaling: float
+    groups: tuple[int, int, int] | None  # (n_group, topk_group, per_group_k) where routing is group-limited
+    shared: Dense | None
+
+
+@dataclass(frozen=True)
 class Program:
     """What a step computes beyond its tensors: the Python constants `torch.compile` specialises on."""
 
@@ -59,8 +85,7 @@ class Program:
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: str  # swiglu | relu | gelu
-    d_ff: int
+    ffns: tuple[Dense | Routed, ...]  # each block's FFN slot
     attn_norm: Norm
     ffn_norm: Norm
     final_norm: Norm
@@ -89,16 +114,23 @@ def _apply_norm(spec: Norm, w: dict[str, Tensor | None], x: Tensor) -> Tensor:
 
 def why_not_static(model: nn.Module) -> str | None:
     """Why `CompiledDecodeStep.build` gives no step for `model` (None: it gives one). It takes what the
-    flat step takes (`decode_step.unsupported`) with dense FFNs (an MoE FFN routes each token to its own
-    experts: shapes that change per step) and one norm kind per slot."""
+    flat step takes (`decode_step.unsupported`), dense or dropless MoE FFNs, one norm kind per slot."""
     if type(model) is not DecoderLM:
         return f"{type(model).__name__} is not a DecoderLM"
     reason = unsupported(model)
     if reason is not None:
         return reason
     for i, block in enumerate(model.blocks):
-        if type(block.ffn) not in FFN_KINDS:
-            return f"block {i} has a {type(block.ffn).__name__} FFN (compiled decoding takes dense FFNs)"
+        if type(block.ffn) is MoE:
+            moe = block.ffn
+            if type(moe.dispatch.capacity) is not Dropless and moe.dispatch.capacity.eval_factor is not None:
+                return (
+                    f"block {i}'s MoE drops tokens over eval_capacity_factor (compiled decoding is dropless)"
+                )
+            if type(moe.experts) not in EXPERT_KINDS or type(moe.shared) not in (*FFN_KINDS, NoShared):
+                return f"block {i}'s MoE experts {type(moe.experts).__name__} / {type(moe.shared).__name__}"
+        elif type(block.ffn) not in FFN_KINDS:
+            return f"block {i} has a {type(block.ffn).__name__} FFN"
     for slot in ("attn_norm", "ffn_norm"):
         specs = [_norm_spec(getattr(block, slot)) for block in model.blocks]
         if None in specs or len({spec[0] for spec in specs}) != 1:
@@ -136,21 +168,44 @@ def _stack(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
-def _layer(block: nn.Module) -> dict[str, object]:
-    attn, ffn = block.attn, block.ffn
-    qkv, qkv_b = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+def _dense(ffn: nn.Module) -> tuple[Dense, dict[str, Tensor | None]]:
     up, up_b = _stack(ffn.gate_proj, ffn.up_proj) if type(ffn) is SwiGLU else _stack(ffn.up_proj)
-    return {
+    weights = {"up": up, "up_bias": up_b, "down": ffn.down_proj.weight, "down_bias": ffn.down_proj.bias}
+    return Dense(FFN_KINDS[type(ffn)], ffn.down_proj.in_features), weights
+
+
+def _routed(moe: MoE) -> tuple[Routed, dict[str, object]]:
+    router, experts = moe.router, moe.experts
+    shared = None if type(moe.shared) is NoShared else _dense(moe.shared)
+    limit = router.limit_groups
+    spec = Routed(
+        kind=EXPERT_KINDS[type(experts)],
+        width=experts.down_proj.shape[2],
+        top_k=router.top_k,
+        score_func="softmax" if router.score is SCORE_FUNCS["softmax"] else "sigmoid",
+        norm_topk=router.normalize is renormalize,
+        routed_scaling=float(router.routed_scaling),
+        groups=None if type(limit) is nn.Identity else (limit.n_group, limit.topk_group, limit.per_group_k),
+        shared=None if shared is None else shared[0],
+    )
+    weights = {"router": router.weight, "expert_bias": router.expert_bias, "shared": shared and shared[1]}
+    for name in experts.projections:
+        weights[name], weights[f"{name}_bias"] = getattr(experts, name), getattr(experts, f"{name}_bias")
+    return spec, weights
+
+
+def _layer(block: nn.Module) -> tuple[Dense | Routed, dict[str, object]]:
+    attn = block.attn
+    qkv, qkv_b = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+    spec, ffn = _routed(block.ffn) if type(block.ffn) is MoE else _dense(block.ffn)
+    return spec, {
         "attn_norm": _norm_spec(block.attn_norm)[1],
         "ffn_norm": _norm_spec(block.ffn_norm)[1],
         "qkv": qkv,
         "qkv_bias": qkv_b,
         "o": attn.o_proj.weight,
         "o_bias": attn.o_proj.bias,
-        "up": up,
-        "up_bias": up_b,
-        "down": ffn.down_proj.weight,
-        "down_bias": ffn.down_proj.bias,
+        "ffn": ffn,
     }
 
 
@@ -184,15 +239,45 @@ def _self_attention(
     return F.linear(_attention(p, qk[:, :h], k_buf[:, :, :n], v_buf[:, :, :n], mask), w["o"], w["o_bias"])
 
 
-def _ffn(p: Program, w: dict, x: Tensor) -> Tensor:
-    """down(act(up(x))), or down(silu(gate(x)) * up(x)) with gate and up as one product."""
-    up = F.linear(x, w["up"], w["up_bias"])
-    if p.ffn == "swiglu":
-        gate, up = up.split(p.d_ff, dim=-1)
-        hidden = F.silu(gate) * up
-    else:
-        hidden = F.relu(up) if p.ffn == "relu" else F.gelu(up)
-    return F.linear(hidden, w["down"], w["down_bias"])
+def _activate(kind: str, up: Tensor, gate: Tensor | None) -> Tensor:
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    return F.relu(up) if kind == "relu" else F.gelu(up)
+
+
+def _ffn(spec: Dense | Routed, w: dict, x: Tensor) -> Tensor:
+    """The FFN slot on x (B, D): dense, or routed."""
+    if type(spec) is Routed:
+        return _moe(spec, w, x)
+    up = F.linear(x, w["up"], w["up_bias"])  # down(act(up(x))), down(silu(gate(x)) * up(x))
+    gate, up = up.split(spec.width, dim=-1) if spec.kind == "swiglu" else (None, up)
+    return F.linear(_activate(spec.kind, up, gate), w["down"], w["down_bias"])
+
+
+def _moe(spec: Routed, w: dict, x: Tensor) -> Tensor:
+    """sum over the row's top-K experts of weight * expert(x), plus the shared experts, as `MoE` computes
+    it in eval mode (router in fp32; the weighted sum in fp32, then x's dtype). Each row's chosen experts'
+    weights are indexed, W[idx] (B, K, out, in), and applied as products and sums, which the compiler
+    fuses with the indexing (no copy of the chosen weights)."""
+    logits = F.linear(x.float(), w["router"].float())  # (B, E)
+    scores = logits.softmax(-1) if spec.score_func == "softmax" else logits.sigmoid()
+    choice = scores + w["expert_bias"].float()  # the bias steers the choice only
+    if spec.groups is not None:
+        choice = limit_groups(choice, *spec.groups)
+    idx = choice.topk(spec.top_k, dim=-1).indices  # (B, K)
+    weights = scores.gather(-1, idx)
+    weights = (renormalize(weights) if spec.norm_topk else weights) * spec.routed_scaling  # (B, K)
+
+    def product(name: str, h: Tensor) -> Tensor:  # h (B, K|1, in) -> (B, K, out), expert idx[b, k]'s
+        y = (h[:, :, None, :] * w[name][idx]).sum(-1)
+        bias = w[f"{name}_bias"]
+        return y if bias is None else y + bias[idx]
+
+    x_k = x[:, None]  # (B, 1, D): every chosen expert reads the row
+    gate = product("gate_proj", x_k) if spec.kind == "swiglu" else None
+    y = product("down_proj", _activate(spec.kind, product("up_proj", x_k), gate))  # (B, K, D)
+    routed = (y * weights[..., None]).sum(1).to(x.dtype)  # (B, D)
+    return routed if spec.shared is None else routed + _ffn(spec.shared, w["shared"], x)
 
 
 def static_step(
@@ -214,9 +299,9 @@ def static_step(
     rotation = None
     if p.rope:  # (B, 1, E) each: the tables' rows at each row's position
         rotation = tuple(tables[name][positions][:, None].to(x.dtype) for name in ("cos", "sin"))
-    for w, k_buf, v_buf in zip(layers, ks, vs):
+    for ffn_spec, w, k_buf, v_buf in zip(p.ffns, layers, ks, vs):
         attn = partial(_self_attention, p, w, rotation=rotation, k_buf=k_buf, v_buf=v_buf, mask=mask)
-        ffn = partial(_ffn, p, w)
+        ffn = partial(_ffn, ffn_spec, w["ffn"])
         attn_norm = partial(_apply_norm, p.attn_norm, w["attn_norm"])
         ffn_norm = partial(_apply_norm, p.ffn_norm, w["ffn_norm"])
         if p.pre:  # x = x + Attn(norm(x)); x = x + FFN(norm(x))
@@ -248,22 +333,21 @@ class CompiledDecodeStep:
     tests compare the compiled one with)."""
 
     def __init__(self, model: DecoderLM, rows: int, compiled: bool) -> None:
-        block = model.blocks[0]
+        block, layers = model.blocks[0], [_layer(block) for block in model.blocks]
         self.rows, self.max_seq_len = rows, model.cfg.max_seq_len
         self.program = Program(
             pre=type(block) is PreNormBlock,
             heads=block.attn.n_heads,
             kv_heads=block.attn.n_kv_heads,
             head_dim=block.attn.head_dim,
-            ffn=FFN_KINDS[type(block.ffn)],
-            d_ff=block.ffn.down_proj.in_features,
+            ffns=tuple(spec for spec, _ in layers),
             attn_norm=_norm_spec(block.attn_norm)[0],
             ffn_norm=_norm_spec(block.ffn_norm)[0],
             final_norm=_norm_spec(model.final_norm)[0],
             embed_scale=float(model.embed_scale),
             rope=type(model.rotary) is HalfRotaryEmbedding,
         )
-        self.tables, self.layers = _tables(model), tuple(_layer(b) for b in model.blocks)
+        self.tables, self.layers = _tables(model), tuple(weights for _, weights in layers)
         self.fn = compiled_static_step() if compiled else static_step
         self.model, self.ran = model, not compiled  # `ran`: a compiled call has succeeded
         self.fallback: Callable | None = None  # the flat step, where compiling failed

@@ -64,12 +64,17 @@ class GroupLimit(nn.Module):
         self.per_group_k = 2 if moe.group_score == "top2" else 1
 
     def forward(self, s: Tensor) -> Tensor:
-        n, e = s.shape
-        groups = s.view(n, self.n_group, e // self.n_group)  # (N, G, E/G)
-        group_score = groups.topk(self.per_group_k, dim=-1).values.sum(-1)  # (N, G)
-        best = group_score.topk(self.topk_group, dim=-1).indices  # (N, topk_group)
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
-        return groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)  # (N, E)
+        return limit_groups(s, self.n_group, self.topk_group, self.per_group_k)
+
+
+def limit_groups(s: Tensor, n_group: int, topk_group: int, per_group_k: int) -> Tensor:
+    """Scores s (N, E) with the experts outside the best `topk_group` groups set to -inf."""
+    n, e = s.shape
+    groups = s.view(n, n_group, e // n_group)  # (N, G, E/G)
+    group_score = groups.topk(per_group_k, dim=-1).values.sum(-1)  # (N, G)
+    best = group_score.topk(topk_group, dim=-1).indices  # (N, topk_group)
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+    return groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)  # (N, E)
 
 
 def renormalize(w: Tensor) -> Tensor:
