@@ -144,16 +144,65 @@ def test_compile_with_the_slow_twin_is_refused() -> None:
         generate(make("llama_mha"), [[5, 6]], GREEDY, compile=True, fast_decode=False)
 
 
-def test_a_compiler_that_fails_is_named_and_decoding_goes_on(monkeypatch) -> None:
+def test_a_compiler_that_fails_is_named_once_and_decoding_goes_on(monkeypatch, recwarn) -> None:
+    """The first failure is said where the user called generate and remembered: a later call of the same
+    model shape decodes with the flat step from the start (no second attempt to compile)."""
+    calls: list[int] = []
+
     def broken(*args):
+        calls.append(1)
         raise RuntimeError("Compiler: cc is not found\nmore detail")
 
     monkeypatch.setattr(compiled_step_module, "compiled_static_step", lambda: broken)
+    monkeypatch.setattr(compiled_step_module, "_FAILED", {})
     model = make("llama_gqa_bias_tied")
     prompts = [[5, 6, 7, 8], [9, 10]]
-    with pytest.warns(UserWarning, match=r"torch.compile failed \(RuntimeError: Compiler: cc is not found\)"):
-        fast = generate(model, prompts, GREEDY, compile=True)
-    assert fast == generate(model, prompts, GREEDY, fast_decode=False)
+    slow = generate(model, prompts, GREEDY, fast_decode=False)
+    with pytest.warns(
+        UserWarning, match=r"torch.compile failed \(RuntimeError: Compiler: cc is not found\)"
+    ) as w:
+        assert generate(model, prompts, GREEDY, compile=True) == slow
+    assert w[0].filename == __file__ and len(calls) == 1
+    with pytest.warns(UserWarning, match="torch.compile failed for this model earlier in this process"):
+        assert generate(model, prompts, GREEDY, compile=True) == slow
+    assert len(calls) == 1
+
+
+def test_the_recompile_limit_is_named_as_such(monkeypatch) -> None:
+    class FailOnRecompileLimitHit(RuntimeError):
+        pass
+
+    def limited(*args):
+        raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    monkeypatch.setattr(compiled_step_module, "compiled_static_step", lambda: limited)
+    monkeypatch.setattr(compiled_step_module, "_FAILED", {})
+    with pytest.warns(
+        UserWarning, match=r"recompile limit reached: .* \(torch._dynamo.config.recompile_limit\); raise it"
+    ):
+        generate(make("llama_mha"), [[5, 6]], GREEDY, compile=True)
+
+
+def test_a_model_in_training_mode_is_compiled_in_eval_mode_and_put_back(monkeypatch, recwarn) -> None:
+    """generate decodes in eval mode whatever the model's mode (a fresh build_model is in training
+    mode): the compiled step is built, not refused for dropout, and the mode is put back."""
+    calls: list[int] = []
+    eager = compiled_step_module.static_step
+    monkeypatch.setattr(
+        compiled_step_module, "compiled_static_step", lambda: lambda *a: calls.append(1) or eager(*a)
+    )
+    model = make("llama_mha").train()
+    out = generate(model, [[5, 6, 7]], GREEDY, compile=True)
+    assert model.training and len(calls) == GREEDY.max_new_tokens - 1
+    assert out == generate(model, [[5, 6, 7]], GREEDY)
+    assert not [w for w in recwarn if "compile" in str(w.message)]
+
+
+def test_blocks_with_other_attention_shapes_are_refused_by_name() -> None:
+    model = make("llama_mha")
+    model.blocks[1].attn.n_heads = 2  # as a pruned block would be
+    with torch.inference_mode():
+        assert why_not_static(model).startswith("the blocks' attention heads differ")
 
 
 def test_the_step_refuses_another_batch_size_and_a_full_cache() -> None:

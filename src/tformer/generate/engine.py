@@ -184,6 +184,7 @@ def generate(
     was_training = model.training
     with contextlib.ExitStack() as layout:
         layout.callback(model.train, was_training)  # also when a step raises
+        model.eval()  # no dropout while decoding (the mode is put back above)
         step = None
         if compile:  # read the model before the contexts below patch its forwards
             step = CompiledDecodeStep.build(model, len(prompts))
@@ -197,7 +198,6 @@ def _generate(
     model, prompts, sampling, eos_id, pad_id, decode, on_step, fast_decode, step_fn
 ) -> list[list[int]]:
     device = next(model.parameters()).device
-    model.eval()  # `generate` puts the mode back, also when a step raises
     tokens, real = _left_pad(prompts, pad_id, device)
     b, length = tokens.shape
     padded = not bool(real.all())

@@ -24,6 +24,8 @@ model's forward (1e-5) and the compiled one to it.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +133,9 @@ def why_not_static(model: nn.Module) -> str | None:
                 return f"block {i}'s MoE experts {type(moe.experts).__name__} / {type(moe.shared).__name__}"
         elif type(block.ffn) not in FFN_KINDS:
             return f"block {i} has a {type(block.ffn).__name__} FFN"
+    shapes = {(b.attn.n_heads, b.attn.n_kv_heads, b.attn.head_dim) for b in model.blocks}
+    if len(shapes) != 1:
+        return f"the blocks' attention heads differ ({sorted(shapes)} as (heads, K/V heads, head size))"
     for slot in ("attn_norm", "ffn_norm"):
         specs = [_norm_spec(getattr(block, slot)) for block in model.blocks]
         if None in specs or len({spec[0] for spec in specs}) != 1:
@@ -215,7 +220,7 @@ def _attention(p: Program, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
     and weights in fp32. q (B, H, E), k/v (B, Hkv, S, E), mask (B|1, S) -> (B, H * E)."""
     b, c = q.shape[0], k.shape[2]
     q = q.view(b, p.kv_heads, p.heads // p.kv_heads, 1, p.head_dim)  # query heads grouped by K/V head
-    scores = (q * k[:, :, None]).sum(-1, dtype=torch.float32) * p.head_dim**-0.5  # (B, Hkv, G, C)
+    scores = (q.float() * k[:, :, None].float()).sum(-1) * p.head_dim**-0.5  # (B, Hkv, G, S) in fp32
     scores = scores.masked_fill(~mask.view(-1, 1, 1, c), float("-inf"))
     weights = scores.softmax(-1)
     y = (weights[..., None] * v[:, :, None]).sum(-2)  # (B, Hkv, G, E), fp32
@@ -290,7 +295,8 @@ def static_step(
     ks: list[Tensor],
     vs: list[Tensor],
 ) -> Tensor:
-    """Logits (B, V) of one new token per row; writes its keys/values into slot `slot` of ks/vs."""
+    """Logits (B, V) of one new token per row; writes its keys/values into slot S - 1 of ks/vs (S: the
+    mask's length)."""
     x = F.embedding(tokens, tables["embed"])  # (B, D)
     if p.embed_scale != 1.0:
         x = x * p.embed_scale
@@ -315,6 +321,16 @@ def static_step(
 
 
 _COMPILED: list[Callable] = []
+_FAILED: dict[tuple, str] = {}  # CompiledDecodeStep.key -> why compiling it failed in this process
+
+
+def warn_user(message: str) -> None:
+    """A warning attributed to the first caller outside tformer and torch (the user's `generate`)."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def compiled_static_step() -> Callable:
@@ -334,7 +350,7 @@ class CompiledDecodeStep:
 
     def __init__(self, model: DecoderLM, rows: int, compiled: bool) -> None:
         block, layers = model.blocks[0], [_layer(block) for block in model.blocks]
-        self.rows, self.max_seq_len = rows, model.cfg.max_seq_len
+        self.rows = rows
         self.program = Program(
             pre=type(block) is PreNormBlock,
             heads=block.attn.n_heads,
@@ -355,15 +371,26 @@ class CompiledDecodeStep:
         self.slots = torch.arange(model.cfg.max_seq_len, device=device)  # positions of unpadded rows
         self.slots_filled = torch.ones(1, model.cfg.max_seq_len, dtype=torch.bool, device=device)
 
+    @property
+    def key(self) -> tuple:
+        """What a compiled graph is specialised on beyond sizes: the program, dtype and device."""
+        embed = self.tables["embed"]
+        return self.program, embed.dtype, embed.device.type
+
     @classmethod
     def build(cls, model: nn.Module, rows: int, compiled: bool = True) -> CompiledDecodeStep | None:
         """The step for `model` decoding `rows` rows, or None (with a warning naming why) where
-        `why_not_static(model)`."""
+        `why_not_static(model)`, or where compiling this program failed earlier in the process."""
         reason = why_not_static(model)
         if reason is not None:
-            warnings.warn(f"compiled decoding not used: {reason}; decoding without it", stacklevel=3)
+            warn_user(f"compiled decoding not used: {reason}; decoding without it")
             return None
-        return cls(model, rows, compiled)
+        step = cls(model, rows, compiled)
+        if compiled and step.key in _FAILED:
+            warn_user(f"torch.compile failed for this model earlier in this process ({_FAILED[step.key]}); "
+                      "decoding without it")  # fmt: skip
+            return None
+        return step
 
     def __call__(
         self, tokens: Tensor, positions: Tensor | None, key_padding: Tensor | None, cache: KVCache
@@ -396,12 +423,16 @@ class CompiledDecodeStep:
         try:
             logits = self.fn(*args)
         except Exception as err:  # noqa: BLE001 (whatever the compiler raises; the step itself is tested)
-            lines = str(err).strip().splitlines()
-            warnings.warn(
-                f"torch.compile failed ({type(err).__name__}: {lines[0][:300] if lines else ''}); decoding "
-                "without it",
-                stacklevel=4,
-            )
+            if "RecompileLimit" in type(err).__name__:
+                limit = torch._dynamo.config.recompile_limit
+                why = (f"recompile limit reached: this process has compiled the decoding step for {limit} "
+                       "model shapes, batch sizes or dtypes (torch._dynamo.config.recompile_limit); raise it "
+                       "to compile more")  # fmt: skip
+            else:
+                lines = str(err).strip().splitlines()
+                why = f"{type(err).__name__}: {lines[0][:300] if lines else ''}"
+            _FAILED[self.key] = why  # later builds of this program decode without it from the start
+            warn_user(f"torch.compile failed ({why}); decoding without it")
             self.fallback = DecodeStep.build(self.model, self.rows) or CompiledDecodeStep(
                 self.model, self.rows, compiled=False
             )
