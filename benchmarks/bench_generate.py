@@ -134,6 +134,58 @@ def read_bandwidth_gbs(mb: int = 256, reps: int = 3) -> float:
     return a.numel() * 4 / best / 1e9
 
 
+def moe_models(quick: bool) -> dict[str, nn.Module]:
+    """The MoE decoders compiled decoding is measured on: the main job's model (the shakespeare preset,
+    random weights) and bench_lm.py's DeepSeekMoE LM."""
+    from bench_lm import FULL as LM
+    from bench_lm import MOE, MOE_QUICK, tformer_moe
+    from bench_lm import QUICK as LM_QUICK
+
+    from tformer import build_model
+    from tformer.train.presets import get_train_preset
+
+    torch.manual_seed(0)
+    main_job = build_model(get_train_preset("shakespeare").model).eval()
+    deepseek = tformer_moe(LM_QUICK if quick else LM, MOE_QUICK if quick else MOE).eval()
+    return {"main job (shakespeare preset)": main_job, "bench_lm DeepSeekMoE": deepseek}
+
+
+def moe_sections(args, s: dict, rounds: int) -> dict:
+    """tformer's compiled decoding against its own eager decoding (the flat step) on MoE decoders, batch
+    1: HF has no peer holding the same weights (DeepseekV3 attends with MLA)."""
+    sections = {}
+    for title, model in moe_models(args.quick).items():
+        prompts = torch.randint(1, model.cfg.vocab_size, (1, s["prompt"]))
+        new = min(s["new"], model.cfg.max_seq_len - s["prompt"])  # the main job's context is 256
+        variants = {
+            "tformer generate": lambda m=model, p=prompts, n=new: ours_generate(m, p, n),
+            "tformer generate, compiled": lambda m=model, p=prompts, n=new: ours_generate(m, p, n, True),
+        }
+        first = {name: timed(fn) for name, fn in variants.items()}
+        with LoadMeter() as load:
+            times = round_robin(variants, rounds, warmup=0)
+        rows = summarize(times, "tformer generate", new)
+        table = [
+            {"name": n, "best_s": r.best_s, "ms_tok": r.best_s / new * 1e3, "tok_s": r.rate_best,
+             "vs_hf_best": r.speedup_best, "vs_hf_paired": r.speedup_paired}
+            for n, r in rows.items()
+        ]  # fmt: skip
+        columns = [(k, "x eager" + label[4:], f) if k.startswith("vs_hf") else (k, label, f)
+                   for k, label, f in COLUMNS]  # fmt: skip
+        text = print_table(
+            f"\ngreedy decoding, {title}, batch 1, {s['prompt']} + {new} tokens", table, columns
+        )
+        same = first["tformer generate"][0] == first["tformer generate, compiled"][0]
+        compile_s = first["tformer generate, compiled"][1] - rows["tformer generate, compiled"].best_s
+        lines = [f"token ids identical: {same}; compile {compile_s:.1f} s", load.line()]
+        for line in lines:
+            print("  " + line)
+        sections[title] = {"rows": {n: r.as_dict() for n, r in rows.items()}, "ids_identical": same,
+                           "compile_s": round(compile_s, 1), "load": load.result, "table": text,
+                           "notes": lines}  # fmt: skip
+    return sections
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 tokens: a smoke check in < 1 minute")
@@ -150,6 +202,12 @@ def main() -> None:
         action="store_false",
         help="leave out both sides' compiled decoding (each compiles for ~20-60 s before its first call)",
     )
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="instead: compiled vs eager tformer decoding of two MoE decoders (the main job's, bench_lm's "
+        "DeepSeekMoE), batch 1",
+    )
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args()
     setup(args.threads)
@@ -157,6 +215,10 @@ def main() -> None:
     s["layers"] = args.layers or s["layers"]
     s["new"] = args.new or s["new"]
     rounds = args.rounds or s["rounds"]
+    if args.moe:
+        sections = moe_sections(args, s, rounds)
+        write_json(args.out or "generate_moe.json", {"config": s, "rounds": rounds, "sections": sections})
+        return
     ours, hf = build_pair(s)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters() if "embed" not in n)
     sections = {}
