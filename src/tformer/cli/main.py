@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from tformer.allocator import keep_freed_memory
 from tformer.cli.options import nonnegative_int, positive_int
-from tformer.data.corpora import MissingDataError
+from tformer.data.corpus_base import MissingDataError
 from tformer.schema import ConfigError
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tformer.data.corpora import decode_text, read_text
+from tformer.data.corpus_base import decode_text, read_text
 from tformer.schema import ConfigError
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
@@ -115,7 +115,7 @@ def utf8_text(text: str, where: str) -> str:
 
 def read_input_file(path: Path) -> str:
     """A text file given to a command (prompts, sources, texts to score or classify): decoded as the
-    corpora are (tformer.data.corpora.read_text: UTF-8, else cp1252 / latin-1 with a warning; binary
+    corpora are (tformer.data.corpus_base.read_text: UTF-8, else cp1252 / latin-1 with a warning; binary
     files refused). "-" is stdin; a pipe or device (/dev/stdin, a shell's <(...)) is read like a file."""
     if str(path) == "-":
         return read_stdin()

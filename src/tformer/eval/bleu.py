@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from tformer.data.corpora import MissingDataError
+from tformer.data.corpus_base import MissingDataError
 
 SACREBLEU_INSTALL = "pip install sacrebleu==2.6.0"
 

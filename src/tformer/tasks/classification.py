@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.data.corpora import Document
+from tformer.data.corpus_base import Document
 from tformer.data.datasets import (
     ClassificationBatch,
     ClassificationCollator,

@@ -1,0 +1,267 @@
+"""What every corpus loader builds on: the `Corpus` of `Document` / `Pair` items and its three
+splits, the hash split that keeps identical texts together, text decoding for files of unknown
+encoding, the in-process cache keyed on the data's files, and where an installed package lives.
+`tformer.data.corpora` (the installed corpora and the registry) and `tformer.data.user_corpora` (the
+user's own files) both build on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TypeVar
+
+SPLITS = ("train", "val", "test")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+
+T = TypeVar("T")
+
+
+class MissingDataError(RuntimeError):
+    """A corpus package is not installed; the message gives the command that installs it."""
+
+    def __init__(self, what: str, location: object, install: str):
+        super().__init__(f"{what} not found at {location}. Install it with: {install}")
+        self.install = install
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text of a language-modelling or classification corpus (`label` is None for LM)."""
+
+    id: str
+    text: str
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One translation pair, already in the requested direction (src -> tgt)."""
+
+    id: str
+    src: str
+    tgt: str
+
+
+Item = Document | Pair
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named corpus: `splits[split]` is a tuple of items; `task` is "lm", "translation" or "classification"."""
+
+    name: str
+    task: str
+    splits: Mapping[str, tuple[Item, ...]]
+    split_rule: str
+    source: str
+    labels: tuple[str, ...] = ()
+    direction: str = ""  # translation only: "<source>-<target>", e.g. "de-en", "en-zh"
+
+    def __post_init__(self) -> None:  # loaders cache corpora: make the split table read-only
+        object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
+
+    def __getitem__(self, split: str) -> tuple[Item, ...]:
+        return self.splits[split]
+
+    def texts(self, split: str) -> list[str]:
+        """The documents' texts (LM / classification) or the sources (translation)."""
+        return [item.src if isinstance(item, Pair) else item.text for item in self.splits[split]]
+
+    def label_ids(self, split: str) -> list[int]:
+        """Class index of each document, in `labels` order (sorted)."""
+        index = {label: i for i, label in enumerate(self.labels)}
+        return [index[doc.label] for doc in self.splits[split]]
+
+    def manifest(self) -> dict:
+        """What a run records about its data: source, rule, counts, and per split a hash of its items' ids
+        and one of their contents (ids, texts, labels)."""
+        ids = {
+            s: hashlib.sha256("\n".join(x.id for x in items).encode("utf-8", "surrogatepass")).hexdigest()[
+                :16
+            ]
+            for s, items in self.splits.items()
+        }
+        contents = {}
+        for s, items in self.splits.items():
+            digest = hashlib.sha256()
+            for item in items:
+                fields = (
+                    (item.id, item.src, item.tgt)
+                    if isinstance(item, Pair)
+                    else (item.id, item.text, item.label or "")
+                )
+                digest.update("\0".join(fields).encode("utf-8", "surrogatepass") + b"\1")
+            contents[s] = digest.hexdigest()[:16]
+        return {
+            "name": self.name,
+            "task": self.task,
+            "source": self.source,
+            "split_rule": self.split_rule,
+            "labels": list(self.labels),
+            "direction": self.direction,
+            "counts": {s: len(v) for s, v in self.splits.items()},
+            "ids_sha256": ids,
+            "content_sha256": contents,
+        }
+
+
+# ---------------------------------------------------------------- caching
+
+
+def cached_by_files(maxsize: int) -> Callable:
+    """`functools.lru_cache` keyed also on what the call's path arguments hold (each file's size and
+    modification time): repeated loads of unchanged data stay free, and data edited since (a user's copy
+    of a corpus, between two runs in one process) is read afresh."""
+
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+        # only the parameters that name data (path, root, *_path, *_root): a language or direction that
+        # happens to name a file or folder in the working directory is not one
+        paths = [
+            name
+            for name in signature.parameters
+            if name in ("path", "root") or name.endswith(("_path", "_root"))
+        ]
+
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(values: tuple, stamps: tuple):
+            return fn(*values)
+
+        @functools.wraps(fn)
+        def load(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = tuple(bound.arguments.values())
+            return cached(values, tuple(_stamp(bound.arguments[name]) for name in paths))
+
+        load.cache_clear = cached.cache_clear
+        return load
+
+    return wrap
+
+
+def _stamp(value: object) -> tuple | None:
+    """(size, mtime) of a file, or a digest of those of every file under a folder; None for other values."""
+    if not isinstance(value, (str, Path)) or not os.path.exists(value):
+        return None
+    if os.path.isfile(value):
+        st = os.stat(value)
+        return (st.st_size, st.st_mtime_ns)
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(value):
+        dirs.sort()
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            digest.update(
+                f"{folder}/{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape")
+            )
+    return (digest.hexdigest(),)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def sha256_hex(key: str) -> str:
+    """The hex sha256 of a text (what the hash splits order by)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def split_by_hash(
+    items: Sequence[T], key: Callable[[T], str], n_val: int, n_test: int
+) -> dict[str, tuple[T, ...]]:
+    """Order items by sha256(key); the first `n_test` go to test, the next `n_val` to val, the rest to train.
+
+    Items sharing a key stay together (the cut moves to the end of the group), so duplicates and
+    near-duplicates never straddle splits. Each split keeps the corpus order.
+    """
+    order = sorted(range(len(items)), key=lambda i: (sha256_hex(key(items[i])), key(items[i])))
+    split_of: dict[int, str] = {}
+    previous, name = None, "test"
+    for taken, i in enumerate(order):
+        k = key(items[i])
+        if k != previous:
+            name = "test" if taken < n_test else "val" if taken < n_test + n_val else "train"
+            previous = k
+        split_of[i] = name
+    return {s: tuple(x for i, x in enumerate(items) if split_of[i] == s) for s in SPLITS}
+
+
+def fraction_counts(n: int, val_frac: float, test_frac: float, min_each: int) -> tuple[int, int]:
+    """(val, test) counts for n units at these fractions, at least `min_each` each, train keeping one."""
+    n_val, n_test = max(min_each, round(n * val_frac)), max(min_each, round(n * test_frac))
+    if n - n_val - n_test < 1:
+        raise ValueError(
+            f"{n} units are too few to split into train/val/test (need at least {2 * min_each + 1})"
+        )
+    return n_val, n_test
+
+
+def read_text(path: Path, warn: bool = False) -> str:
+    """Decode a text file: UTF-8 (BOM allowed), else cp1252, else latin-1 (`warn`: with a warning naming
+    the file, for a user's files: one stray byte decodes the whole file the other way; the installed BBC
+    articles are cp1252 by design); newlines normalised. A file holding NUL bytes is not text (a binary,
+    or UTF-16 / UTF-32): an error naming it."""
+    return decode_text(Path(path).read_bytes(), str(path), warn)
+
+
+# control bytes that text does not use: not tab, line feed, vertical tab, form feed, carriage return,
+# SUB (an old end-of-file mark), ESC (terminal colour codes) or the separators 0x1c-0x1f
+BINARY_BYTES = bytes([*range(1, 9), *range(0x0E, 0x1A)])
+
+
+def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
+    """`read_text` for bytes from elsewhere (stdin); `name` says where they came from."""
+    if b"\x00" in raw:
+        kind = "text" if name == "stdin" else "a text file"
+        raise ValueError(f"{name} is not {kind} (it holds NUL bytes: binary, or UTF-16 / UTF-32)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        encoding = "cp1252"
+        try:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError:
+            encoding, text = "latin-1", raw.decode("latin-1")
+        if warn:
+            controls = len(raw) - len(raw.translate(None, BINARY_BYTES))
+            if controls > max(16, len(raw) // 25):  # text next to none; random bytes 20 in 256
+                raise ValueError(
+                    f"{name} does not look like text: not UTF-8, and {controls:,} of its {len(raw):,} bytes are "
+                    "control codes no text uses (binary data?)"
+                ) from None
+            warnings.warn(
+                f"{name} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
+                UserWarning,
+                stacklevel=3,
+            )
+    if warn:  # a user's file: byte-order marks inside it (files joined together) are not text either
+        text = text.replace("\ufeff", "")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def package_dir(module: str, what: str, install: str) -> Path:
+    """Where an installed (data) package lives, found with importlib; never imports it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDataError(what, f"python package {module!r}", install)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def require_path(path: Path, what: str, install: str) -> Path:
+    """`path`, or a MissingDataError naming what is missing and the command that installs it."""
+    if not path.exists():
+        raise MissingDataError(what, path, install)
+    return path

@@ -1,0 +1,186 @@
+"""The user's own data as corpora: `text:<file or folder>` (language modelling), `pairs:<file>`
+(translation: `source<TAB>target` lines), `labels:<folder>` (classification: one subfolder of text
+files per label). Read afresh on every call (the user may edit them); split by a hash of the text, so
+identical texts stay in one split. `tformer.data.corpora.load_corpus` reaches them by those prefixes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from tformer.data.corpus_base import (
+    SPLITS,
+    TEXT_SUFFIXES,
+    Corpus,
+    Document,
+    Pair,
+    fraction_counts,
+    read_text,
+    split_by_hash,
+)
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """Cut text at line ends into pieces of at least `size` characters (the last may be shorter)."""
+    out, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+def load_text(path: str | Path) -> Corpus:
+    """The user's text: a folder (split by whole file) or one file (split by ~50 line-aligned chunks).
+    Read afresh on every call (not cached like the installed corpora): the user may edit it."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        files = _folder_texts(path)
+        docs = [Document(str(p.relative_to(path)), read_text(p, warn=True)) for p in files]
+        unit = "files"
+        if len(docs) < 3:
+            raise ValueError(
+                f"text folder {str(path)!r} has {len(docs)} text file(s) ({', '.join(TEXT_SUFFIXES)}); "
+                "need at least 3 to split into train / val / test"
+            )
+    elif path.is_file():
+        text = read_text(path, warn=True)
+        size = min(4096, max(256, len(text) // 50))
+        docs = [Document(f"{path.name}:{i}", chunk) for i, chunk in enumerate(_chunks(text, size))]
+        unit = f"chunks of >= {size} chars cut at line ends"
+        if len(docs) < 3:
+            raise ValueError(
+                f"text file {str(path)!r} ({len(text):,} chars on {len(text.splitlines())} line(s)) cuts into "
+                f"{len(docs)} piece(s) of >= {size} chars at line ends; need at least 3 to split into "
+                "train / val / test: give it more text or more line breaks"
+            )
+    else:
+        raise FileNotFoundError(f"text corpus path {str(path)!r} is neither a file nor a folder")
+    n_val, n_test = fraction_counts(len(docs), 0.05, 0.05, 1)
+    rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
+    return Corpus(f"text:{path}", "lm", split_by_hash(docs, lambda d: d.text, n_val, n_test), rule, str(path))
+
+
+def _folder_texts(path: Path) -> list[Path]:
+    """A text folder's files with a text suffix, sorted; hidden files and folders are left out silently,
+    other files (wrong suffix, broken links) with a warning naming them."""
+    found = sorted(
+        p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    taken = set(files)
+    skipped = [
+        p.relative_to(path).as_posix() + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
+        for p in found
+        if p not in taken and not p.is_dir()
+    ]
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        warnings.warn(
+            f"text folder {str(path)!r}: skipped {len(skipped)} file(s) that are not text files "
+            f"({', '.join(TEXT_SUFFIXES)}): {shown}",
+            stacklevel=3,
+        )
+    return files
+
+
+def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
+    """The user's translation pairs: one text file, a `source<TAB>target` pair per line (empty lines
+    skipped; any other line without exactly one tab is an error naming it). Identical pairs are kept once;
+    pairs with the same source stay in one split (5% val, 5% test by sha256 of the source). `direction`
+    names the two languages (it picks sacrebleu's tokenizer for the target, e.g. "en-zh"). Read afresh on
+    every call."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(
+            f"pairs corpus {str(path)!r} is a folder: give one text file of source<TAB>target lines"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"pairs corpus file {str(path)!r} does not exist")
+    seen: set[tuple[str, str]] = set()
+    pairs = []
+    for number, line in enumerate(read_text(path, warn=True).split("\n"), 1):
+        if not line.strip():
+            continue
+        sides = line.split("\t")
+        if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():
+            what = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
+            raise ValueError(
+                f"{path} line {number}: expected one source<TAB>target pair, found {what}: {line[:60]!r}"
+            )
+        src, tgt = sides[0].strip(), sides[1].strip()
+        if (src, tgt) not in seen:
+            seen.add((src, tgt))
+            pairs.append(Pair(f"{path.name}:{number}", src, tgt))
+    if len(pairs) < 3:
+        raise ValueError(f"pairs corpus {str(path)!r} holds {len(pairs)} distinct pair(s); need at least 3")
+    n_val, n_test = fraction_counts(len(pairs), 0.05, 0.05, 1)
+    rule = f"identical pairs once; by sha256(source): test={n_test}, val={n_val}, train=the rest"
+    splits = split_by_hash(pairs, lambda p: p.src, n_val, n_test)
+    return Corpus(f"pairs:{path}", "translation", splits, rule, str(path), direction=direction)
+
+
+def load_labelled(path: str | Path) -> Corpus:
+    """The user's labelled texts: a folder with one subfolder per label (its name is the label) holding
+    text files (as `text:` folders: nested folders read, hidden files skipped, other files warned about).
+    Identical texts are kept once; each label is split on its own (10% val, 10% test by sha256 of the
+    text, at least one each), so every label is in every split. Read afresh on every call."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise (ValueError if path.exists() else FileNotFoundError)(
+            f"labelled corpus {str(path)!r} is not a folder: give a folder with one subfolder of text files "
+            "per label"
+        )
+    folders = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    loose = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    if loose:
+        warnings.warn(
+            f"labelled corpus {str(path)!r}: {len(loose)} file(s) outside the label folders are not read "
+            f"(e.g. {loose[0]!r})",
+            stacklevel=3,
+        )
+    seen: dict[str, str] = {}  # text -> the document id that has it
+    across: list[str] = []  # texts under two labels
+    splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
+    labels = []
+    for folder in folders:
+        docs = []
+        for p in _folder_texts(folder):
+            text, doc_id = (
+                read_text(p, warn=True).strip(),
+                f"{folder.name}/{p.relative_to(folder).as_posix()}",
+            )
+            if text and text in seen and seen[text].split("/", 1)[0] != folder.name:
+                across.append(f"{doc_id} (as {seen[text]})")
+            elif text and text not in seen:
+                seen[text] = doc_id
+                docs.append(Document(doc_id, text, folder.name))
+        if not docs:
+            continue
+        if len(docs) < 3:
+            raise ValueError(
+                f"label {folder.name!r} ({folder}) has {len(docs)} distinct non-empty text file(s); each "
+                "label needs at least 3 to be in the train, val and test splits"
+            )
+        n_val, n_test = fraction_counts(len(docs), 0.1, 0.1, 1)
+        for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():
+            splits[s].extend(items)
+        labels.append(folder.name)
+    if across:
+        warnings.warn(
+            f"labelled corpus {str(path)!r}: {len(across)} text(s) appear under two labels, each kept under "
+            f"the first only: {', '.join(across[:3])}{' ...' if len(across) > 3 else ''}",
+            stacklevel=3,
+        )
+    if len(labels) < 2:
+        raise ValueError(
+            f"labelled corpus {str(path)!r} has {len(labels)} label folder(s) with text files "
+            f"({', '.join(TEXT_SUFFIXES)}); a classifier needs at least 2"
+        )
+    rule = "identical texts once; per label, by sha256(text): test=10%, val=10% (at least 1), train=the rest"
+    return Corpus(
+        f"labels:{path}", "classification", {s: tuple(v) for s, v in splits.items()}, rule, str(path),
+        tuple(labels),
+    )  # fmt: skip
