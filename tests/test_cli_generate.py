@@ -162,8 +162,8 @@ def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, c
     calls: list[int] = []
     monkeypatch.setattr(
         compiled_step,
-        "compiled_static_step",
-        lambda: lambda *args: calls.append(1) or compiled_step.static_step(*args),
+        "compiled_step_program",
+        lambda: lambda *args: calls.append(1) or compiled_step.step_program(*args),
     )
     argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--no-stream"]
     argv += ["--max-new-tokens", "6"]

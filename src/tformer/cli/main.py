@@ -89,8 +89,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run each decoding step compiled with torch.compile (dense and dropless MoE decoders; others decode "
-        "without it, with a warning): compiling takes ~35 s on 2 CPU cores (~8 s when torch's on-disk "
-        "cache holds it), then each step is faster at batch 1",
+        "without it, with a warning): compiling takes ~35-40 s the first time on 2 CPU cores (3-9 s when "
+        "torch's on-disk cache holds it), then each step is faster at batch 1",
     )
     p.add_argument(
         "--truncate-prompt",

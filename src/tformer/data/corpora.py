@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 
 from tformer.data.corpus_base import (  # noqa: F401 (also this module's names, for its users)
+    BINARY_BYTES,
     SPLITS,
     TEXT_SUFFIXES,
     Corpus,

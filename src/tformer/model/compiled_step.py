@@ -18,12 +18,13 @@ so one graph serves every step and every prompt length; the new keys/values are 
 of the same shapes and sees weight updates; per call only the stacked q/k/v and gate/up weights are
 copied (as the flat step does).
 
-`static_step` is the same program uncompiled: tests/generate/test_compiled_step.py holds it to the
+`step_program` is the same program uncompiled: tests/generate/test_compiled_step.py holds it to the
 model's forward (1e-5) and the compiled one to it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -70,7 +71,6 @@ class Routed:
     `TopKRouter`), the experts' kind and width, the shared experts as one dense FFN or None."""
 
     kind: str
-    width: int
     top_k: int
     score_func: str  # softmax | sigmoid
     norm_topk: bool
@@ -114,7 +114,7 @@ def _apply_norm(spec: Norm, w: dict[str, Tensor | None], x: Tensor) -> Tensor:
     return x
 
 
-def why_not_static(model: nn.Module) -> str | None:
+def why_not_compiled(model: nn.Module) -> str | None:
     """Why `CompiledDecodeStep.build` gives no step for `model` (None: it gives one). It takes what the
     flat step takes (`decode_step.unsupported`), dense or dropless MoE FFNs, one norm kind per slot."""
     if type(model) is not DecoderLM:
@@ -185,9 +185,8 @@ def _routed(moe: MoE) -> tuple[Routed, dict[str, object]]:
     limit = router.limit_groups
     spec = Routed(
         kind=EXPERT_KINDS[type(experts)],
-        width=experts.down_proj.shape[2],
         top_k=router.top_k,
-        score_func="softmax" if router.score is SCORE_FUNCS["softmax"] else "sigmoid",
+        score_func=router.score_func,
         norm_topk=router.normalize is renormalize,
         routed_scaling=float(router.routed_scaling),
         groups=None if type(limit) is nn.Identity else (limit.n_group, limit.topk_group, limit.per_group_k),
@@ -265,7 +264,7 @@ def _moe(spec: Routed, w: dict, x: Tensor) -> Tensor:
     weights are indexed, W[idx] (B, K, out, in), and applied as products and sums, which the compiler
     fuses with the indexing (no copy of the chosen weights)."""
     logits = F.linear(x.float(), w["router"].float())  # (B, E)
-    scores = logits.softmax(-1) if spec.score_func == "softmax" else logits.sigmoid()
+    scores = SCORE_FUNCS[spec.score_func](logits)
     choice = scores + w["expert_bias"].float()  # the bias steers the choice only
     if spec.groups is not None:
         choice = limit_groups(choice, *spec.groups)
@@ -285,7 +284,7 @@ def _moe(spec: Routed, w: dict, x: Tensor) -> Tensor:
     return routed if spec.shared is None else routed + _ffn(spec.shared, w["shared"], x)
 
 
-def static_step(
+def step_program(
     p: Program,
     tables: dict,
     layers: tuple[dict, ...],
@@ -320,7 +319,6 @@ def static_step(
     return F.linear(x, tables["head"], tables["head_bias"])
 
 
-_COMPILED: list[Callable] = []
 _FAILED: dict[tuple, str] = {}  # CompiledDecodeStep.key -> why compiling it failed in this process
 
 
@@ -333,14 +331,12 @@ def warn_user(message: str) -> None:
     warnings.warn(message, stacklevel=level)
 
 
-def compiled_static_step() -> Callable:
-    """`static_step` under `torch.compile`, one per process: its graphs serve every build."""
-    if not _COMPILED:
-        # cpp_wrapper: the graph's ~75 kernel and product calls are made from C++, not Python (1.08x per
-        # step, median of 6 interleaved A/B rounds on the benchmark model; compiling took ~20 s, not ~15, with a warm cache)
-        options = {"cpp_wrapper": True}
-        _COMPILED.append(torch.compile(static_step, fullgraph=True, options=options))
-    return _COMPILED[0]
+@functools.cache
+def compiled_step_program() -> Callable:
+    """`step_program` under `torch.compile`, one per process: its graphs serve every build."""
+    # cpp_wrapper: the graph's ~75 kernel and product calls are made from C++, not Python (1.08x per
+    # step, median of 6 interleaved A/B rounds on the benchmark model; compiling takes longer)
+    return torch.compile(step_program, fullgraph=True, options={"cpp_wrapper": True})
 
 
 class CompiledDecodeStep:
@@ -364,8 +360,8 @@ class CompiledDecodeStep:
             rope=type(model.rotary) is HalfRotaryEmbedding,
         )
         self.tables, self.layers = _tables(model), tuple(weights for _, weights in layers)
-        self.fn = compiled_static_step() if compiled else static_step
-        self.model, self.ran = model, not compiled  # `ran`: a compiled call has succeeded
+        self.fn = compiled_step_program() if compiled else step_program
+        self.model, self.first_call = model, compiled  # the first compiled call compiles
         self.fallback: Callable | None = None  # the flat step, where compiling failed
         device = model.tok_embed.weight.device
         self.slots = torch.arange(model.cfg.max_seq_len, device=device)  # positions of unpadded rows
@@ -380,8 +376,8 @@ class CompiledDecodeStep:
     @classmethod
     def build(cls, model: nn.Module, rows: int, compiled: bool = True) -> CompiledDecodeStep | None:
         """The step for `model` decoding `rows` rows, or None (with a warning naming why) where
-        `why_not_static(model)`, or where compiling this program failed earlier in the process."""
-        reason = why_not_static(model)
+        `why_not_compiled(model)`, or where compiling this program failed earlier in the process."""
+        reason = why_not_compiled(model)
         if reason is not None:
             warn_user(f"compiled decoding not used: {reason}; decoding without it")
             return None
@@ -410,7 +406,7 @@ class CompiledDecodeStep:
         for tensor, dim in ((mask, 1), *((buf, 2) for buf in (*cache.k, *cache.v))):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         args = (self.program, self.tables, self.layers, tokens, pos, mask, cache.k, cache.v)
-        logits = self.fn(*args) if self.ran else self._first_call(args)
+        logits = self._first_call(args) if self.first_call else self.fn(*args)
         if logits is None:  # compiling failed
             return self.fallback(tokens, positions, key_padding, cache)
         cache.lengths = [slot + 1] * len(cache.lengths)
@@ -433,9 +429,9 @@ class CompiledDecodeStep:
                 why = f"{type(err).__name__}: {lines[0][:300] if lines else ''}"
             _FAILED[self.key] = why  # later builds of this program decode without it from the start
             warn_user(f"torch.compile failed ({why}); decoding without it")
-            self.fallback = DecodeStep.build(self.model, self.rows) or CompiledDecodeStep(
-                self.model, self.rows, compiled=False
-            )
+            # the flat step, for this call (outside the decoding contexts generate entered for it only
+            # where no compiled step was built: later calls get both, since the failure is remembered)
+            self.fallback = DecodeStep.build(self.model, self.rows)
             return None
-        self.ran = True
+        self.first_call = False
         return logits

@@ -106,6 +106,7 @@ class TopKRouter(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts, dtype=torch.long))
         self.register_buffer("window_tokens", torch.zeros(moe.n_experts, dtype=torch.long))
         self.jitter = Jitter(moe.jitter) if moe.jitter > 0 else nn.Identity()
+        self.score_func = moe.score_func  # its name (the compiled decoding step reads it)
         self.score = SCORE_FUNCS[moe.score_func]
         self.limit_groups = GroupLimit(moe) if moe.n_group > 1 else nn.Identity()
         self.normalize = renormalize if moe.norm_topk and moe.top_k > 1 else keep_weights

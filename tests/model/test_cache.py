@@ -1,0 +1,48 @@
+"""KVCache.reorder, which beam search calls every step: the rows it keeps against index_select of the
+filled slots, over fan-out, permutations with repeats, shrinking rows and many steps."""
+
+from __future__ import annotations
+
+import torch
+
+from tformer.model.cache import KVCache
+
+
+def filled_kv(cache: KVCache) -> list[torch.Tensor]:
+    return [buf[:, :, : cache.lengths[i]].clone() for i, buf in enumerate(cache.k)] + [
+        buf[:, :, : cache.lengths[i]].clone() for i, buf in enumerate(cache.v)
+    ]
+
+
+def test_reorder_keeps_the_rows_asked_for_over_many_steps() -> None:
+    torch.manual_seed(0)
+    cache, layers = KVCache(2, 12), 2
+    for layer in range(layers):  # a prefill of 3 positions for 2 sentences
+        cache.update(layer, torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4))
+    want = filled_kv(cache)
+    generator = torch.Generator().manual_seed(1)
+    indices = [torch.tensor([0, 0, 0, 1, 1, 1])]  # fan out to 3 beams each
+    indices += [torch.randint(0, 6, (6,), generator=generator) for _ in range(4)]  # beams move (repeats)
+    indices += [torch.tensor([5, 0, 2]), torch.tensor([1, 1]), torch.tensor([0])]  # sentences finish
+    for index in indices:
+        cache.reorder(index)
+        want = [t.index_select(0, index) for t in want]
+        assert [t.shape[0] for t in cache.k] == [len(index)] * layers
+        got = filled_kv(cache)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for layer in range(layers):  # the next step writes its own slot, as a decoding step does
+            k, v = torch.randn(len(index), 3, 1, 4), torch.randn(len(index), 3, 1, 4)
+            cache.update(layer, k, v)
+            want[layer] = torch.cat([want[layer], k], dim=2)
+            want[layers + layer] = torch.cat([want[layers + layer], v], dim=2)
+        assert all(torch.equal(g, w) for g, w in zip(filled_kv(cache), want))
+        assert all(buf.is_contiguous() for buf in cache.k + cache.v)
+
+
+def test_reorder_under_autograd_stays_differentiable() -> None:
+    cache = KVCache(1, 8)
+    k = torch.randn(2, 1, 3, 4, requires_grad=True)
+    cache.update(0, k, torch.randn(2, 1, 3, 4))
+    cache.reorder(torch.tensor([1, 1, 0]))
+    cache.k[0][:, :, :3].sum().backward()
+    assert torch.equal(k.grad, torch.tensor([1.0, 2.0])[:, None, None, None].expand(2, 1, 3, 4))
