@@ -329,6 +329,25 @@ def test_bench_reports_speed(capsys) -> None:
     assert (result["device"], result["dtype"], result["batch"]) == ("cpu", "float32", [2, 16])
 
 
+def test_bench_times_compiled_decoding_when_asked(capsys, monkeypatch) -> None:
+    """--compile-decoding times generate(compile=True) beside the eager decoding (its program run eagerly
+    here, so the test does not compile; tests/generate/test_compiled_step.py compiles it)."""
+    from tformer.model import compiled_step
+
+    calls: list[int] = []
+    eager = compiled_step.step_program
+    monkeypatch.setattr(
+        compiled_step, "compiled_step_program", lambda: lambda *a: calls.append(1) or eager(*a)
+    )
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "2", "--new-tokens", "4", "--seq-len", "16"]
+    assert main([*argv, "--batch-size", "1", "--json", "--compile-decoding"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decode_compiled_tokens_per_s"] > 0 and result["decode_compiled_first_call_s"] > 0
+    assert len(calls) == 3 * 3  # the first call, a warm-up, one timed call (repeats 2 // 2): 3 steps each
+    assert main([*argv, "--batch-size", "1", "--json"]) == 0
+    assert "decode_compiled_tokens_per_s" not in json.loads(capsys.readouterr().out)
+
+
 def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
     """A --seq-len beyond model.max_seq_len is measured (training sizes the model to it, as here), not
     cut to the context; --new-tokens that do not fit are an error; parallel.* is named as unused."""

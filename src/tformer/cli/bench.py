@@ -96,6 +96,18 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
     decode_calls = max(1, args.repeats // 2)
     decode_s, decode_median = _times(lambda: generate(model, prompt, sampling), decode_calls, device)
+    compiled = {}
+    if args.compile_decoding:  # the first call compiles: timed on its own, then the calls as above
+        t0 = time.perf_counter()
+        generate(model, prompt, sampling, compile=True)
+        first = time.perf_counter() - t0
+        best, median = _times(lambda: generate(model, prompt, sampling, compile=True), decode_calls, device)
+        compiled = {
+            "decode_compiled_first_call_s": first,
+            "decode_compiled_tokens_per_s": n_new / best,
+            "decode_compiled_tokens_per_s_median": n_new / median,
+            "decode_compiled_ms_per_token": 1000 * best / n_new,
+        }
     params = count_params(model)
     result = {
         "params_total": params["total"],
@@ -116,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_tokens_per_s_median": n_new / decode_median,
         "decode_ms_per_token": 1000 * decode_s / n_new,
         "decode_new_tokens": n_new,
+        **compiled,
     }
     if args.json:
         print(json.dumps(result))
@@ -138,6 +151,13 @@ def run(args: argparse.Namespace) -> int:
         f"call{'s' if decode_calls != 1 else ''}): {result['decode_tokens_per_s']:,.1f} tokens/s "
         f"({result['decode_ms_per_token']:.2f} ms/token; median {result['decode_tokens_per_s_median']:,.1f} tokens/s)"
     )
+    if compiled:
+        print(
+            f"greedy decoding compiled (generate(compile=True), same prompt; first call "
+            f"{compiled['decode_compiled_first_call_s']:.1f} s, the compile included): "
+            f"{compiled['decode_compiled_tokens_per_s']:,.1f} tokens/s ({compiled['decode_compiled_ms_per_token']:.2f} "
+            f"ms/token; median {compiled['decode_compiled_tokens_per_s_median']:,.1f} tokens/s)"
+        )
     print(
         "times on a shared machine move by tens of percent between runs: compare two settings in one "
         "process, by ratio (benchmarks/ does)"

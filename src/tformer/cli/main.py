@@ -165,6 +165,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         help="tokens to decode (default 64, or what fits after the 8-token prompt in a shorter context)",
     )
     p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument(
+        "--compile-decoding",
+        action="store_true",
+        help="also time decoding with generate(compile=True) (as tformer generate --compile): its compile "
+        "is timed apart, its steps beside the eager ones",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
