@@ -170,4 +170,6 @@ def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, c
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert main([*argv, "--compile"]) == 0
-    assert capsys.readouterr().out == plain and len(calls) == 5  # every step after the prompt's
+    captured = capsys.readouterr()
+    assert captured.out == plain and len(calls) == 5  # every step after the prompt's
+    assert "compiling the decoding step with torch.compile" in captured.err

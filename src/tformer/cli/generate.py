@@ -141,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
         if "context" in message:
             message += " (or pass --truncate-prompt to keep a prompt's last tokens)"
         raise ValueError(message) from None
+    if args.compile:  # the first step waits for the compiler: say so rather than seem stuck
+        print(
+            "tformer generate: compiling the decoding step with torch.compile (~35-40 s the first time on 2 "
+            "CPU cores, a few s when torch's on-disk cache holds it)",
+            file=sys.stderr,
+            flush=True,
+        )
     if stream:
         sys.stdout.write(prompts[0])
     outputs = generate(
