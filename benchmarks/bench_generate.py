@@ -125,6 +125,15 @@ def read_bandwidth_gbs(mb: int = 256, reps: int = 3) -> float:
     return a.numel() * 4 / best / 1e9
 
 
+def speed_table(rows: dict, steps: int) -> list[dict]:
+    """The printed table's rows (COLUMNS) from `summarize`'s, for calls of `steps` decoding steps."""
+    return [
+        {"name": n, "best_s": r.best_s, "ms_tok": r.best_s / steps * 1e3, "tok_s": r.rate_best,
+         "vs_hf_best": r.speedup_best, "vs_hf_paired": r.speedup_paired}
+        for n, r in rows.items()
+    ]  # fmt: skip
+
+
 def moe_models(quick: bool) -> dict[str, nn.Module]:
     """The MoE decoders compiled decoding is measured on: the main job's model (the shakespeare preset,
     random weights) and bench_lm.py's DeepSeekMoE LM."""
@@ -156,11 +165,7 @@ def moe_sections(args, s: dict, rounds: int) -> dict:
         with LoadMeter() as load:
             times = round_robin(variants, rounds, warmup=0)
         rows = summarize(times, "tformer generate", new)
-        table = [
-            {"name": n, "best_s": r.best_s, "ms_tok": r.best_s / new * 1e3, "tok_s": r.rate_best,
-             "vs_hf_best": r.speedup_best, "vs_hf_paired": r.speedup_paired}
-            for n, r in rows.items()
-        ]  # fmt: skip
+        table = speed_table(rows, new)
         columns = [(k, "x eager" + label[4:], f) if k.startswith("vs_hf") else (k, label, f)
                    for k, label, f in COLUMNS]  # fmt: skip
         text = print_table(
@@ -232,17 +237,7 @@ def main() -> None:
             bandwidth = read_bandwidth_gbs()
             times = round_robin(variants, rounds, warmup=0)
         rows = summarize(times, "HF generate", batch * s["new"])
-        table = [
-            {
-                "name": n,
-                "best_s": r.best_s,
-                "ms_tok": r.best_s / s["new"] * 1e3,
-                "tok_s": r.rate_best,
-                "vs_hf_best": r.speedup_best,
-                "vs_hf_paired": r.speedup_paired,
-            }
-            for n, r in rows.items()
-        ]
+        table = speed_table(rows, s["new"])
         title = (
             f"\ngreedy decoding, batch {batch}, prompt {s['prompt']} + {s['new']} new tokens, fp32, "
             f"{s['layers']} layers"

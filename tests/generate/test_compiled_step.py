@@ -15,6 +15,7 @@ from tformer import MoEConfig, build_model
 from tformer.generate.engine import _left_pad, generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import compiled_step as compiled_step_module
+from tformer.model.cache import KVCache
 from tformer.model.compiled_step import CompiledDecodeStep, why_not_compiled
 from tformer.presets import llama_like, tiny
 
@@ -126,13 +127,20 @@ def test_bf16_program_is_close_to_the_model_forward(name: str) -> None:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def eager_step_after_a_prompt(capacity: int) -> tuple[CompiledDecodeStep, KVCache]:
+    """The eager program of a one-row model, and a cache of `capacity` slots holding a 3-token prompt
+    (call under inference_mode)."""
+    model = make("llama_mha")
+    step = CompiledDecodeStep.build(model, 1, compiled=False)
+    cache = model.new_cache(capacity)
+    model(torch.tensor([[5, 6, 7]]), cache=cache)
+    return step, cache
+
+
 def test_program_attends_over_the_filled_slots_only() -> None:
     """Slots past the new token hold garbage (NaN) in the cache: the logits do not see it."""
-    model = make("llama_mha")
     with torch.inference_mode():
-        step = CompiledDecodeStep.build(model, 1, compiled=False)
-        cache = model.new_cache(16)
-        model(torch.tensor([[5, 6, 7]]), cache=cache)
+        step, cache = eager_step_after_a_prompt(16)
         for k, v in zip(cache.k, cache.v):
             k[:, :, 3:] = float("nan")
             v[:, :, 3:] = float("nan")
@@ -222,11 +230,8 @@ def test_blocks_with_other_attention_shapes_are_refused_by_name() -> None:
 
 
 def test_the_step_refuses_another_batch_size_and_a_full_cache() -> None:
-    model = make("llama_mha")
     with torch.inference_mode():
-        step = CompiledDecodeStep.build(model, 1, compiled=False)
-        cache = model.new_cache(3)
-        model(torch.tensor([[5, 6, 7]]), cache=cache)
+        step, cache = eager_step_after_a_prompt(3)
         with pytest.raises(ValueError, match="built for 1 rows, got 2"):
             step(torch.tensor([1, 2]), None, None, cache)
         with pytest.raises(ValueError, match="holds 3 positions; cannot add 1 after 3"):

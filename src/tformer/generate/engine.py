@@ -153,8 +153,9 @@ def generate(
         False: `model(...)` per step with plain `F.linear` and `torch.rms_norm` (the slow twins).
     compile: run each step after the prompt as `tformer.model.compiled_step.CompiledDecodeStep` under
         `torch.compile`: the first call for a model shape and batch size compiles (~35-40 s the
-        first time on 2 CPU cores, 3-9 s from torch's on-disk cache), later ones (any prompt length) reuse it. Models it does not take (MoE layers that
-        drop tokens over a capacity, other norms) decode as with compile=False, with a warning.
+        first time on 2 CPU cores, 3-9 s from torch's on-disk cache), later ones (any prompt length)
+        reuse it. Models it does not take (MoE layers that drop tokens over a capacity, other norms)
+        decode as with compile=False, with a warning.
     """
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if arch != "decoder":
