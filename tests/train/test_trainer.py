@@ -149,7 +149,7 @@ def test_a_run_saved_before_a_setting_existed_resumes(corpus_dir: Path, tmp_path
     """A checkpoint written before a config field was added (rope.yarn_ramp here) lacks it: the field
     takes its default, not a refused change ("None in the checkpoint")."""
     from tformer.train.checkpoint import CheckpointError, checkpoint_meta
-    from tformer.train.loop import check_resume_config
+    from tformer.train.resume import check_resume_config
 
     cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
     Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)

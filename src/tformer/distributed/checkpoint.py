@@ -67,17 +67,15 @@ from tformer.train.checkpoint import (
     _Reader,
     _write_file,
     _write_pair,
-    capture_rng_state,
     file_entry,
     list_checkpoints,
     load_checkpoint,
-    restore_rng_state,
-    rng_key,
     save_checkpoint,
     step_dir_name,
 )
 from tformer.train.config import ParallelConfig, TrainConfig
 from tformer.train.optim import make_optimizer, make_scheduler
+from tformer.train.state_io import capture_rng_state, restore_rng_state, rng_key
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -6,18 +6,15 @@ from tformer._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
     from tformer.train.checkpoint import (
-        CheckpointError,
         LoadedCheckpoint,
         LoadResult,
-        capture_rng_state,
         latest_checkpoint,
         list_checkpoints,
         load_checkpoint,
         load_state_dict_checked,
-        restore_rng_state,
-        rng_key,
         save_checkpoint,
     )
+    from tformer.train.state_io import CheckpointError, capture_rng_state, restore_rng_state, rng_key
     from tformer.train.weights import (
         import_torch_weights,
         load_weights,

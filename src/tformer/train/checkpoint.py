@@ -14,7 +14,8 @@ Everything is written into a hidden temporary sibling, fsynced, then renamed to 
 `step_*` directory without COMMITTED never comes from this writer and is never treated as valid.
 Loading reads and checks every file and every key / shape before anything is copied: a failed load
 changes nothing. Nothing is ever pickled or unpickled; JSON encodes tuples, non-string dict keys and
-tensor references with small marker objects ({"__tuple__": [...]}, {"__items__": [...]}, ...).
+tensor references with small marker objects ({"__tuple__": [...]}, {"__items__": [...]}, ...; see
+tformer.train.state_io, which also captures and restores the RNG states).
 """
 
 from __future__ import annotations
@@ -22,20 +23,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import safetensors
 import safetensors.torch
 import torch
 from torch import nn
+
+from tformer.train.state_io import (
+    CheckpointError,
+    Packer,
+    capture_rng_state,
+    restore_rng_state,
+    rng_key,
+    unpack,
+)
 
 FORMAT_VERSION = 1
 MARKER = "COMMITTED"
@@ -45,10 +52,6 @@ CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIXES = (".tmp-", ".trash-")
 _ALIASES_KEY = "tformer.aliases"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or weights file cannot be written or loaded; the message names the file and key."""
 
 
 class LoadResult(NamedTuple):
@@ -71,75 +74,6 @@ class LoadedCheckpoint:
     unexpected_keys: list[str]
 
 
-# ---------------------------------------------------------------- JSON + tensors, no pickle
-_MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
-
-
-class _Packer:
-    """Splits a nested Python object into a JSON-able tree and a dict of named CPU tensors."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._storages: set[int] = set()
-
-    def add(self, path: str, t: torch.Tensor) -> str:
-        key, n = path, 1
-        while key in self.tensors:
-            key, n = f"{path}#{n}", n + 1
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in self._storages:  # safetensors refuses tensors that share memory
-            t = t.clone()
-        self._storages.add(t.untyped_storage().data_ptr())
-        self.tensors[key] = t
-        return key
-
-    def pack(self, obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return {"__tensor__": self.add(path, obj)}
-        if isinstance(obj, np.ndarray):
-            return {"__ndarray__": self.add(path, torch.from_numpy(np.ascontiguousarray(obj)))}
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if isinstance(obj, tuple):
-            return {"__tuple__": [self.pack(v, f"{path}.{i}") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [self.pack(v, f"{path}.{i}") for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _MARKERS):
-                return {k: self.pack(v, f"{path}.{k}") for k, v in obj.items()}
-            items = [
-                [self.pack(k, f"{path}.k{i}"), self.pack(v, f"{path}.{k}")]
-                for i, (k, v) in enumerate(obj.items())
-            ]
-            return {"__items__": items}
-        raise CheckpointError(
-            f"cannot store {type(obj).__name__} value at {path!r}: allowed are tensors, arrays, numbers, "
-            "strings, None, lists, tuples and dicts"
-        )
-
-
-def _unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [_unpack(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if len(obj) == 1:
-        ((tag, value),) = obj.items()
-        if tag == "__tensor__":
-            return tensors[value]
-        if tag == "__ndarray__":
-            return tensors[value].numpy().copy()
-        if tag == "__tuple__":
-            return tuple(_unpack(v, tensors) for v in value)
-        if tag == "__items__":
-            return {_unpack(k, tensors): _unpack(v, tensors) for k, v in value}
-    return {k: _unpack(v, tensors) for k, v in obj.items()}
-
-
-# ---------------------------------------------------------------- files
 def _write_file(directory: Path, name: str, data: bytes, manifest: dict[str, Any]) -> None:
     """Write, fsync, and record size + sha256 in the manifest."""
     with open(directory / name, "wb") as f:
@@ -179,7 +113,7 @@ def _json_bytes(obj: Any, what: str, indent: int | None = 2) -> bytes:
 
 def _write_pair(directory: Path, stem: str, obj: Any, manifest: dict[str, Any], indent: int | None) -> None:
     """stem.json (structure) and, when it holds tensors, stem.safetensors."""
-    packer = _Packer()
+    packer = Packer()
     tree = {k: packer.pack(v, k) for k, v in obj.items()}
     if packer.tensors:
         _write_file(directory, f"{stem}.safetensors", safetensors.torch.save(packer.tensors), manifest)
@@ -210,7 +144,7 @@ def _alias_groups(state: dict[str, Any], source: str) -> list[list[str]]:
 
 def _weights_bytes(model: nn.Module) -> bytes:
     state = model.state_dict()
-    packer, aliases = _Packer(), {}
+    packer, aliases = Packer(), {}
     for group in _alias_groups(state, "model"):
         packer.add(group[0], state[group[0]])  # names are unique, so the key is the name
         aliases.update({name: group[0] for name in group[1:]})
@@ -271,35 +205,6 @@ def load_state_dict_checked(
     resolved, missing, unexpected = _plan_model_load(model, tensors, strict, source)
     model.load_state_dict(resolved, strict=False)
     return LoadResult(missing, unexpected)
-
-
-# ---------------------------------------------------------------- RNG
-def rng_key(rank: int) -> str:
-    """The key one rank's RNG state is stored under: per-rank keys never collide when ranks merge."""
-    return f"rank{rank}"
-
-
-def capture_rng_state(rank: int = 0) -> dict[str, Any]:
-    """torch CPU, CUDA (all devices, if any), python `random` and numpy global RNG states of this rank."""
-    return {
-        "rank": rank,
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
-    }
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of capture_rng_state. CUDA states are skipped, with a warning, if the devices differ."""
-    torch.set_rng_state(state["torch_cpu"])
-    cuda = state["torch_cuda"]
-    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-        torch.cuda.set_rng_state_all(cuda)
-    elif cuda:
-        warnings.warn(f"{len(cuda)} CUDA RNG states saved, device count differs: not restored", stacklevel=2)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 # ---------------------------------------------------------------- directory layout
@@ -563,7 +468,7 @@ class _Reader:
             source = str(self.path / f"{stem}.safetensors")
             tensors, _ = _parse_safetensors(self.read(f"{stem}.safetensors"), source)
         try:
-            return _unpack(tree, tensors)
+            return unpack(tree, tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(
                 f"{self.path / stem}.json: bad structure or tensor reference ({e!r})"
