@@ -14,7 +14,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tests.train.test_trainer import losses, small_config
+from tests.train.helpers import losses, small_config
 from tformer.distributed.checkpoint import DCPCheckpointer
 from tformer.tasks import make_task
 from tformer.train.checkpoint import MARKER, list_checkpoints

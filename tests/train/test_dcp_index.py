@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_trainer import small_config
+from tests.train.helpers import small_config
 from tformer.tasks import make_task
 from tformer.train.checkpoint import MARKER, CheckpointError
 from tformer.train.config import ParallelConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_trainer import losses, small_config
+from tests.train.helpers import losses, small_config
 from tformer.tasks import make_task
 from tformer.train.checkpoint import latest_checkpoint, list_checkpoints
 from tformer.train.interrupt import Stopped
