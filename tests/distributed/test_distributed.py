@@ -150,7 +150,7 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     norms and weights (DDP, FSDP2 and tensor parallel, dense and MoE, sync and async saves, dropout on); a 1-process DCP
     checkpoint loads into 2 ranks and a 2-rank one into 1 process with identical model + optimizer."""
     sys.path.insert(0, str(HERE))
-    from worker import lm_config
+    from worker_resume import lm_config
 
     from tformer.config import MoEConfig
     from tformer.tasks import make_task

@@ -20,7 +20,6 @@ import copy
 import gc
 import json
 import math
-import shutil
 import sys
 from contextlib import nullcontext
 from functools import partial
@@ -28,16 +27,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
+from worker_common import full, moe_model_cfg
+from worker_resume import resume1, resume2
 
-from tformer.config import MoEConfig
 from tformer.distributed.env import init_distributed
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.parallelize import global_routing_stats, parallelize
-from tformer.distributed.plans import is_rank_local, make_plan
+from tformer.distributed.plans import make_plan
 from tformer.model import build_model
 from tformer.model.moe import MoE
 from tformer.presets import tiny
@@ -47,11 +45,6 @@ from tformer.train.optim import make_optimizer
 from tformer.train.step import train_step
 
 B, T = 2, 8  # per-rank batch
-
-
-def moe_model_cfg(**moe):
-    moe = {"n_experts": 4, "top_k": 2, "aux_loss_coef": 0.0, "bias_update_rate": 0.01, **moe}
-    return tiny().replace(d_model=32, d_ff=32, n_heads=2, vocab_size=64, moe=MoEConfig(**moe))
 
 
 class Batch:
@@ -67,17 +60,6 @@ def global_batch(world: int, step: int) -> Batch:
 
 def rank_part(batch: Batch, rank: int) -> Batch:
     return Batch(batch.ids[rank * B : (rank + 1) * B], batch.targets[rank * B : (rank + 1) * B])
-
-
-def full(t: torch.Tensor, sliced: bool) -> torch.Tensor:
-    """The whole tensor on every rank: DTensors gathered, expert-parallel slices concatenated."""
-    if isinstance(t, DTensor):
-        return t.full_tensor()
-    if sliced:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
-    return t
 
 
 def max_diff(model, ref, sliced: set[str], what: str) -> float:
@@ -437,173 +419,6 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
                        "data_rank": tp_env.data_rank}  # fmt: skip
     del par, model, ref
     gc.collect()
-
-
-# ------------------------------------------------------------------------------------- resume
-def lm_config(corpus: Path, **parallel):
-    from tformer.train.config import DataConfig, OptimConfig
-    from tformer.train.presets import tiny_lm
-
-    base = tiny_lm()
-    moe = parallel.pop("moe", None)
-    model = base.model.replace(d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32, moe=moe)
-    return base.replace(
-        model=model,
-        data=DataConfig(corpus=f"text:{corpus}", vocab_size=300, seq_len=32),
-        optim=OptimConfig(lr=1e-2, warmup_steps=2, fused=False),
-        steps=8,
-        batch_size=2,
-        eval_every=4,
-        eval_batches=1,
-        save_every=4,
-        log_every=1,
-        parallel=ParallelConfig(**parallel),
-    )
-
-
-def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
-    """Train (or resume) to cfg.steps; per-rank parameter checksums. `dump`: the full state at the
-    start (after the restore), written by rank 0."""
-    from tformer.tasks import make_task
-    from tformer.train.loop import Trainer
-
-    trainer = Trainer(cfg, run_dir, make_task("lm"), resume=resume, progress=False)
-    if dump is not None:
-        dump_full_state(trainer, dump)
-    trainer.fit()
-    sums = [float(full(p.detach(), False).double().sum()).hex() for p in trainer.model.parameters()]
-    trainer.close()  # releases model, optimizer, mesh (the process group is the launch's)
-    del trainer
-    gc.collect()
-    return {"param_sums": sums}
-
-
-def losses(run_dir: Path) -> list[str]:
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        f"{float(r['loss']).hex()} {float(r['grad_norm']).hex()}" for r in records if r["kind"] == "train"
-    ]
-
-
-VARIANTS = ("ddp_dense_sync", "fsdp_dense_async", "tp_dense_sync", "ddp_moe_sync", "ep_fsdp_moe_async")
-
-
-def variant(name: str, corpus: Path):
-    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01, bias_update_rate=0.01)
-    if name == "ddp_dense_sync":
-        return lm_config(corpus, data="ddp")
-    if name == "fsdp_dense_async":
-        return lm_config(corpus, data="fsdp", async_save=True)
-    if name == "tp_dense_sync":
-        return lm_config(corpus, tensor=2)
-    if name == "ddp_moe_sync":
-        return lm_config(corpus, data="ddp", moe=moe)
-    return lm_config(corpus, data="fsdp", experts="shard", async_save=True, moe=moe)
-
-
-def resume1(env, out_dir: Path, out: dict) -> None:
-    """Uninterrupted runs to step 8, saving at 4 and 8 while training goes on (their step-4 saves are
-    resumed by the next launch: new processes, new process group); the 1 -> 2 reshard."""
-    corpus = out_dir / "corpus"
-    for name in VARIANTS:
-        out[name] = run(variant(name, corpus), out_dir / f"{name}_a")
-    # 1 -> 2: the pytest side saved a 1-process DCP checkpoint at step 4; resume it on 2 ranks (EP+FSDP2)
-    cfg = variant("ep_fsdp_moe_async", corpus).replace(steps=5)  # and train one step on
-    run(cfg, out_dir / "one_proc", resume=True, dump=out_dir / "from_one.safetensors")
-    out["disagree"] = step_disagreement(env, out_dir / "disagree")
-    out["corrupt"] = corrupt_shard(env, out_dir / "corrupt")
-
-
-def corrupt_shard(env, run_dir: Path) -> dict:
-    """B7 on 2 ranks: one byte of a shard changed after the commit. Each file is hashed by one rank only;
-    every rank must raise the same error (a rank that raised alone would leave the other in DCP's load)."""
-    from tformer.distributed.checkpoint import DCPCheckpointer
-    from tformer.train.checkpoint import CheckpointError
-
-    torch.manual_seed(0)
-    model = build_model(moe_model_cfg().replace(moe=None))
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    checkpointer = DCPCheckpointer(env, 0)
-    path = checkpointer.save(run_dir, 3, model, opt, sched, {}, {}, None)
-    shards = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")
-    if env.is_main:  # the first shard: sorted after .metadata, so rank 1 hashes it
-        data = bytearray((path / shards[0]).read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (path / shards[0]).write_bytes(bytes(data))
-    env.barrier()
-    try:
-        checkpointer.load(path, model, opt, sched)
-        error = ""
-    except CheckpointError as e:
-        error = str(e)
-    checkpointer.save(run_dir, 4, model, opt, sched, {}, {}, None)
-    try:  # ranks that see different newest checkpoints (e.g. a filesystem that is not shared)
-        checkpointer.load(path.with_name(f"step_00000{3 + env.rank}"), model, opt, sched)
-        differ = ""
-    except CheckpointError as e:
-        differ = str(e)
-    checkpointer.close()
-    del model, opt, sched, checkpointer
-    return {"error": error, "shard": shards[0], "differ": differ}
-
-
-def step_disagreement(env, run_dir: Path) -> dict:
-    """B8: rank r asks to save step 5 + r: every rank raises before anything is written."""
-    from tformer.distributed.checkpoint import DCPCheckpointer
-    from tformer.train.checkpoint import CheckpointError
-
-    torch.manual_seed(0)
-    model = build_model(moe_model_cfg().replace(moe=None))
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    checkpointer = DCPCheckpointer(env, 0)
-    try:
-        checkpointer.save(run_dir, 5 + env.rank, model, opt, sched, {}, {}, None)
-        error = ""
-    except CheckpointError as e:
-        error = str(e)
-    env.barrier()
-    written = sorted(p.name for p in run_dir.rglob("*")) if run_dir.exists() else []
-    checkpointer.close()
-    del model, opt, sched, checkpointer
-    return {"error": error, "written": written}
-
-
-def copy_run(src: Path, dst: Path, step_dir: str) -> None:
-    """A run directory holding only `src`'s checkpoint `step_dir` (as if it had stopped there)."""
-    shutil.copytree(src / "checkpoints" / step_dir, dst / "checkpoints" / step_dir)
-    for f in ("tokenizer.json", "config.json", "metrics.jsonl"):
-        shutil.copy(src / f, dst / f)
-
-
-def resume2(env, out_dir: Path, out: dict) -> None:
-    """Resume each run's step-4 save to step 8; the EP+FSDP2 one also dumps its state at step 4 and is
-    left as a 2-rank checkpoint for the 1-process load on the pytest side (2 -> 1)."""
-    for name in VARIANTS:
-        a, b = out_dir / f"{name}_a", out_dir / f"{name}_b"
-        if env.is_main:
-            copy_run(a, b, "step_000004")
-            copy_run(a, out_dir / f"{name}_two_proc", "step_000004")
-        env.barrier()
-        dump = out_dir / "two_proc.safetensors" if name == "ep_fsdp_moe_async" else None
-        out[name] = run(variant(name, out_dir / "corpus"), b, resume=True, dump=dump)
-        if env.is_main:
-            out[name] |= {"losses_a": losses(a), "losses_b": losses(b)}
-
-
-def dump_full_state(trainer, dump: Path) -> None:
-    """The full model + optimizer state (expert slices gathered), written by rank 0."""
-    options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=options)
-    sliced = set(trainer.parallel.rank_local)
-    tensors = {f"model.{k}": full(v, k in sliced) for k, v in model_state.items() if not is_rank_local(k)}
-    for k, v in optim_state.items():
-        if isinstance(v, torch.Tensor):
-            name = k.removeprefix("state.").rsplit(".", 1)[0]
-            tensors[f"optim.{k}"] = full(v, name in sliced and v.dim() > 0)
-    if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, dump)
 
 
 def main() -> int:
