@@ -184,14 +184,48 @@ def test_dcp_mismatch_is_a_checkpoint_error(tmp_path) -> None:
     assert all(torch.equal(v, before[k]) for k, v in bigger.state_dict().items())  # nothing loaded
     wider = moe_model(4, d_ff=48)
     opt3, sched3 = trained(wider)
+    weights = {k: v.clone() for k, v in wider.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt3.state.values())}
+    schedule, rng = sched3.state_dict(), torch.get_rng_state()
     with pytest.raises(CheckpointError, match=r"rank 0: ValueError: Size mismatch .*experts\.\w+_proj"):
         DCPCheckpointer(Local(), seed=0).load(path, wider, opt3, sched3)
+    # a mismatch DCP itself finds (mid-load) changes nothing either: weights, optimizer, schedule, RNG
+    assert all(torch.equal(v, weights[k]) for k, v in wider.state_dict().items())
+    for i, st in enumerate(opt3.state.values()):
+        assert all(torch.equal(v, moments[i][k]) for k, v in st.items())
+    assert sched3.state_dict() == schedule and torch.equal(torch.get_rng_state(), rng)
 
     def fails():
         raise dcp.CheckpointException("save failed", {1: OSError("disk full")})
 
     with pytest.raises(CheckpointError, match="rank 1: OSError: disk full"):
         _dcp_call("save", tmp_path, fails)
+
+
+def test_a_crash_during_the_second_dcp_save_leaves_the_first_and_is_cleaned_up(tmp_path, monkeypatch) -> None:
+    """B2 for the DCP format: the step-1 checkpoint stays the latest and loads; the directory the failed
+    save left is never listed and goes with the next commit."""
+    model = moe_model()
+    optimizer, scheduler = trained(model)
+    ckpt = DCPCheckpointer(Local(), seed=0)
+    first = ckpt.save(tmp_path, 1, model, optimizer, scheduler, {"loader": {}}, {}, keep_last=None)
+    real_save = dcp.save
+
+    def dies(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(dcp, "save", dies)
+    with pytest.raises(CheckpointError, match="no space left on device"):
+        ckpt.save(tmp_path, 2, model, optimizer, scheduler, {"loader": {}}, {}, keep_last=None)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.glob(".tmp-*")] == [".tmp-step_000002-dcp"]
+    assert latest_checkpoint(tmp_path) == first
+    other = moe_model()
+    opt2, sched2 = trained(other)
+    assert ckpt.load(first, other, opt2, sched2) == {"loader": {}}
+    monkeypatch.setattr(dcp, "save", real_save)
+    third = ckpt.save(tmp_path, 3, model, optimizer, scheduler, {"loader": {}}, {}, keep_last=None)
+    assert sorted(p.name for p in root.iterdir()) == [first.name, third.name]
 
 
 def test_parallel_settings_in_one_process_are_named_as_unused() -> None:

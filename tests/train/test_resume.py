@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,23 @@ from tformer.train.optim import lr_factor
 
 def test_exact_resume_with_dropout(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir)
-    Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
+    whole = Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False)
+    whole.fit()
     Trainer(cfg, tmp_path / "b", make_task("lm"), progress=False).fit(until=4)
     assert len(losses(tmp_path / "b")) == 4
-    Trainer(cfg, tmp_path / "b", make_task("lm"), resume=True, progress=False).fit()
+    resumed = Trainer(cfg, tmp_path / "b", make_task("lm"), resume=True, progress=False)
+    assert resumed.state.step == 4 and resumed.state.tokens_seen > 0  # restored before the first step
+    resumed.fit()
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     assert len(set(losses(tmp_path / "a"))) > 1
+    # the counters too: step, tokens seen, skipped steps, the spike detector's running mean
+    assert asdict(resumed.state) == asdict(whole.state)
+
+    def records(run: Path) -> list[dict]:  # every logged step but its speed
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in map(json.loads, lines)]
+
+    assert records(tmp_path / "a") == records(tmp_path / "b")  # lr, tokens_seen, evaluations
 
 
 def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: Path) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,13 +61,13 @@ from tformer.train.checkpoint import (
     FORMAT_VERSION,
     MARKER,
     CheckpointError,
+    _clean_up,
     _fsync_dir,
     _json_bytes,
     _Reader,
     _write_file,
     _write_pair,
     file_entry,
-    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -334,12 +333,7 @@ class DCPCheckpointer:
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(final.parent)
-            if keep_last is not None:
-                for old in list_checkpoints(final.parent.parent)[:-keep_last]:
-                    if old != final:
-                        trash = old.with_name(f".trash-{old.name}-{uuid.uuid4().hex[:8]}")
-                        os.rename(old, trash)
-                        shutil.rmtree(trash, ignore_errors=True)
+            _clean_up(final.parent, keep_last, final)  # what crashed saves left, then retention
         if barrier:
             self.env.barrier()  # every rank sees the committed directory before it goes on
 
