@@ -95,12 +95,16 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
         for data, u in r["unused_expert"].items():
             assert u["finite"] and u["same"] and u["counters_kept"], (data, u)
             assert (u["expert3_tokens"] == 0) == (rank == 1), (data, u)  # rank 1 routed none to it
+            assert u["dead_experts"] and all(d == [] for d in u["dead_experts"]), (data, u)  # global counts
         assert r["nan"] == {
             "skipped_everywhere": True,
             "unchanged": True,
             "global_window_tokens": 64,
             "nonfinite_ranks": [1],  # named on every rank
         }
+        for data, g in r["ragged"].items():  # D8: batches of other shapes per rank, one process's result
+            assert g["shape"] == ([2, 8] if rank == 0 else [1, 5]), (data, g)
+            assert g["loss_diff"] < 1e-6 and g["param_diff"] < 1e-5, (data, g)
         acc = r["accumulation"]
         for data in ("ddp", "fsdp"):
             assert acc[data]["loss_diff"] < 1e-6 and acc[data]["param_diff"] < 1e-5, (data, acc)
@@ -187,6 +191,9 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert resumed[0][name]["losses_a"] == resumed[0][name]["losses_b"], name
         for a, b in zip(first, resumed):  # every rank's weights (its shards) at step 8
             assert a[name]["param_sums"] == b[name]["param_sums"], name
+        # A6: each rank resumed its own RNG stream (tensor-parallel ranks share one by design)
+        same_rng = resumed[0][name]["rng_at_start"] == resumed[1][name]["rng_at_start"]
+        assert same_rng == name.startswith("tp_"), name
     assert_same_state(load_file(tmp_path / "from_one.safetensors"), saved_one)  # 1 -> 2
     tp = load_run(tmp_path / "tp_dense_sync_a")  # a tensor-parallel DCP run opened in one process
     assert tp.step == 8

@@ -143,6 +143,7 @@ def parity(env, out_dir: Path, out: dict) -> None:
     out["unused_expert"] = unused_expert(env, cfg, ocfg)
     out["nan"] = nan_agreement(env, cfg, ocfg)
     out["accumulation"] = accumulation(env, cfg, ocfg)
+    out["ragged"] = ragged(env, cfg, ocfg)
 
 
 def fsdp_bf16(env, cfg, ocfg, ref_loss: float) -> dict:
@@ -206,7 +207,8 @@ def identical_across_ranks(model) -> bool:
 def unused_expert(env, cfg, ocfg) -> dict:
     """Expert 3 gets no token on rank 1 (its router bias there, set after wrapping: DDP broadcasts rank 0's
     buffers when it is built): DDP and FSDP2 steps neither crash nor hang, and the replicated weights
-    stay identical across ranks. Building DDP leaves each rank's own token counters alone."""
+    stay identical across ranks. Building DDP leaves each rank's own token counters alone. The logged
+    dead experts come from the counts summed over the ranks: none is dead."""
     result = {}
     for data in ("ddp", "fsdp"):
         torch.manual_seed(0)
@@ -232,6 +234,8 @@ def unused_expert(env, cfg, ocfg) -> dict:
             "same": identical_across_ranks(model),
             "expert3_tokens": sum(int(router.window_tokens[3]) for router in routers),
             "counters_kept": counters_kept,
+            # E4: dead over all ranks' tokens, not this rank's (rank 0 routed tokens to expert 3)
+            "dead_experts": [v["dead_experts"] for v in global_routing_stats(model, env).values()],
         }
         del par, model, opt, args
     return result
@@ -277,6 +281,51 @@ def accumulation(env, cfg, ocfg) -> dict:
             per_step.append(len(reductions) - before)
         result[data] = {
             "reductions_per_step": per_step,
+            "loss_diff": max(abs(a.loss - b.loss) for a, b in zip(got, want)),
+            "param_diff": max_diff(model, ref, set(), "param"),
+        }
+        del par, model, args
+    return result
+
+
+def ragged(env, cfg, ocfg) -> dict:
+    """Ranks with batches of different shapes (D8, a ragged last batch): rank 0 two rows, rank 1 one row
+    of another length; two DDP / FSDP2 steps vs one process on the three rows, and no hang (the launch's
+    timeout stands guard). The reference pads the short row with ignored targets; no bias update, which
+    would count the padding's routing."""
+    world, cfg = env.world_size, moe_model_cfg(bias_update_rate=0.0)
+    count = lambda b: int((b.targets != -100).sum())  # noqa: E731  (the reference's padding not counted)
+
+    def rows(step: int, rank: int | None = None) -> Batch:
+        g = global_batch(world, step)
+        short = Batch(g.ids[2:3, : T - 3], g.targets[2:3, : T - 3])  # rank 1's row, 3 tokens shorter
+        if rank is not None:
+            return Batch(g.ids[:2], g.targets[:2]) if rank == 0 else short
+        padded = torch.nn.functional.pad(short.targets, (0, 3), value=-100)  # ignored: as one process
+        ids = torch.cat([g.ids[:2], torch.nn.functional.pad(short.ids, (0, 3))])
+        return Batch(ids, torch.cat([g.targets[:2], padded]))
+
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    ref_args = step_args(ref, make_optimizer(ref, ocfg))
+    ref_args[3] = count
+    want = []
+    for step in range(2):
+        ref_args[2] = [rows(step)]
+        want.append(train_step(*ref_args))
+    result = {}
+    for data in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        par = parallelize(model, make_plan(ParallelConfig(data=data), world), env, torch.device("cpu"))
+        args = step_args(par.model, make_optimizer(model, ocfg), par.comm)
+        args[3] = count
+        got = []
+        for step in range(2):
+            args[2] = [rows(step, env.rank)]
+            got.append(train_step(*args))
+        result[data] = {
+            "shape": list(rows(0, env.rank).ids.shape),
             "loss_diff": max(abs(a.loss - b.loss) for a, b in zip(got, want)),
             "param_diff": max_diff(model, ref, set(), "param"),
         }

@@ -4,6 +4,7 @@ processes, process groups and world sizes; a damaged shard and ranks that disagr
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -48,6 +49,7 @@ def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
     from tformer.train.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, make_task("lm"), resume=resume, progress=False)
+    rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()  # this rank's, as restored
     if dump is not None:
         dump_full_state(trainer, dump)
     trainer.fit()
@@ -55,7 +57,7 @@ def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
     trainer.close()  # releases model, optimizer, mesh (the process group is the launch's)
     del trainer
     gc.collect()
-    return {"param_sums": sums}
+    return {"param_sums": sums, "rng_at_start": rng}
 
 
 def losses(run_dir: Path) -> list[str]:

@@ -340,6 +340,31 @@ def test_moe_aux_loss_is_logged_and_part_of_the_objective(
     assert (r.grad_norm > 0) == (coef > 0), r.grad_norm
 
 
+def test_a_dead_expert_is_logged_per_layer_over_the_logging_window(corpus_dir: Path, tmp_path: Path) -> None:
+    """RELIABILITY E4: an expert no token reaches is listed under each MoE layer's `dead_experts` in every
+    train record, counted over the steps since the previous record; the others are not."""
+    from tformer.config import MoEConfig
+
+    base = small_config(corpus_dir)
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.0)
+    model = base.model.replace(moe=moe, dropout=0.0, n_layers=2)
+    cfg = base.replace(model=model, steps=4, log_every=2, eval_every=4, save_every=4)
+    trainer = Trainer(cfg, tmp_path / "d", make_task("lm"), progress=False)
+    with torch.no_grad():
+        for module in trainer.model.modules():
+            if hasattr(module, "expert_bias"):
+                module.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))  # expert 3 never chosen
+    trainer.fit()
+    records = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["moe"] for r in records if r["kind"] == "train"]
+    assert len(logged) == 2 and all(len(layers) == 2 for layers in logged)  # steps 2 and 4, both layers
+    tokens = cfg.batch_size * cfg.data.seq_len
+    for layers in logged:
+        for stats in layers.values():
+            assert stats["dead_experts"] == [3]
+            assert stats["window_tokens"] == 2 * tokens * moe.top_k  # two steps' assignments
+
+
 def test_distributed_checkpoint_retention_keeps_the_newest(corpus_dir: Path, tmp_path: Path) -> None:
     """B4 for the DCP format: keep_last=2 after 5 saves leaves the 2 newest committed directories."""
     from tformer.train.checkpoint import list_checkpoints
