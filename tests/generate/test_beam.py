@@ -275,3 +275,34 @@ def test_search_fast_decode_equals_slow_twin(monkeypatch, count_calls, method: s
     for f, s in zip(fast, slow):
         assert f.score == pytest.approx(s.score, abs=1e-4)
     assert not any("forward" in m.__dict__ for m in model.modules())  # restored on exit
+
+
+def test_a_passed_generator_goes_on_across_calls() -> None:
+    """search(..., generator=g) draws from g: its first call equals a fresh seed, the next goes on from
+    there (a batch after batch input does not repeat its draws); anything else is named."""
+    model = seq2seq()
+    src, mask = sources()
+    cfg = SearchConfig(method="sample", temperature=1.0, max_len=10, seed=5)
+    ids = dict(bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
+    seeded = tokens(search(model, src, mask, cfg, **ids))
+    g = torch.Generator().manual_seed(5)
+    first, second = (tokens(search(model, src, mask, cfg, generator=g, **ids)) for _ in range(2))
+    assert first == seeded and second != first
+    with pytest.raises(ValueError, match="generator must be a torch.Generator on cpu, like src, got 5"):
+        search(model, src, mask, cfg, generator=5, **ids)
+
+
+def test_sampled_translations_of_one_input_draw_one_stream_over_its_batches() -> None:
+    """The same sentence four times, one per batch: four draws, not the first batch's draw four times;
+    the whole input is still reproducible from the seed."""
+    from tformer.data.tokenizer import Tokenizer
+    from tformer.tasks.translation import Translator
+
+    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
+    torch.manual_seed(0)
+    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32)).eval()
+    translator = Translator(pair, tok, tok, max_src_len=32)
+    cfg = SearchConfig(method="sample", temperature=1.0, max_len=12, seed=3, batch_size=1)
+    out = translator.translate(["the dog barked"] * 4, cfg)
+    assert len(set(out)) > 1
+    assert translator.translate(["the dog barked"] * 4, cfg) == out

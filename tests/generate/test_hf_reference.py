@@ -49,6 +49,13 @@ def test_top_k_equals_hf(k: int) -> None:
     assert_same_filter(apply_top_k(logits, k), TopKLogitsWarper(k)(ids, logits.clone()))
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_keeps_ties_as_hf_does(k: int) -> None:
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0], [1.0, 1.0, 0.0, 1.0, 5.0]])
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    assert_same_filter(apply_top_k(logits, k), TopKLogitsWarper(k)(ids, logits.clone()))
+
+
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.6, 0.9, 0.99])
 def test_top_p_equals_hf(p: float) -> None:
     logits, ids = random_logits(2)

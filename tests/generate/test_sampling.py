@@ -32,10 +32,11 @@ def test_temperature_scales():
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_top_k_keeps_exactly_k(k):
-    logits = torch.tensor([[0.1, 5.0, 5.0, 5.0, -2.0, 3.0, 5.0, 0.0], [1.0] * 8])  # ties included
+def test_top_k_keeps_k_and_the_ties_of_the_kth(k):
+    logits = torch.tensor([[0.1, 5.0, 5.0, 5.0, -2.0, 3.0, 5.0, 0.0], [1.0] * 8, [*range(8)]])  # ties
     out = apply_top_k(logits, k)
-    assert (out.isfinite().sum(-1) == k).all()
+    # row 0: the four 5.0s tie (k <= 4 keeps them all); row 1: all tie; row 2: no ties, exactly k
+    assert out.isfinite().sum(-1).tolist() == [{1: 4, 3: 4, 7: 7}[k], 8, k]
     kept = out.isfinite()
     assert torch.equal(out[kept], logits[kept])  # kept values unchanged
     assert (logits[0][kept[0]].min() >= logits[0][~kept[0]].max()).item()  # and they are the largest

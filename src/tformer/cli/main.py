@@ -71,9 +71,16 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--truncate-prompt at least half the context)",
     )
     p.add_argument("--temperature", type=float, default=None, help="default: 0.8; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="default: 50; 0 = off")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="default: 50 (and any tied with the 50th); 0 = off"
+    )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling; default: 1.0 (off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1.0 (off)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="CTRL penalty on the tokens of the prompt and of the text so far; default: 1.0 (off)",
+    )
     p.add_argument(
         "--stop",
         action="append",

@@ -315,15 +315,18 @@ def sample_search(
     seed: int = 0,
     banned: Sequence[int] = (),
     flat: bool = True,
+    generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """One token per step per sentence: argmax when temperature is 0 (greedy), else a seeded draw after
     temperature / top-k / top-p. Sentences leave the batch when they emit EOS or reach their max length.
-    flat: as in `beam_search`."""
+    flat: as in `beam_search`. generator: draw from it (a stream that goes on across calls, e.g. over the
+    batches of one input) instead of a new one seeded with `seed`."""
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
     steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1, flat)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
     alive = torch.arange(b, device=device)  # (N,)
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (N, t + 1)
     log_prob = torch.zeros(b, device=device)  # (N,)
@@ -356,8 +359,13 @@ def search(
     eos_id: int,
     banned: Sequence[int] = (),
     fast_decode: bool = True,
+    generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """Decode a batch with the method `cfg` names; max lengths from cfg and the source lengths.
+
+    generator: for method "sample", the stream to draw from (on src's device); None: a new one seeded
+    with cfg.seed. A caller that splits one input into batches passes one generator for all of them, so
+    each batch draws fresh numbers (`Translator` does).
 
     fast_decode: on the CPU, where it pays on this machine (`tformer.model.linear.row_blocking_pays`),
     compute the linear layers' products of a few rows as row-blocked products
@@ -376,6 +384,12 @@ def search(
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype not in (torch.long, torch.int32):
         raise TypeError("src must be a (batch, length) tensor of token ids (torch.long or torch.int32)")
     src = src.long()
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != src.device.type
+    ):
+        raise ValueError(
+            f"generator must be a torch.Generator on {src.device.type}, like src, got {generator!r}"
+        )
     if src_mask is not None and (
         not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool or src_mask.shape != src.shape
     ):
@@ -396,11 +410,19 @@ def search(
         raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
     with decoding_layout(model) if fast_decode else contextlib.nullcontext():
         return _search(
-            model, src, src_mask, cfg, bos_id=bos_id, eos_id=eos_id, banned=banned, flat=fast_decode
+            model,
+            src,
+            src_mask,
+            cfg,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            banned=banned,
+            flat=fast_decode,
+            generator=generator,
         )
 
 
-def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat) -> list[Hypothesis]:
+def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat, generator) -> list[Hypothesis]:
     src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
     max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
     common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned, flat=flat)
@@ -416,5 +438,6 @@ def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat) -> list[
         top_k=cfg.top_k,
         top_p=cfg.top_p,
         seed=cfg.seed,
+        generator=generator,
         **common,
     )

@@ -52,7 +52,9 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep exactly the top_k largest logits of each row (ties broken by torch.topk), the rest -inf.
+    """Keep the top_k largest logits of each row, the rest -inf. Logits equal to the k-th largest are
+    kept too (as Hugging Face's TopKLogitsWarper keeps them, and apply_top_p its ties), so the set
+    depends on the values alone, never on how torch.topk orders equal logits.
 
     top_k <= 0 or >= V leaves the logits unchanged. (B, V) -> (B, V).
     """
@@ -61,8 +63,8 @@ def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
         raise TypeError(f"top_k must be an int, got {top_k!r}")
     if top_k <= 0 or top_k >= logits.size(-1):
         return logits
-    values, indices = logits.topk(top_k, dim=-1)  # (B, k)
-    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -165,10 +167,13 @@ def sample_next(
 class SamplingConfig(Config):
     """How generate picks tokens.
 
-    temperature: 0 greedy, < 1 sharper, > 1 flatter. top_k: keep the k most likely tokens (0 off).
-    top_p: nucleus mass in (0, 1] (1 off). repetition_penalty: CTRL penalty (1 off, > 1 discourages
-    repeats). max_new_tokens: tokens generated at most. seed: seeds the sampling generator.
-    stop_strings: generation stops once the decoded text contains one of them.
+    temperature: 0 greedy, < 1 sharper, > 1 flatter. top_k: keep the k most likely tokens, and any tied
+    with the k-th (0 off). top_p: nucleus mass in (0, 1] (1 off). repetition_penalty: CTRL penalty (1
+    off, > 1 discourages repeats) on every token of the prompt and of the text generated so far (left
+    padding excluded). max_new_tokens: tokens generated at most. seed: seeds the sampling generator.
+    stop_strings: a row stops once its new text (the prompt's not included) contains one of them; the
+    ids generate returns still hold the token that completed it, and the CLI cuts the text at the stop
+    string (`truncate_at_stop`).
     """
 
     temperature: float = 1.0

@@ -90,6 +90,8 @@ class Translator:
         out: list[Hypothesis | None] = [None] * len(sources)
         was_training = self.model.training
         self.model.eval()
+        # one stream over every batch: a batch that reseeded would repeat the draws of the one before
+        generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.method == "sample" else None
         for start in range(0, len(order), cfg.batch_size):
             chunk = order[start : start + cfg.batch_size]
             src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
@@ -101,6 +103,7 @@ class Translator:
                 bos_id=self.tgt_tok.bos_id,
                 eos_id=self.tgt_tok.eos_id,
                 banned=(self.tgt_tok.pad_id, self.tgt_tok.bos_id),
+                generator=generator,
             )
             for i, h in zip(chunk, hyps):
                 out[i] = h
