@@ -173,3 +173,23 @@ def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, c
     captured = capsys.readouterr()
     assert captured.out == plain and len(calls) == 5  # every step after the prompt's
     assert "compiling the decoding step with torch.compile" in captured.err
+
+
+def test_min_new_tokens_reaches_generate_and_is_checked(trained_run: Path, capsys, monkeypatch) -> None:
+    from tformer.cli import generate as cli_generate
+
+    seen = []
+    real = cli_generate.generate
+    monkeypatch.setattr(cli_generate, "generate", lambda m, p, s, **kw: seen.append(s) or real(m, p, s, **kw))
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--no-stream"]
+    assert main([*argv, "--max-new-tokens", "6", "--min-new-tokens", "4"]) == 0
+    assert seen[-1].min_new_tokens == 4 and seen[-1].max_new_tokens == 6
+    capsys.readouterr()
+    assert main([*argv, "--max-new-tokens", "3", "--min-new-tokens", "5"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--min-new-tokens must be >= 0 and <= --max-new-tokens (3), got 5" in err and "Traceback" not in err
+    )
+    # without --max-new-tokens the budget fitted to the context is at least the minimum asked for
+    assert main([*argv, "--min-new-tokens", "70"]) == 2
+    assert "+ --max-new-tokens 70 exceeds the model's context of 64" in capsys.readouterr().err

@@ -124,3 +124,33 @@ def test_seeded_sampling_draws_what_hf_draws_under_the_same_seed(llama_pair, opt
     assert drawn == theirs
     torch.manual_seed(99)
     assert hf_generate(hf, prompts, 24, do_sample=True, **hf_options) != theirs  # the seed matters
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_min_new_tokens_holds_eos_back_as_hf_does(llama_pair, fast_decode: bool) -> None:
+    """EOS is the token greedy decoding picks second: with min_new_tokens=5 neither side may draw it
+    before the 6th token; both then stop where HF's MinNewTokensLengthLogitsProcessor lets it through."""
+    ours, hf = llama_pair
+    prompts = PROMPTS["ragged"]
+    free = generate(ours, prompts, SamplingConfig(temperature=0.0, max_new_tokens=24))
+    eos = free[0][1]
+    early = generate(ours, prompts, SamplingConfig(temperature=0.0, max_new_tokens=24), eos_id=eos)
+    assert len(early[0]) == 1  # without the minimum, row 0 ends at its second token
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=24, min_new_tokens=5)
+    held = generate(ours, prompts, sampling, eos_id=eos, fast_decode=fast_decode)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (ids != 0).long()
+    out = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        min_new_tokens=5,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[:, width:].tolist()
+    theirs = [row[: row.index(eos)] if eos in row else row for row in out]  # tformer strips EOS and after
+    assert held == theirs
+    assert all(len(row) >= 5 and eos not in row[:5] for row in held)
+    assert len(held[0]) > 1

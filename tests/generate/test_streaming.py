@@ -45,10 +45,11 @@ def test_an_unfinished_character_at_the_end_is_written_by_finish():
 
 
 def test_stop_strings_on_the_command_line_read_backslash_n_as_a_newline():
-    args = argparse.Namespace(
-        greedy=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=4, seed=0,
-        stop=["\\n\\n", "END"],
-    )  # fmt: skip
+    from tformer.cli.main import _generate_args
+
+    parser = argparse.ArgumentParser()
+    _generate_args(parser)  # the command's own options and defaults
+    args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "\\n\\n", "--stop", "END"])
     assert sampling_from_args(args).stop_strings == ("\n\n", "END")
 
 

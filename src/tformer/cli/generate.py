@@ -46,6 +46,7 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         top_p=value["top_p"],
         repetition_penalty=args.repetition_penalty,
         max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
         seed=value["seed"],
         stop_strings=tuple(newlines(s) for s in args.stop),  # "\n" as in prompts
     )
@@ -110,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
         room = context - max(len(ids) for ids in encoded)
         if args.truncate_prompt:  # a prompt cut to fit keeps at least half the context for new tokens
             room = max(room, context // 2)
-        sampling = sampling.replace(max_new_tokens=min(DEFAULT_NEW_TOKENS, max(1, room)))
+        new = min(
+            DEFAULT_NEW_TOKENS, max(1, room)
+        )  # at least --min-new-tokens: a prompt leaving less is named
+        sampling = sampling.replace(max_new_tokens=max(new, sampling.min_new_tokens))
     if args.truncate_prompt:
         try:
             encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)

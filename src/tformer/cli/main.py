@@ -70,6 +70,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         help="tokens to generate (default: 200, or what the model's context leaves after the prompt; with "
         "--truncate-prompt at least half the context)",
     )
+    p.add_argument(
+        "--min-new-tokens",
+        type=nonnegative_int,
+        default=0,
+        help="end-of-text cannot be drawn before this many new tokens (default: 0; --stop still stops)",
+    )
     p.add_argument("--temperature", type=float, default=None, help="default: 0.8; 0 = greedy")
     p.add_argument(
         "--top-k", type=int, default=None, help="default: 50 (and any tied with the 50th); 0 = off"

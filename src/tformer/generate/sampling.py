@@ -170,7 +170,8 @@ class SamplingConfig(Config):
     temperature: 0 greedy, < 1 sharper, > 1 flatter. top_k: keep the k most likely tokens, and any tied
     with the k-th (0 off). top_p: nucleus mass in (0, 1] (1 off). repetition_penalty: CTRL penalty (1
     off, > 1 discourages repeats) on every token of the prompt and of the text generated so far (left
-    padding excluded). max_new_tokens: tokens generated at most. seed: seeds the sampling generator.
+    padding excluded). max_new_tokens: tokens generated at most. min_new_tokens: EOS cannot be drawn
+    before this many new tokens (0 off; stop strings still stop). seed: seeds the sampling generator.
     stop_strings: a row stops once its new text (the prompt's not included) contains one of them; the
     ids generate returns still hold the token that completed it, and the CLI cuts the text at the stop
     string (`truncate_at_stop`).
@@ -183,6 +184,7 @@ class SamplingConfig(Config):
     max_new_tokens: int = 128
     seed: int = 0
     stop_strings: tuple[str, ...] = ()
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         # tformer.schema has no tuple type yet: check stop_strings here, every other field as Config does.
@@ -214,6 +216,11 @@ class SamplingConfig(Config):
             "must be finite and > 0 (1 means off)",
         )
         self._require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        self._require(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be >= 0 and <= SamplingConfig.max_new_tokens ({self.max_new_tokens})",
+        )
         self._require(0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
 
     def to_dict(self) -> dict[str, Any]:
