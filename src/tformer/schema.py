@@ -218,6 +218,9 @@ class Config:
         except (OSError, ValueError) as e:  # unreadable, not UTF-8
             reason = " ".join(str(e).split())
             raise ConfigError(f"{path}: not a readable {cls.__name__} file ({reason})") from None
-        return cls.from_dict(
-            cls._parse(text, "YAML" if path.suffix in (".yaml", ".yml") else "JSON", str(path))
-        )
+        data = cls._parse(text, "YAML" if path.suffix in (".yaml", ".yml") else "JSON", str(path))
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path}: a {cls.__name__} file holds a mapping of its fields, got a {type(data).__name__}"
+            )
+        return cls.from_dict(data)

@@ -116,6 +116,21 @@ def test_report_only_of_an_interrupted_study_names_what_is_missing(quick_run, tm
     assert arms[0].name in err and "Traceback" not in err
 
 
+def test_report_only_names_a_damaged_setting_and_skips_a_half_written_record(quick_run, tmp_path, capsys):
+    study, out, _ = quick_run
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    log = sorted((copy / "arms").iterdir())[0] / "metrics.jsonl"
+    with log.open("a") as f:
+        f.write('{"kind": "tra')  # a killed arm's last line
+    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 0
+    (copy / "setting.json").write_text("[]")
+    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy / 'setting.json'} holds an array where tformer wrote an object" in err
+    assert "Traceback" not in err
+
+
 def test_resume_trains_only_the_arms_that_did_not_finish(quick_run, tmp_path, capsys):
     """A study stopped with one arm cut mid-training and one never started: --resume keeps the finished
     arms' logs byte for byte and trains the two again, to the losses of the uninterrupted run."""

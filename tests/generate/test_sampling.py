@@ -91,10 +91,11 @@ def test_temperature_to_zero_is_greedy():
 
 
 def test_tiny_temperature_or_penalty_picks_the_top_token_instead_of_nan():
-    """Values this small take finite logits to +-inf; the softmax had given NaN and torch had raised."""
+    """Values this small take finite logits to +-inf (or, below float32's range, are 0 there); the softmax
+    had given NaN and torch had raised."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)) * 5
     greedy = logits.argmax(-1)
-    for t in (1e-39, 1e-45):
+    for t in (1e-39, 1e-45, 1e-46, 1e-320):  # the last two are 0 in float32
         assert torch.equal(sample_next(logits, temperature=t, generator=make_generator(0)), greedy)
         assert torch.equal(sample_next(logits - 100, temperature=t, generator=make_generator(0)), greedy)
     masked = logits.clone()

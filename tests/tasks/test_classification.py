@@ -217,6 +217,16 @@ def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys)
         )
     with pytest.warns(UserWarning, match="the test split differs from the one this run recorded"):
         assert main(["eval", "--run", str(out), "--json"]) == 0  # scored, but said (translation and LM alike)
+    (tmp_path / "mine" / "gloomy").rename(tmp_path / "mine" / "glum")  # a class the model does not have
+    with pytest.warns(UserWarning, match="differs"):
+        assert main(["eval", "--run", str(out), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "the test split holds labels the run never trained on: 'glum' (its classes: 'cheerful', 'gloomy')"
+        in err
+    )
+    assert "Traceback" not in err
+    (tmp_path / "mine" / "glum").rename(tmp_path / "mine" / "gloomy")
     assert main(["train", "--preset", "tiny-classification", "--set", f"data.path={tmp_path / 'mine'}",
                  "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     assert "for your own data use data.corpus=labels:" in capsys.readouterr().err

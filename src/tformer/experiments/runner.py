@@ -41,6 +41,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.distributed.env import resolve_device
+from tformer.json_files import read_json, read_json_lines
 from tformer.model import build_model
 from tformer.model.moe import (
     discard_expert_counts,
@@ -206,7 +207,7 @@ def read_setting(run_dir: Path) -> dict[str, Any]:
     path = Path(run_dir) / SETTING
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: not an experiment run directory")
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 # ----------------------------------------------------------------------------- data
@@ -332,7 +333,7 @@ class JsonlLog:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return read_json_lines(path)  # a line a killed arm left half-written is skipped
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -462,7 +463,7 @@ def read_arms(run_dir: Path) -> list[ArmLog]:
     metas = []
     for arm_dir in (Path(run_dir) / "arms").iterdir():
         if (arm_dir / ARM).exists() and (arm_dir / METRICS).exists():
-            metas.append((json.loads((arm_dir / ARM).read_text()), arm_dir / METRICS))
+            metas.append((read_json(arm_dir / ARM), arm_dir / METRICS))
     metas.sort(key=lambda m: m[0]["index"])
     return [ArmLog(m["name"], m["seed"], m["tags"], m["model"], read_records(path)) for m, path in metas]
 

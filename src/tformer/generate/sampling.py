@@ -47,8 +47,12 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     scaled = logits / temperature
     # a tiny temperature can take finite logits to +-inf (and the softmax to NaN): such rows are
     # scaled after subtracting their largest logit, which keeps it at 0; other rows are left as they are
+    # (in float64: a temperature below float32's range, e.g. 1e-46, is 0 there and 0 / 0 would be NaN)
     overflow = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)
-    return torch.where(overflow, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, scaled)
+    if not bool(overflow.any()):
+        return scaled
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
+    return torch.where(overflow, shifted.to(scaled.dtype), scaled)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from tformer.data.datasets import (
 )
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
+from tformer.json_files import read_json
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
@@ -237,7 +238,7 @@ def run_labels(run: LoadedRun) -> tuple[str, ...]:
     """A run's class names: from its data.json, else from its corpus."""
     path = run_dir_of(run.checkpoint) / MANIFEST
     if path.exists():
-        labels = json.loads(path.read_text()).get("labels")
+        labels = read_json(path).get("labels")
         if labels:
             return tuple(labels)
     return load_task_corpus(run.train_config.data, "classification").labels
@@ -261,6 +262,13 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
     index = {label: i for i, label in enumerate(classifier.labels)}
     docs = corpus[split]
+    unknown = sorted({d.label for d in docs} - index.keys())
+    if unknown:  # a label folder renamed or added since the run trained: no class of the model is it
+        raise ValueError(
+            f"the {split} split holds labels the run never trained on: {', '.join(map(repr, unknown))} "
+            f"(its classes: {', '.join(map(repr, classifier.labels))}); restore the data's label names, or "
+            "train a new run on it"
+        )
     ids, cut = classifier.encode([d.text for d in docs])
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
     collate = ClassificationCollator(classifier.tokenizer.pad_id)

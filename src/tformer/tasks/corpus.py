@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tformer.data.corpora import Corpus, MissingDataError, corpus_task, load_corpus
 from tformer.data.tokenizer import Tokenizer
+from tformer.json_files import read_json
 from tformer.schema import ConfigError
 from tformer.train.config import DataConfig
 
@@ -102,7 +103,12 @@ def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
         return []
-    recorded = json.loads(path.read_text())
+    recorded = read_json(path)
+    if not isinstance(recorded.get("ids_sha256"), dict):  # emptied or edited: no check would be made
+        raise ValueError(
+            f"{path} records no splits (no ids_sha256 object); damaged or edited? Restore it from a copy, "
+            "or start a new run"
+        )
     now = corpus.manifest()
     changed = []
     for split in now["ids_sha256"]:

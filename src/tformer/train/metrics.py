@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tformer.json_files import read_json_lines
+
 
 class MetricsLog:
     """Appends one JSON object per record to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
@@ -43,16 +45,9 @@ class MetricsLog:
             self._writer(purge_step=step + 1)
         if not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("step", 0) <= step:
-                kept.append(line)
+        kept = [r for r in read_json_lines(self.path, is_record) if r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
 
     def close(self) -> None:
@@ -61,16 +56,20 @@ class MetricsLog:
             self.tb = None
 
 
+def is_record(record: dict[str, Any]) -> bool:
+    """A record MetricsLog writes: a kind and an integer step (a line edited into anything else is not)."""
+    step = record.get("step")
+    return isinstance(record.get("kind"), str) and isinstance(step, int) and not isinstance(step, bool)
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's records; a line a killed process left half-written is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+    """The run's records; a line a killed process left half-written, or one that is not a record, is
+    skipped."""
+    return read_json_lines(Path(run_dir) / "metrics.jsonl", is_record)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
@@ -81,8 +80,10 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and _number(r.get("loss"))]
+    evals = [
+        (r["step"], r["eval_loss"]) for r in records if r["kind"] == "eval" and _number(r.get("eval_loss"))
+    ]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
