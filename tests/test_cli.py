@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -545,3 +546,28 @@ def test_a_rank_whose_peer_failed_says_one_line(monkeypatch, capsys) -> None:
     monkeypatch.setenv("RANK", "0")  # rank 0, or another error: not hidden
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         main(["eval", "--run", "x"])
+
+
+def test_demo_builds_every_architecture_and_reports_its_last_step(capsys) -> None:
+    assert main(["demo", "--steps", "12"]) == 0
+    out = capsys.readouterr().out
+    for arch in ("decoder", "encoder", "encoder_decoder"):
+        assert f"built {arch} " in out
+    steps = [line.split()[:4] for line in out.splitlines() if line.startswith("step")]
+    assert [s[1] for s in steps] == ["1", "10", "12"]  # the last step is reported, not only every 10th
+    assert float(steps[-1][3]) < float(steps[0][3])  # it learns
+
+
+def test_an_empty_out_and_a_stop_string_that_is_not_utf8_are_named(capsys) -> None:
+    assert main(["train", "--preset", "tiny-lm", "--out", ""]) == 2
+    assert "--out is empty: give a run directory" in capsys.readouterr().err
+    assert main(["experiment", "rope", "--quick", "--out", " "]) == 2
+    assert "--out is empty: give a directory" in capsys.readouterr().err
+    from tformer.cli.generate import sampling_from_args
+    from tformer.cli.main import _generate_args
+
+    parser = argparse.ArgumentParser()
+    _generate_args(parser)
+    args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "ab\udcff"])  # a byte not UTF-8
+    with pytest.raises(ValueError, match="--stop is not valid UTF-8 text"):
+        sampling_from_args(args)

@@ -502,3 +502,12 @@ def test_cached_loads_read_edited_files_afresh_and_stamp_only_path_arguments(tmp
     assert load(str(data)) == "three" and len(calls) == 2
     (tmp_path / "de" / "y").write_text("y")  # would have changed the key had "de" been stamped
     assert load(str(data)) == "three" and len(calls) == 2
+
+
+def test_an_unknown_direction_is_named_as_the_config_key(tmp_path) -> None:
+    from tformer.data.corpora import load_trans_de_en
+
+    with pytest.raises(
+        ValueError, match=r"direction \(data.direction in a run's config\) must be 'en-de' or"
+    ):
+        load_trans_de_en(path=tmp_path, direction="fr-en")

@@ -180,7 +180,8 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--lr", "nan"], "OptimConfig.lr must be a finite number"),
+        (["--lr", "nan"], "--lr must be a finite number"),  # named as the flag, not OptimConfig.lr
+        (["--vocab-size", "10"], "--vocab-size must be from 260"),  # found while the first arm starts
         (["--batch-size", "100000"], "makes no full batch per process"),
         (
             ["--steps", "3"],

@@ -286,6 +286,10 @@ def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, caps
     assert "no non-empty line" in error(["translate", "--run", run, "--file", str(empty)])
     assert "does not exist" in error(["translate", "--run", run, "--file", str(tmp_path / "nope.txt")])
     assert "not both" in error(["translate", "--run", run, "--greedy", "--sample", "--text", "Hund"])
+    sampled_at_zero = error(["translate", "--run", run, "--sample", "--temperature", "0", "--text", "Hund"])
+    assert "--temperature must be finite and > 0 (--greedy for argmax), got 0.0" in sampled_at_zero
+    no_length = error(["translate", "--run", run, "--max-len", "0", "--text", "Hund"])
+    assert "--max-len must be >= 1 (or leave --max-len out: from the source length), got 0" in no_length
     out = str(tmp_path / "x")
     missing = error(
         ["train", "--preset", "tiny-translation", "--set", f"data.path={tmp_path / 'no-file'}", "--out", out]

@@ -32,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step == 1 or step % 10 == 0:
+        if step == 1 or step % 10 == 0 or step == args.steps:  # the last step too
             print(f"step {step:>4}  loss {loss.item():.3f}  ({loss.item() / 0.6931:.2f} bits/byte)")
     return 0

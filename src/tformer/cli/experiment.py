@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from tformer.cli.options import nonnegative_int, positive_int
 from tformer.experiments import STUDIES
+from tformer.schema import ConfigError
 
 # CLI flag -> Setting field; a flag left out keeps the setting's value
 OVERRIDES = {
@@ -34,6 +36,20 @@ OVERRIDES = {
     "device": "device",
     "max_train_docs": "max_train_docs",
 }
+
+
+@contextlib.contextmanager
+def flags_named(args: argparse.Namespace):
+    """A ConfigError about a setting the user gave as a flag (`OptimConfig.lr` from --lr) names the flag."""
+    try:
+        yield
+    except ConfigError as err:
+        given = {OVERRIDES[f] for f in OVERRIDES if getattr(args, f, None) is not None}
+
+        def flag(m: re.Match) -> str:
+            return "--" + m.group(2).replace("_", "-") if m.group(2) in given else m.group(0)
+
+        raise ConfigError(re.sub(r"\b(\w+Config)\.(\w+)", flag, str(err))) from None
 
 
 def depth_list(text: str) -> tuple[int, ...]:
@@ -124,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from tformer.train.run_dir import outermost_missing
 
     module = importlib.import_module(STUDIES[args.study])
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty: give a directory (without --out: runs/experiments/<study>)")
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
     if args.report_only and args.resume:
         raise ValueError("give --report-only or --resume, not both")
@@ -151,15 +169,16 @@ def run(args: argparse.Namespace) -> int:
             module.run(setting, out)
         print(f"trained in {time.perf_counter() - t0:.1f} s")
     elif not args.report_only:
-        setting = resolve_setting(args, module)
-        resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
-        module.make_arms(setting)  # an arm's model or optimizer setting out of range
+        with flags_named(args):
+            setting = resolve_setting(args, module)
+            resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
+            module.make_arms(setting)  # an arm's model or optimizer setting out of range
         created = outermost_missing(out)
         out = prepare_run_dir(out, args.overwrite)
         write_setting(out, args.study, "quick" if args.quick else "full", setting)
         t0 = time.perf_counter()
         try:
-            with torch_threads(args.threads):
+            with torch_threads(args.threads), flags_named(args):
                 module.run(setting, out)
         except Exception:  # failed before an arm finished (data, batch size): leave nothing behind
             if created is not None and len(list((out / "arms").glob("*"))) <= 1:  # at most the failed arm

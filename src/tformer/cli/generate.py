@@ -48,7 +48,7 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
         min_new_tokens=args.min_new_tokens,
         seed=value["seed"],
-        stop_strings=tuple(newlines(s) for s in args.stop),  # "\n" as in prompts
+        stop_strings=tuple(newlines(utf8_text(s, "--stop")) for s in args.stop),  # "\n" as in prompts
     )
 
 

@@ -17,15 +17,19 @@ from tformer.train.presets import TRAIN_PRESETS, get_train_preset
 
 
 @contextlib.contextmanager
-def named_as_flags(config: str, renames: dict[str, str] | None = None):
+def named_as_flags(config: str, renames: dict[str, str] | None = None, phrases: dict[str, str] | None = None):
     """A ConfigError about `config`'s fields, built from command-line options, names the options the
     user typed (`--max-new-tokens`), not the fields (`SamplingConfig.max_new_tokens`). A field's flag
-    is --field-with-dashes unless `renames` gives another."""
+    is --field-with-dashes unless `renames` gives another; `phrases` rewrites the API's advice in the
+    command line's words."""
     try:
         yield
     except ConfigError as err:
         flag = lambda m: (renames or {}).get(m.group(1), "--" + m.group(1).replace("_", "-"))  # noqa: E731
-        raise ConfigError(re.sub(rf"\b{config}\.(\w+)", flag, str(err))) from None
+        text = re.sub(rf"\b{config}\.(\w+)", flag, str(err))
+        for api, cli in (phrases or {}).items():
+            text = text.replace(api, cli)
+        raise ConfigError(text) from None
 
 
 def _int_at_least(low: int):

@@ -16,6 +16,8 @@ def run(args: argparse.Namespace) -> int:
     from tformer.tasks import make_task
     from tformer.train.loop import Trainer
 
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty: give a run directory (without --out: runs/<preset>)")
     out = (
         Path(args.out)
         if args.out

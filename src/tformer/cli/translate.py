@@ -70,7 +70,9 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
                 raise ValueError(f"{', '.join(flags)} {verb} to sampling only: add --sample (or drop it)")
             raise ValueError(f"{', '.join(flags)} {verb} to beam search only, not with --{method}")
         given.update({options[flag]: getattr(args, options[flag]) for flag in flags})
-    with named_as_flags("SearchConfig", {"beam_size": "--beam"}):
+    cli_words = {"(method='greedy' for argmax)": "(--greedy for argmax)",
+                 "(or null: from the source length)": "(or leave --max-len out: from the source length)"}  # fmt: skip
+    with named_as_flags("SearchConfig", {"beam_size": "--beam"}, cli_words):
         return SearchConfig(method=method, max_len=args.max_len, batch_size=args.batch_size, **given)
 
 

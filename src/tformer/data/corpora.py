@@ -189,7 +189,9 @@ def load_trans_de_en(
     that holds a validation or test sentence, or whose German is one, are never taken.
     """
     if direction not in ("en-de", "de-en"):
-        raise ValueError(f"direction must be 'en-de' or 'de-en', got {direction!r}")
+        raise ValueError(
+            f"direction (data.direction in a run's config) must be 'en-de' or 'de-en', got {direction!r}"
+        )
     if terms < 0:
         raise ValueError(f"terms must be >= 0, got {terms}")
     raw = parse_trans_de_en(path)
