@@ -245,3 +245,28 @@ def test_a_preset_name_that_is_not_a_string_is_named() -> None:
 
     with pytest.raises(ConfigError, match=r"unknown training preset \['x'\]; available: "):
         get_train_preset(["x"])  # had been "unhashable type: 'list'"
+
+
+def test_a_data_setting_the_task_never_reads_is_refused() -> None:
+    """data.max_tokens on a language model had been ignored without a word."""
+    lm, classify = get_train_preset("tiny-lm"), get_train_preset("tiny-classification")
+    with pytest.raises(ConfigError, match=r"data.max_tokens is read by the translation and classification tasks only: task 'lm' would ignore it; leave it null, got 64"):  # fmt: skip
+        lm.with_overrides({"data.max_tokens": 64})
+    with pytest.raises(ConfigError, match=r"data.tokenizer is read by the translation task only: task 'classification'.* leave it at 'joint', got 'separate'"):  # fmt: skip
+        classify.with_overrides({"data.tokenizer": "separate"})
+    assert classify.with_overrides({"data.max_tokens": 512}).data.max_tokens == 512  # read there
+    translation = get_train_preset("tiny-translation").with_overrides({"data.src_vocab_size": 300})
+    assert translation.data.src_vocab_size == 300
+
+
+@pytest.mark.parametrize(
+    "fmt, text", [("yaml", "steps: 3\nsteps: 1\n"), ("json", '{"optim": {"lr": 1, "lr": 2}}')]
+)
+def test_a_key_written_twice_in_a_config_file_is_named(tmp_path, fmt: str, text: str) -> None:
+    """YAML and JSON readers keep the last value of a repeated key without a word; a config file must not."""
+    path = tmp_path / f"run.{fmt}"
+    path.write_text(text)
+    with pytest.raises(
+        ConfigError, match=rf"run.{fmt}: not a readable TrainConfig file \(the key '(steps|lr)' appears twice"
+    ):
+        TrainConfig.load(path)

@@ -189,7 +189,7 @@ class Config:
         import yaml
 
         try:
-            data = json.loads(text) if fmt == "JSON" else yaml.safe_load(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys) if fmt == "JSON" else _yaml_unique(text)
         except (ValueError, yaml.YAMLError) as e:
             reason = " ".join(str(e).split())
             what = (
@@ -224,3 +224,36 @@ class Config:
                 f"{path}: a {cls.__name__} file holds a mapping of its fields, got a {type(data).__name__}"
             )
         return cls.from_dict(data)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a key written twice (the first value silently lost) is an
+    error naming it."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one mapping (which value is meant?)")
+        out[key] = value
+    return out
+
+
+def _yaml_unique(text: str) -> Any:
+    """yaml.safe_load, but a key written twice in one mapping is an error (PyYAML keeps the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"the key {key!r} appears twice in one mapping (which value is meant?)",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)

@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tformer.config import MAX_BPE_VOCAB, ModelConfig
-from tformer.schema import Config
+from tformer.schema import Config, ConfigError
+
+# data settings only some tasks read, with the value that means "not set": set for another task, they
+# would be ignored, so TrainConfig refuses them
+READ_BY = {
+    "max_tokens": ((None,), ("translation", "classification")),
+    "tokenizer": (("joint",), ("translation",)),
+    "src_vocab_size": ((None,), ("translation",)),
+}
 
 
 @dataclass(frozen=True)
@@ -192,3 +200,13 @@ class TrainConfig(Config):
             "device",
             "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
+        self._check_task_reads_its_data_settings()
+
+    def _check_task_reads_its_data_settings(self) -> None:
+        for name, (unset, tasks) in READ_BY.items():
+            value = getattr(self.data, name)
+            if self.task not in tasks and value not in unset:
+                raise ConfigError(
+                    f"data.{name} is read by the {' and '.join(tasks)} task{'s' if len(tasks) > 1 else ''} "
+                    f"only: task {self.task!r} would ignore it; leave it {'null' if unset[0] is None else 'at ' + repr(unset[0])}, got {value!r}"
+                )
