@@ -34,18 +34,32 @@ def _times(fn, repeats: int, device: torch.device) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer import build_model
-    from tformer.cli.options import resolve_train_config, warn
-    from tformer.distributed.env import resolve_device
-    from tformer.generate.engine import generate
-    from tformer.generate.sampling import SamplingConfig
-    from tformer.model.stats import count_params, flops_per_token
-    from tformer.train.config import ParallelConfig
-    from tformer.train.optim import make_optimizer
-    from tformer.train.step import autocast_context
-
     if args.threads:
         torch.set_num_threads(args.threads)
+    cfg, mcfg, device, (b, t), n_new = _setting(args)
+    from tformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(mcfg).to(device)
+    result = {
+        **_model_line(model, cfg, device, b, t, args.repeats),
+        **_training(model, cfg, mcfg, device, b, t, args.repeats),
+        **_decoding(model, mcfg, device, n_new, args),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print(result, cfg.dtype, args.repeats)
+    return 0
+
+
+def _setting(args: argparse.Namespace):
+    """The config, the model config as training sizes it, the device, (batch, length) and the decoded
+    token count, each checked before anything is built."""
+    from tformer.cli.options import resolve_train_config, warn
+    from tformer.distributed.env import resolve_device
+    from tformer.train.config import ParallelConfig
+
     cfg = resolve_train_config(args, default_preset="shakespeare")
     if cfg.model.arch != "decoder":
         raise ValueError(f"tformer bench measures decoder LMs; preset arch is {cfg.model.arch!r}")
@@ -66,8 +80,31 @@ def run(args: argparse.Namespace) -> int:
             f"--new-tokens {n_new} does not fit after the {PROMPT}-token prompt in the context of "
             f"{mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer): at most {room}"
         )
-    torch.manual_seed(0)
-    model = build_model(mcfg).to(device)
+    return cfg, mcfg, device, (b, t), n_new
+
+
+def _model_line(model, cfg, device, b: int, t: int, repeats: int) -> dict:
+    from tformer.model.stats import count_params
+
+    params = count_params(model)
+    return {
+        "params_total": params["total"],
+        "params_active": params["active"],
+        "batch": [b, t],
+        "device": str(device),
+        "dtype": cfg.dtype,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,  # timed training steps (best reported; the median beside it)
+    }
+
+
+def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
+    """Training tokens/s (forward, loss, backward, AdamW) and its MFU against a matmul rate of the
+    model's widths measured now."""
+    from tformer.model.stats import flops_per_token
+    from tformer.train.optim import make_optimizer
+    from tformer.train.step import autocast_context
+
     opt = make_optimizer(model, cfg.optim)
     autocast = autocast_context(device, cfg.dtype)
     x = torch.randint(0, mcfg.vocab_size, (b, t), device=device)
@@ -88,78 +125,85 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(20):
             a @ w.t()
 
-    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, args.repeats, device)[0]
-    train_s, train_median = _times(train_step, args.repeats, device)
+    peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, repeats, device)[0]
+    train_s, train_median = _times(train_step, repeats, device)
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
     model.eval()
-    prompt = [x[0, :PROMPT].tolist()]
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
-    decode_calls = max(1, args.repeats // 2)
-    decode_s, decode_median = _times(lambda: generate(model, prompt, sampling), decode_calls, device)
-    compiled = {}
-    if args.compile_decoding:  # the first call compiles: timed on its own, then the calls as above
-        t0 = time.perf_counter()
-        generate(model, prompt, sampling, compile=True)
-        first = time.perf_counter() - t0
-        best, median = _times(lambda: generate(model, prompt, sampling, compile=True), decode_calls, device)
-        compiled = {
-            "decode_compiled_first_call_s": first,
-            "decode_compiled_tokens_per_s": n_new / best,
-            "decode_compiled_tokens_per_s_median": n_new / median,
-            "decode_compiled_ms_per_token": 1000 * best / n_new,
-        }
-    params = count_params(model)
-    result = {
-        "params_total": params["total"],
-        "params_active": params["active"],
-        "batch": [b, t],
-        "device": str(device),
-        "dtype": cfg.dtype,
-        "threads": torch.get_num_threads(),
-        "repeats": args.repeats,  # timed training steps (best reported; the median beside it)
+    return {
         "matmul_shape": [a.shape[0], a.shape[1], w.shape[0]],  # (M, K) @ (K, N): the MFU's denominator
         "matmul_peak_gflops": peak / 1e9,
         "train_tokens_per_s": b * t / train_s,
         "train_tokens_per_s_median": b * t / train_median,
         "train_mfu": train_flops / train_s / peak,
-        "decode_calls": decode_calls,
+    }
+
+
+def _decoding(model, mcfg, device, n_new: int, args: argparse.Namespace) -> dict:
+    """Greedy KV-cached decoding at batch 1, and with --compile-decoding the compiled step too."""
+    from tformer.generate.engine import generate
+    from tformer.generate.sampling import SamplingConfig
+
+    prompt = [
+        torch.randint(0, mcfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    ]
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=n_new)
+    calls = max(1, args.repeats // 2)
+    decode_s, decode_median = _times(lambda: generate(model, prompt, sampling), calls, device)
+    out = {
+        "decode_calls": calls,
         "decode_prompt_tokens": PROMPT,
         "decode_tokens_per_s": n_new / decode_s,
         "decode_tokens_per_s_median": n_new / decode_median,
         "decode_ms_per_token": 1000 * decode_s / n_new,
         "decode_new_tokens": n_new,
-        **compiled,
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    if args.compile_decoding:  # the first call compiles: timed on its own, then the calls as above
+        t0 = time.perf_counter()
+        generate(model, prompt, sampling, compile=True)
+        first = time.perf_counter() - t0
+        best, median = _times(lambda: generate(model, prompt, sampling, compile=True), calls, device)
+        out |= {
+            "decode_compiled_first_call_s": first,
+            "decode_compiled_tokens_per_s": n_new / best,
+            "decode_compiled_tokens_per_s_median": n_new / median,
+            "decode_compiled_ms_per_token": 1000 * best / n_new,
+        }
+    return out
+
+
+def _print(result: dict, dtype: str, repeats: int) -> None:
+    threads, (b, t), n_new, calls = (
+        result["threads"],
+        result["batch"],
+        result["decode_new_tokens"],
+        result["decode_calls"],
+    )
     print(
-        f"model: {params['total']:,} parameters ({params['active']:,} active per token), batch {b} x {t}, "
-        f"{device}, {cfg.dtype}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}"
+        f"model: {result['params_total']:,} parameters ({result['params_active']:,} active per token), batch "
+        f"{b} x {t}, {result['device']}, {dtype}, {threads} thread{'s' if threads != 1 else ''}"
     )
     m, k, n = result["matmul_shape"]
     print(
-        f"matmul rate ({cfg.dtype}, ({m} x {k}) @ ({k} x {n}), best of {args.repeats}): "
+        f"matmul rate ({dtype}, ({m} x {k}) @ ({k} x {n}), best of {repeats}): "
         f"{result['matmul_peak_gflops']:.1f} GFLOP/s (the MFU's denominator, measured now; not the hardware peak)"
     )
     print(
-        f"training (best of {args.repeats} steps, median in brackets): {result['train_tokens_per_s']:,.0f} "
+        f"training (best of {repeats} steps, median in brackets): {result['train_tokens_per_s']:,.0f} "
         f"tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU {100 * result['train_mfu']:.1f}%"
     )
     print(
-        f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {decode_calls} "
-        f"call{'s' if decode_calls != 1 else ''}): {result['decode_tokens_per_s']:,.1f} tokens/s "
+        f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {calls} "
+        f"call{'s' if calls != 1 else ''}): {result['decode_tokens_per_s']:,.1f} tokens/s "
         f"({result['decode_ms_per_token']:.2f} ms/token; median {result['decode_tokens_per_s_median']:,.1f} tokens/s)"
     )
-    if compiled:
+    if "decode_compiled_tokens_per_s" in result:
         print(
             f"greedy decoding compiled (generate(compile=True), same prompt; first call "
-            f"{compiled['decode_compiled_first_call_s']:.1f} s, the compile included): "
-            f"{compiled['decode_compiled_tokens_per_s']:,.1f} tokens/s ({compiled['decode_compiled_ms_per_token']:.2f} "
-            f"ms/token; median {compiled['decode_compiled_tokens_per_s_median']:,.1f} tokens/s)"
+            f"{result['decode_compiled_first_call_s']:.1f} s, the compile included): "
+            f"{result['decode_compiled_tokens_per_s']:,.1f} tokens/s ({result['decode_compiled_ms_per_token']:.2f} "
+            f"ms/token; median {result['decode_compiled_tokens_per_s_median']:,.1f} tokens/s)"
         )
     print(
         "times on a shared machine move by tens of percent between runs: compare two settings in one "
         "process, by ratio (benchmarks/ does)"
     )
-    return 0
