@@ -235,9 +235,17 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
     from tformer import build_model
 
     with pytest.raises(
-        ValueError, match=r"does not fit in memory \(one tensor needs .* GiB\).*max_seq_len=2199"
+        ValueError, match=r"does not fit in memory \(one tensor needs .* GiB\).*vocab_size=2147483647"
     ):
-        build_model(ModelConfig(max_seq_len=2**41, positions="learned"))
+        build_model(ModelConfig(vocab_size=2**31 - 1, d_model=4096, n_heads=8))
+    for name in ("vocab_size", "max_seq_len", "d_ff"):  # beyond int32: named, not an overflow inside torch
+        with pytest.raises(
+            ConfigError,
+            match=rf"ModelConfig.{name} must be at most 2,147,483,647, got 1000000000000000000000000000000",
+        ):
+            ModelConfig(**{name: 10**30})
+    with pytest.raises(ConfigError, match="ModelConfig.share_embeddings is for arch 'encoder_decoder' only"):
+        ModelConfig(arch="decoder", share_embeddings=False)
 
 
 def test_a_preset_name_that_is_not_a_string_is_named() -> None:

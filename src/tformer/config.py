@@ -197,6 +197,14 @@ class MoEConfig(Config):
         return self.d_shared if self.d_shared is not None else self.expert_width(d_ff)
 
 
+# fields one arch reads, with their defaults: (arch, default, what they set). (The classifier head's
+# n_classes and pooling are left out: a classification run switched to another arch is better told that
+# its task needs an encoder, which TrainConfig says.)
+ARCH_ONLY = {
+    "share_embeddings": ("encoder_decoder", True, "one embedding for source and target"),
+}
+MAX_SIZE = 2**31 - 1  # the largest width, vocabulary or context a config takes
+
 SEQ2SEQ_ONLY = ("n_encoder_layers", "src_vocab_size")  # ModelConfig fields only arch encoder_decoder reads
 
 
@@ -246,6 +254,17 @@ class ModelConfig(Config):
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in (
+            "vocab_size",
+            "src_vocab_size",
+            "d_model",
+            "d_ff",
+            "max_seq_len",
+            "n_classes",
+            "head_dim",
+        ):
+            value = getattr(self, name)  # beyond int32 torch overflows (or the allocation cannot exist)
+            self._require(value is None or value <= MAX_SIZE, name, f"must be at most {MAX_SIZE:,}")
         for name in SEQ2SEQ_ONLY:  # an encoder's own depth and vocabulary are n_layers and vocab_size:
             if self.arch != "encoder_decoder":  # a setting it would ignore
                 self._require(
@@ -253,6 +272,13 @@ class ModelConfig(Config):
                     name,
                     f"is for arch 'encoder_decoder' only (arch {self.arch!r} uses "
                     f"{'vocab_size' if name == 'src_vocab_size' else 'n_layers'}); leave it null",
+                )
+        for name, (arch, unset, what) in ARCH_ONLY.items():  # set on another arch, it would be ignored
+            value = getattr(self, name)
+            if self.arch != arch and value != unset:
+                raise ConfigError(
+                    f"ModelConfig.{name} is for arch {arch!r} only ({what}); arch {self.arch!r} would ignore "
+                    f"it: leave it at {unset!r}, got {value!r}"
                 )
         if self.src_vocab_size is not None:
             self._require(

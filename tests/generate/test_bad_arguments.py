@@ -179,3 +179,49 @@ def test_translator_and_classifier_take_lists_of_non_empty_strings() -> None:
         assert len(call(t for t in ["the market", "the dog"])) == 2  # a generator is read once
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         classifier.probabilities([[5, 6]], batch_size=0)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
+def test_a_model_on_the_meta_device_is_named_before_any_compute(arch: str) -> None:
+    """It had returned a meta tensor for CPU ids, or failed inside torch's `.item()` for meta ids."""
+    with torch.device("meta"):
+        model = build_model(tiny(arch))
+    ids = torch.randint(0, 100, (1, 4))
+    for given in (ids, ids.to("meta")):
+        with pytest.raises(ValueError, match="the model is on the meta device"):
+            model(given, given) if arch == "encoder_decoder" else model(given)
+    if arch == "decoder":
+        with pytest.raises(ValueError, match="the model is on the meta device"):
+            generate(model, [[1, 2, 3]], SamplingConfig(max_new_tokens=2))
+
+
+def test_translator_and_classifier_take_integer_ids_and_keep_the_models_mode() -> None:
+    """Float ids had been truncated in silence; an error mid-way had left the model in eval mode."""
+    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
+    torch.manual_seed(0)
+    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32))
+    translator = Translator(pair, tok, tok, max_src_len=32)
+    cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
+    classifier = Classifier(build_model(cfg), tok, ["a", "b"], max_len=32)
+    search_cfg = SearchConfig(method="greedy", max_len=4)
+    for call, what in (
+        (classifier.probabilities, "text"),
+        (lambda ids: translator.hypotheses(ids, search_cfg), "source"),
+    ):
+        with pytest.raises(TypeError, match=rf"{what} 0 holds 1.9: token ids are integers"):
+            call([[1.9, 2.9]])
+        with pytest.raises(
+            ValueError, match=rf"{what} 1 holds id 999 at index 0; allowed ids are 0..{tok.vocab_size - 1}"
+        ):
+            call([[5, 6], [999]])
+    assert pair.training and classifier.model.training  # as they were built (training mode)
+    model = classifier.model
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    original, model.forward = model.forward, fails
+    with pytest.raises(RuntimeError, match="out of memory"):
+        classifier.probabilities([[5, 6]])
+    assert model.training
+    model.forward = original

@@ -306,3 +306,15 @@ def test_sampled_translations_of_one_input_draw_one_stream_over_its_batches() ->
     out = translator.translate(["the dog barked"] * 4, cfg)
     assert len(set(out)) > 1
     assert translator.translate(["the dog barked"] * 4, cfg) == out
+
+
+def test_huge_length_settings_reach_the_context_not_one_token() -> None:
+    """max_len_a * source + max_len_b beyond int64 had wrapped negative and been clamped to 1 token."""
+    src_lens = torch.tensor([3, 5])
+    for cfg in (
+        SearchConfig(max_len_a=1e30),
+        SearchConfig(max_len_b=2**63 - 1),
+        SearchConfig(max_len=10**30),
+    ):
+        assert cfg.max_lens(src_lens, 64).tolist() == [64, 64]
+    assert SearchConfig(max_len_a=1.5, max_len_b=2).max_lens(src_lens, 64).tolist() == [6, 9]

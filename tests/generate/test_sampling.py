@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,3 +203,24 @@ def test_chi2_bound_is_loose_but_meaningful():
     counts = torch.full((5,), n / 5, dtype=torch.float64)
     expected = probs.double() * n
     assert ((counts - expected) ** 2 / expected).sum().item() > 25.0
+
+
+def test_the_sampling_helpers_name_what_they_cannot_use():
+    """A row with every token masked had come back as id 0 (greedy) or failed inside torch.multinomial;
+    integer logits, float prev_ids and an infinite temperature failed deep in torch or passed."""
+    logits = torch.tensor([[0.5, 2.0, 1.0], [NEG_INF, NEG_INF, NEG_INF]])
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="every logit of row 1 is -inf: all its tokens are masked"):
+            sample_next(logits, temperature=temperature, generator=make_generator(0))
+    with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+        apply_top_k(torch.ones(1, 4, dtype=torch.long), 2)
+    with pytest.raises(TypeError, match="prev_ids must be a torch.long"):
+        apply_repetition_penalty(logits[:1], torch.tensor([[1.0]]), 1.3)
+    ints = apply_repetition_penalty(logits[:1], torch.tensor([[1]], dtype=torch.int32), 2.0)
+    assert ints[0].tolist() == [0.5, 1.0, 1.0]
+    for call in (
+        lambda: apply_temperature(logits, math.inf),
+        lambda: sample_next(logits, temperature=math.inf, generator=None),
+    ):
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            call()

@@ -46,3 +46,26 @@ def test_reorder_under_autograd_stays_differentiable() -> None:
     cache.reorder(torch.tensor([1, 1, 0]))
     cache.k[0][:, :, :3].sum().backward()
     assert torch.equal(k.grad, torch.tensor([1.0, 2.0])[:, None, None, None].expand(2, 1, 3, 4))
+
+
+def test_a_cache_filled_in_another_dtype_is_refused_before_anything_is_written() -> None:
+    """A cache prefilled by an fp32 model and handed to its bf16 copy: one clear error, and the cache
+    stays as it was (it had advanced layer 0 and then decoded 0.4 off the full forward)."""
+    import pytest
+
+    from tformer import build_model
+    from tformer.presets import tiny
+
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(dropout=0.0)).eval()
+    ids = torch.randint(0, 128, (2, 6))
+    cache = model.new_cache(16)
+    with torch.no_grad():
+        model(ids[:, :5], cache=cache)
+        half = build_model(tiny().replace(dropout=0.0)).eval().to(torch.bfloat16)
+        with pytest.raises(ValueError, match=r"holds torch.float32 keys/values on cpu, got torch.bfloat16"):
+            half(ids[:, 5:], cache=cache)
+        assert cache.lengths == [5, 5]
+        step = model(ids[:, 5:], cache=cache)[:, -1]
+        full = model(ids)[:, -1]
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)

@@ -240,7 +240,7 @@ MODEL_MOE = MoEConfig(
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
 def test_moe_trains_inside_every_architecture(arch: str) -> None:
-    cfg = tiny(arch).replace(moe=MODEL_MOE, n_classes=3)
+    cfg = tiny(arch).replace(moe=MODEL_MOE, **({"n_classes": 3} if arch == "encoder" else {}))
     model = make(cfg).train()
     tokens = rand_tokens(cfg, t=10)
     out = model(tokens, tokens.flip(1)) if arch == "encoder_decoder" else model(tokens)

@@ -37,7 +37,7 @@ def test_variant_trains(arch: str, placement: str, norm: str, positions: str, ff
         n_heads=4,
         n_kv_heads=2,
         dropout=0.1,
-        n_classes=3,
+        **({"n_classes": 3} if arch == "encoder" else {}),
     )
     model = make(cfg).train()
     b, t = 3, 9

@@ -315,6 +315,24 @@ def test_export_import_weights(tmp_path, trained):
         load_weights(TinyLM(), tmp_path / "cut.safetensors")
 
 
+def test_a_tied_weight_holding_nan_loads_back_and_a_meta_model_is_named(tmp_path, trained):
+    """NaN != NaN had made a tied model's own export read as two different tied values; a meta model
+    (every tensor at data_ptr 0, all looking tied) is named instead of a false tie."""
+    model = TinyLM()
+    model.load_state_dict(trained[0].state_dict())
+    with torch.no_grad():
+        model.tok_embed.weight[0, 0] = float("nan")
+    save_weights(model, tmp_path / "nan.safetensors")
+    fresh = TinyLM()
+    with pytest.warns(UserWarning, match="NaN"):
+        load_weights(fresh, tmp_path / "nan.safetensors")
+    assert fresh.tok_embed.weight[0, 0].isnan() and fresh.lm_head.weight is fresh.tok_embed.weight
+    with torch.device("meta"):
+        ghost = TinyLM()
+    with pytest.raises(CheckpointError, match=r"the model is on the meta device \('[\w.]+' holds no data\)"):
+        load_weights(ghost, tmp_path / "nan.safetensors")
+
+
 def test_exported_weights_carry_a_checksum(tmp_path, trained):
     """B7 outside checkpoint directories: a flipped byte in an exported file's tensors is refused before
     anything is copied; the file stays plain safetensors (other readers open it), and files exported by

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from tformer.generate.engine import check_token_id
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
+from tformer.model.checks import check_not_meta
 from tformer.model.decode_step import Seq2SeqDecodeStep
 from tformer.model.linear import decoding_layout
 from tformer.model.masks import Mask
@@ -75,6 +76,7 @@ class SearchConfig(Config):
 
     def check(self) -> None:
         self._require(self.beam_size >= 1, "beam_size", "must be >= 1")
+        self._require(self.beam_size <= 2**31 - 1, "beam_size", "must be at most 2**31 - 1")
         if self.max_len is not None:
             self._require(self.max_len >= 1, "max_len", "must be >= 1 (or null: from the source length)")
         self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
@@ -100,7 +102,12 @@ class SearchConfig(Config):
         if self.max_len is not None:
             lens = torch.full_like(src_lens, min(self.max_len, max_seq_len))  # (a huge one overflowed int64)
         else:
-            lens = (src_lens.double() * self.max_len_a).floor().long() + self.max_len_b
+            # clamped as floats: a length beyond int64 (max_len_a 1e30, max_len_b 2**63 - 1) had wrapped
+            # to a negative number, which the clamp below turned into 1 token
+            lens = ((src_lens.double() * self.max_len_a).floor() + float(self.max_len_b)).clamp(
+                1, max_seq_len
+            )
+            return lens.long()
         return lens.clamp(1, max_seq_len)
 
 
@@ -381,6 +388,7 @@ def search(
         )
     if not isinstance(cfg, SearchConfig):
         raise TypeError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
+    check_not_meta(model)
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype not in (torch.long, torch.int32):
         raise TypeError("src must be a (batch, length) tensor of token ids (torch.long or torch.int32)")
     src = src.long()

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
+from tformer.model.checks import check_not_meta
 from tformer.model.compiled_step import CompiledDecodeStep
 from tformer.model.decode_step import DecodeStep
 from tformer.model.linear import decoding_layout
@@ -49,10 +50,10 @@ def check_token_id(value, vocab_size: int, what: str) -> None:
         raise ValueError(f"{what} must be a token id in [0, {vocab_size}), got {value!r}")
 
 
-def as_token_lists(prompts, vocab_size: int | None = None) -> list[list[int]]:
+def as_token_lists(prompts, vocab_size: int | None = None, what: str = "prompt") -> list[list[int]]:
     """Prompts as lists of Python ints: a list of prompts, each a list, tuple or 1-D array / tensor of
     integer ids, or one 2-D tensor (B, T) (a string, a float id or an id outside [0, vocab_size) is an
-    error naming the prompt and index)."""
+    error naming the prompt and index; `what` names them, e.g. "text" or "source")."""
     if isinstance(prompts, Tensor) and prompts.dim() != 2:
         raise TypeError(
             f"prompts must be a list of token-id lists or a 2-D tensor (batch, length), got a {prompts.dim()}-D "
@@ -66,17 +67,17 @@ def as_token_lists(prompts, vocab_size: int | None = None) -> list[list[int]]:
     for i, p in enumerate(prompts):
         one_dim = getattr(p, "ndim", 1) == 1  # tensors and arrays: one row of ids
         if isinstance(p, (str, bytes, set, frozenset, dict)) or not hasattr(p, "__iter__") or not one_dim:
-            raise TypeError(f"prompt {i} must be a list of token ids, got {_kind(p)}")
+            raise TypeError(f"{what} {i} must be a list of token ids, got {_kind(p)}")
         ids = list(p)
         bad = next((t for t in ids if not is_token_id(t)), None)
         if bad is not None:
-            raise TypeError(f"prompt {i} holds {bad!r}: token ids are integers")
+            raise TypeError(f"{what} {i} holds {bad!r}: token ids are integers")
         ids = [operator.index(t) for t in ids]
         if vocab_size is not None:
             at = next((j for j, t in enumerate(ids) if not 0 <= t < vocab_size), None)
             if at is not None:
                 raise ValueError(
-                    f"prompt {i} holds id {ids[at]} at index {at}; allowed ids are 0..{vocab_size - 1}"
+                    f"{what} {i} holds id {ids[at]} at index {at}; allowed ids are 0..{vocab_size - 1}"
                 )
         out.append(ids)
     return out
@@ -182,6 +183,7 @@ def generate(
     for name, fn in (("decode", decode), ("on_step", on_step)):  # before any step runs
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function (or None), got {type(fn).__name__}")
+    check_not_meta(model)
     was_training = model.training
     with contextlib.ExitStack() as layout:
         layout.callback(model.train, was_training)  # also when a step raises

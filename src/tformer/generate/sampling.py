@@ -33,6 +33,9 @@ __all__ = [
 
 
 def _check_logits(logits: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        kind = f"a {logits.dtype} tensor" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"logits must be a floating-point tensor (B, V), got {kind}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
 
@@ -40,9 +43,9 @@ def _check_logits(logits: torch.Tensor) -> None:
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature, (B, V) -> (B, V). temperature must be > 0 (0 means greedy: see sample_next)."""
     _check_logits(logits)
-    if not temperature > 0:
+    if not 0 < temperature < math.inf:
         raise ValueError(
-            f"temperature must be > 0 here (0 means greedy, handled by sample_next), got {temperature}"
+            f"temperature must be finite and > 0 here (0 means greedy, handled by sample_next), got {temperature}"
         )
     scaled = logits / temperature
     # a tiny temperature can take finite logits to +-inf (and the softmax to NaN): such rows are
@@ -105,6 +108,9 @@ def apply_repetition_penalty(
     _check_logits(logits)
     if not penalty > 0:
         raise ValueError(f"repetition penalty must be > 0, got {penalty}")
+    if not isinstance(prev_ids, torch.Tensor) or prev_ids.dtype not in (torch.long, torch.int32):
+        kind = f"{prev_ids.dtype} tensor" if isinstance(prev_ids, torch.Tensor) else type(prev_ids).__name__
+        raise TypeError(f"prev_ids must be a torch.long (or int32) tensor of token ids, got a {kind}")
     if prev_ids.dim() != 2 or prev_ids.size(0) != logits.size(0):
         raise ValueError(f"prev_ids must be (B, T) with B={logits.size(0)}, got {tuple(prev_ids.shape)}")
     if mask is None:
@@ -113,7 +119,7 @@ def apply_repetition_penalty(
         raise ValueError(f"mask must be bool with the shape of prev_ids {tuple(prev_ids.shape)}")
     if penalty == 1.0:
         return logits
-    ids = prev_ids.masked_fill(~mask, 0)  # (B, T)
+    ids = prev_ids.long().masked_fill(~mask, 0)  # (B, T)
     if ids.numel() and (ids.min() < 0 or ids.max() >= logits.size(-1)):
         raise ValueError(f"prev_ids must be in [0, {logits.size(-1)}) where mask is True")
     counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)  # (B, V)
@@ -148,14 +154,18 @@ def sample_next(
     `generator`, which the caller seeds: same seed, same tokens.
     """
     _check_logits(logits)
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
     # -inf is a masked token; NaN / +inf break argmax and the softmax. A row's max is NaN or +inf exactly
     # when the row holds one (max propagates NaN): one reduction and one host sync per step, and the max's
     # index is the greedy token (the first maximal one, as argmax)
     top, index = logits.max(dim=-1)
-    if not bool((top < math.inf).all()):
-        row = int((~(top < math.inf)).nonzero()[0])
+    if not bool(((top < math.inf) & (top > -math.inf)).all()):  # NaN fails both
+        row = int((~((top < math.inf) & (top > -math.inf))).nonzero()[0])
+        if top[row] == -math.inf:  # argmax would have answered id 0, a masked token
+            raise ValueError(
+                f"every logit of row {row} is -inf: all its tokens are masked, none can be drawn"
+            )
         raise ValueError(
             f"the logits of row {row} hold NaN or +inf: the model's output overflowed (e.g. in low "
             "precision) or its weights hold NaN or inf"

@@ -95,6 +95,12 @@ class KVCache:
                 f"this KV cache holds {k_buf.shape[1]} key/value heads of {k_buf.shape[3]} in layer {layer_idx}, "
                 f"got {k.shape[1]} of {k.shape[3]}: it was made for another model (use model.new_cache())"
             )
+        if k.dtype != k_buf.dtype or v.dtype != v_buf.dtype or k.device != k_buf.device:
+            raise ValueError(
+                f"this KV cache holds {k_buf.dtype} keys/values on {k_buf.device}, got {k.dtype} on {k.device} "
+                f"in layer {layer_idx}: it was filled by a model in another dtype or on another device (or under "
+                "another autocast); nothing was written (use model.new_cache())"
+            )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # differentiable: new buffers, so the views an earlier call saved for backward stay intact
             k_buf = self.k[layer_idx] = k_buf.slice_scatter(k, dim=2, start=start, end=start + t)

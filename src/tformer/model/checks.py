@@ -15,8 +15,24 @@ from torch import Tensor
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
-def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tensor:
-    """tokens: (B, T) integer ids in [0, vocab_size)."""
+META_MODEL = (
+    "the model is on the meta device (its weights hold no data): give it storage and weights first, "
+    "e.g. model.to_empty(device='cpu') and then load_weights"
+)
+
+
+def check_not_meta(model: torch.nn.Module) -> None:
+    """A model built under torch.device('meta') has shapes but no values: named before anything runs."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(META_MODEL)
+
+
+def check_tokens(
+    tokens: object, vocab_size: int, name: str = "tokens", device: torch.device | None = None
+) -> Tensor:
+    """tokens: (B, T) integer ids in [0, vocab_size), on `device` (the embedding's, where given)."""
+    if device is not None and device.type == "meta":
+        raise ValueError(META_MODEL)
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
     if tokens.dtype not in _INT_DTYPES:
@@ -27,6 +43,8 @@ def check_tokens(tokens: object, vocab_size: int, name: str = "tokens") -> Tenso
         raise ValueError(f"{name} is an empty batch (batch size 0)")
     if tokens.shape[1] == 0:
         raise ValueError(f"{name} holds empty sequences (seq_len 0)")
+    if device is not None and tokens.device != device:
+        raise ValueError(f"{name} are on {tokens.device}, the model on {device}: move one to the other")
     if torch.compiler.is_compiling():  # a host read would split the compiled graph (see the module doc)
         return tokens
     lo, hi = torch.aminmax(tokens)

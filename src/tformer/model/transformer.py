@@ -62,7 +62,7 @@ class Encoder(Stack):
         self.blocks = nn.ModuleList(block(cfg, i, self.rotary) for i in range(n_layers))
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        check_tokens(tokens, self.tok_embed.num_embeddings, "source tokens")
+        check_tokens(tokens, self.tok_embed.num_embeddings, "source tokens", self.tok_embed.weight.device)
         b, t = tokens.shape
         key_padding_mask = check_key_padding(key_padding_mask, b, t, "source key_padding_mask")
         positions = self.resolve_positions(tokens, None, 0, "source")
@@ -92,7 +92,7 @@ class DecoderLM(Stack):
         key_padding_mask: Tensor | None = None,
         cache: NoCache = NO_CACHE,
     ) -> Tensor:
-        check_tokens(tokens, self.cfg.vocab_size)
+        check_tokens(tokens, self.cfg.vocab_size, device=self.tok_embed.weight.device)
         cache = as_cache(cache, len(self.blocks))
         b, t = tokens.shape
         start = cache.seq_len
@@ -202,7 +202,7 @@ class EncoderDecoder(nn.Module):
     ) -> Tensor:
         if not isinstance(memory, Memory):
             raise ValueError("the decoder needs the encoder memory: call decode(tgt, model.encode(src), ...)")
-        check_tokens(tgt, self.cfg.vocab_size, "target tokens")
+        check_tokens(tgt, self.cfg.vocab_size, "target tokens", self.lm_head.weight.device)
         b, t = tgt.shape
         if memory.states.shape[0] != b:
             raise ValueError(
@@ -227,8 +227,8 @@ class EncoderDecoder(nn.Module):
         src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        check_tokens(src, self.cfg.resolved_src_vocab_size, "source tokens")
-        check_tokens(tgt, self.cfg.vocab_size, "target tokens")
+        check_tokens(src, self.cfg.resolved_src_vocab_size, "source tokens", self.lm_head.weight.device)
+        check_tokens(tgt, self.cfg.vocab_size, "target tokens", self.lm_head.weight.device)
         if src.shape[0] != tgt.shape[0]:
             raise ValueError(
                 f"source batch size {src.shape[0]} does not match target batch size {tgt.shape[0]}"

@@ -31,6 +31,7 @@ from tformer.data.datasets import (
 )
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
+from tformer.generate.engine import as_token_lists
 from tformer.json_files import read_json
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
@@ -66,7 +67,8 @@ class Classifier:
 
     @torch.no_grad()
     def probabilities(self, ids: Sequence[list[int]], batch_size: int = 32) -> Tensor:
-        """(N, C) class probabilities, in the order of `ids`."""
+        """(N, C) class probabilities, in the order of `ids` (lists of integer token ids)."""
+        ids = as_token_lists(ids, self.model.cfg.vocab_size, "text")
         if any(len(x) == 0 for x in ids):
             raise ValueError("cannot classify an empty text")
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
@@ -76,12 +78,14 @@ class Classifier:
         out = torch.empty(len(ids), len(self.labels))
         was_training = self.model.training
         self.model.eval()
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            tokens, mask = pad_sequences([torch.tensor(ids[i]) for i in chunk], self.tokenizer.pad_id)
-            logits = self.model(tokens.to(device), mask.to(device))  # (B, C)
-            out[chunk] = logits.float().softmax(dim=-1).cpu()
-        self.model.train(was_training)
+        try:
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                tokens, mask = pad_sequences([torch.tensor(ids[i]) for i in chunk], self.tokenizer.pad_id)
+                logits = self.model(tokens.to(device), mask.to(device))  # (B, C)
+                out[chunk] = logits.float().softmax(dim=-1).cpu()
+        finally:  # also when a batch raises: the caller's model keeps its mode
+            self.model.train(was_training)
         return out
 
     def classify(self, texts: Sequence[str], warn: bool = True) -> list[tuple[str, dict[str, float]]]:

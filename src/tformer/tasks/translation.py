@@ -25,6 +25,7 @@ from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, S
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
+from tformer.generate.engine import as_token_lists
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
@@ -85,29 +86,34 @@ class Translator:
             raise TypeError(
                 f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
             )
+        sources = as_token_lists(sources, self.model.cfg.resolved_src_vocab_size, "source")
         device = next(self.model.parameters()).device
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         out: list[Hypothesis | None] = [None] * len(sources)
         was_training = self.model.training
         self.model.eval()
-        # one stream over every batch: a batch that reseeded would repeat the draws of the one before
-        generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.method == "sample" else None
-        for start in range(0, len(order), cfg.batch_size):
-            chunk = order[start : start + cfg.batch_size]
-            src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
-            hyps = search(
-                self.model,
-                src.to(device),
-                mask.to(device),
-                cfg,
-                bos_id=self.tgt_tok.bos_id,
-                eos_id=self.tgt_tok.eos_id,
-                banned=(self.tgt_tok.pad_id, self.tgt_tok.bos_id),
-                generator=generator,
+        try:
+            # one stream over every batch: a batch that reseeded would repeat the draws of the one before
+            generator = (
+                torch.Generator(device=device).manual_seed(cfg.seed) if cfg.method == "sample" else None
             )
-            for i, h in zip(chunk, hyps):
-                out[i] = h
-        self.model.train(was_training)
+            for start in range(0, len(order), cfg.batch_size):
+                chunk = order[start : start + cfg.batch_size]
+                src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
+                hyps = search(
+                    self.model,
+                    src.to(device),
+                    mask.to(device),
+                    cfg,
+                    bos_id=self.tgt_tok.bos_id,
+                    eos_id=self.tgt_tok.eos_id,
+                    banned=(self.tgt_tok.pad_id, self.tgt_tok.bos_id),
+                    generator=generator,
+                )
+                for i, h in zip(chunk, hyps):
+                    out[i] = h
+        finally:  # also when a batch raises: the caller's model keeps its mode
+            self.model.train(was_training)
         return out  # type: ignore[return-value]
 
     def translate(self, texts: Sequence[str], cfg: SearchConfig, warn: bool = True) -> list[str]:

@@ -163,10 +163,23 @@ def _weights_from_bytes(data: bytes, source: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN equal to NaN (a tied weight holding NaN is still one weight)."""
+    if a is b or torch.equal(a, b):
+        return True
+    return a.is_floating_point() and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool, source: str):
     """Check every key, shape and kind of value (floating or integer); return (state to load, missing,
     unexpected). Touches nothing."""
     state = model.state_dict()
+    on_meta = next((name for name, t in state.items() if isinstance(t, torch.Tensor) and t.is_meta), None)
+    if on_meta is not None:  # no data to load into (and every meta tensor looks tied to every other)
+        raise CheckpointError(
+            f"{source}: the model is on the meta device ({on_meta!r} holds no data): give it storage first, "
+            "e.g. model.to_empty(device='cpu'), then load"
+        )
     resolved: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     for group in _alias_groups(state, source):
@@ -186,7 +199,7 @@ def _plan_model_load(model: nn.Module, tensors: dict[str, torch.Tensor], strict:
                     f"{state[name].dtype} in the model"
                 )
         for name in found[1:]:
-            if not torch.equal(tensors[name], tensors[found[0]]):
+            if not _same_values(tensors[name], tensors[found[0]]):
                 raise CheckpointError(
                     f"{source}: the model ties {found[0]!r} and {name!r} but the checkpoint holds different values"
                 )
