@@ -278,3 +278,23 @@ def test_a_key_written_twice_in_a_config_file_is_named(tmp_path, fmt: str, text:
         ConfigError, match=rf"run.{fmt}: not a readable TrainConfig file \(the key '(steps|lr)' appears twice"
     ):
         TrainConfig.load(path)
+
+
+def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
+    """They had been AttributeErrors from inside the functions."""
+    from tformer import build_model
+    from tformer.model.stats import fine_grained
+    from tformer.presets import tiny
+    from tformer.train.weights import load_weights, save_weights
+
+    with pytest.raises(TypeError, match="overrides must be a dict of dotted keys"):
+        tiny().with_overrides([("d_model", 64)])
+    for call in (
+        lambda: save_weights({"w": 1}, tmp_path / "w.safetensors"),
+        lambda: load_weights("m", tmp_path / "w"),
+    ):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+            call()
+    with pytest.raises(ConfigError, match="fine_grained: m must be an int, got 2.0"):
+        fine_grained(tiny().replace(d_ff=64), 2.0, 1)
+    assert build_model(fine_grained(tiny().replace(d_ff=64), 2, 1)) is not None

@@ -153,6 +153,11 @@ class Config:
 
     def with_overrides(self: C, overrides: dict[str, Any]) -> C:
         """Apply dotted overrides such as {"rope.theta": 5e5, "d_model": 256}."""
+        if not isinstance(overrides, dict):
+            raise TypeError(
+                f"overrides must be a dict of dotted keys and values (e.g. {{'d_model': 256}}), got "
+                f"{type(overrides).__name__}"
+            )
         data = self.to_dict()
         for dotted, value in overrides.items():
             node, parts = data, dotted.split(".")

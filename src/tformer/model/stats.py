@@ -66,9 +66,15 @@ def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
     From a dense FFN (one expert, top-1) or an MoE baseline (N experts of width w, top-K): split each
     expert into m of width w / m, activate m*K of them, and make n_shared of them shared, taken from
     both the routed and the activated ones: mN - n_shared routed experts, top_k = mK - n_shared,
-    d_shared = d_expert = w / m. Active and total expert parameters and FLOPs stay equal (the router
-    grows to mN - n_shared centroids). Other MoE settings of the baseline are kept.
+    d_shared = d_expert = w / m. Active and total expert weight matrices and FLOPs stay equal (the router
+    grows to mN - n_shared centroids; with cfg.bias each expert keeps its own output bias of d_model, so
+    the bias parameters grow m-fold). Other MoE settings of the baseline are kept.
     """
+    import numbers
+
+    for name, value in (("m", m), ("n_shared", n_shared)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"fine_grained: {name} must be an int, got {value!r}")
     base = cfg.moe if cfg.moe is not None else MoEConfig(n_experts=1, top_k=1)
     width = base.expert_width(cfg.d_ff)
     if m < 1 or width % m:

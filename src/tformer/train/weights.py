@@ -28,8 +28,16 @@ from tformer.train.checkpoint import (
 )
 
 
+def _check_module(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module (e.g. from build_model), got {type(model).__name__}"
+        )
+
+
 def save_weights(model: nn.Module, path: str | Path) -> None:
     """Export model.state_dict() as one safetensors file (tied weights once), written atomically."""
+    _check_module(model)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory: give a file name, e.g. {path / 'model.safetensors'}")
@@ -59,6 +67,7 @@ def load_weights(
     """Import weights from a safetensors file (or a tensors-only .pt/.pth/.bin, see import_torch_weights,
     which `key` and `trust_pickle` are passed to; a safetensors file is read as one whatever its name).
     Weights that are not finite load with a warning naming them."""
+    _check_module(model)
     path = Path(path)
     if path.suffix in (".pt", ".pth", ".bin") and not _is_safetensors(path):
         tensors = import_torch_weights(path, key=key, trust_pickle=trust_pickle)
