@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from tformer import PRESETS, ConfigError, ModelConfig, MoEConfig, RopeConfig, get_preset
 from tformer.cli.options import parse_overrides
@@ -298,3 +299,10 @@ def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
     with pytest.raises(ConfigError, match="fine_grained: m must be an int, got 2.0"):
         fine_grained(tiny().replace(d_ff=64), 2.0, 1)
     assert build_model(fine_grained(tiny().replace(d_ff=64), 2, 1)) is not None
+    from tformer.generate.sampling import sample_with_config
+    from tformer.model.stats import flops_per_token
+
+    with pytest.raises(TypeError, match="config must be a SamplingConfig, got dict"):
+        sample_with_config(torch.zeros(1, 4), {"temperature": 0}, generator=None)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1, got -5"):
+        flops_per_token(tiny(), -5)

@@ -250,6 +250,8 @@ def sample_with_config(
     prev_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Repetition penalty over prev_ids (B, T) (if given), then sample_next: (B, V) -> (B,)."""
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}")
     if prev_ids is not None:
         logits = apply_repetition_penalty(logits, prev_ids, config.repetition_penalty, prev_mask)
     return sample_next(

@@ -46,6 +46,8 @@ def count_params(model_or_cfg: nn.Module | ModelConfig) -> dict[str, int]:
 
 def flops_per_token(model_or_cfg: nn.Module | ModelConfig, seq_len: int, causal: bool = False) -> float:
     """Forward matmul FLOPs per token at sequence length `seq_len` (see the module docstring)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
     from tformer.model.attention import CrossAttention, SelfAttention
     from tformer.model.moe import moe_layers
 
