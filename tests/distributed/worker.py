@@ -251,18 +251,28 @@ def counting_allreduce(seen: list[int], bucket):
     return allreduce_hook(None, bucket)
 
 
+def one_process(cfg, ocfg, batches: list[Batch], count=None) -> tuple:
+    """The reference: a model of cfg (seed 0) trained by one process, one step per batch of `batches`
+    (the union of what the ranks get); (the model, the steps' results). count: train_step's count of
+    targets (default: every target)."""
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    args = step_args(ref, make_optimizer(ref, ocfg))
+    if count is not None:
+        args[3] = count
+    results = []
+    for batch in batches:
+        args[2] = [batch]
+        results.append(train_step(*args))
+    return ref, results
+
+
 def accumulation(env, cfg, ocfg) -> dict:
     """Gradient accumulation: three steps of 1, 2 and 1 micro-batches per rank vs one process on the
     union of the ranks' batches; DDP all-reduces its buckets once per step however many micro-batches
     (a comm hook counts the reductions), FSDP2 reduce-scatters after each (only parity checked)."""
     world, plans = env.world_size, [1, 2, 1]
-    torch.manual_seed(0)
-    ref = build_model(cfg)
-    ref_args = step_args(ref, make_optimizer(ref, ocfg))
-    want = []
-    for step in range(len(plans)):
-        ref_args[2] = [global_batch(world, step)]
-        want.append(train_step(*ref_args))
+    ref, want = one_process(cfg, ocfg, [global_batch(world, step) for step in range(len(plans))])
     result = {}
     for data in ("ddp", "fsdp"):
         torch.manual_seed(0)
@@ -305,14 +315,7 @@ def ragged(env, cfg, ocfg) -> dict:
         ids = torch.cat([g.ids[:2], torch.nn.functional.pad(short.ids, (0, 3))])
         return Batch(ids, torch.cat([g.targets[:2], padded]))
 
-    torch.manual_seed(0)
-    ref = build_model(cfg)
-    ref_args = step_args(ref, make_optimizer(ref, ocfg))
-    ref_args[3] = count
-    want = []
-    for step in range(2):
-        ref_args[2] = [rows(step)]
-        want.append(train_step(*ref_args))
+    ref, want = one_process(cfg, ocfg, [rows(step) for step in range(2)], count)
     result = {}
     for data in ("ddp", "fsdp"):
         torch.manual_seed(0)
