@@ -192,4 +192,9 @@ def test_min_new_tokens_reaches_generate_and_is_checked(trained_run: Path, capsy
     )
     # without --max-new-tokens the budget fitted to the context is at least the minimum asked for
     assert main([*argv, "--min-new-tokens", "70"]) == 2
-    assert "+ --max-new-tokens 70 exceeds the model's context of 64" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "--min-new-tokens 70 does not fit: the model's context of 64 tokens leaves 61 after the prompt" in err
+    )
+    assert main([*argv, "--min-new-tokens", "60"]) == 0  # 60 of the 61 left
+    assert seen[-1].min_new_tokens == 60 and seen[-1].max_new_tokens == 61

@@ -245,8 +245,6 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
             match=rf"ModelConfig.{name} must be at most 2,147,483,647, got 1000000000000000000000000000000",
         ):
             ModelConfig(**{name: 10**30})
-    with pytest.raises(ConfigError, match="ModelConfig.share_embeddings is for arch 'encoder_decoder' only"):
-        ModelConfig(arch="decoder", share_embeddings=False)
 
 
 def test_a_preset_name_that_is_not_a_string_is_named() -> None:
@@ -256,16 +254,27 @@ def test_a_preset_name_that_is_not_a_string_is_named() -> None:
         get_train_preset(["x"])  # had been "unhashable type: 'list'"
 
 
-def test_a_data_setting_the_task_never_reads_is_refused() -> None:
-    """data.max_tokens on a language model had been ignored without a word."""
+def test_a_setting_the_run_would_ignore_is_refused_when_it_starts(tmp_path) -> None:
+    """data.max_tokens on a language model had been ignored without a word. Refused by a new run, not by
+    the config itself: a run stored before the check still loads (its config reads as it was)."""
+    from tformer.tasks import make_task
+    from tformer.train.config import refuse_ignored_settings
+    from tformer.train.loop import Trainer
+
     lm, classify = get_train_preset("tiny-lm"), get_train_preset("tiny-classification")
+    stored = lm.with_overrides({"data.max_tokens": 64})  # a config may hold it (old runs do)
+    assert TrainConfig.from_dict(stored.to_dict()).data.max_tokens == 64
     with pytest.raises(ConfigError, match=r"data.max_tokens is read by the translation and classification tasks only: task 'lm' would ignore it; leave it null, got 64"):  # fmt: skip
-        lm.with_overrides({"data.max_tokens": 64})
+        refuse_ignored_settings(stored)
+    with pytest.raises(ConfigError, match="data.max_tokens is read by"):
+        Trainer(stored, tmp_path / "run", make_task("lm"), progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written
     with pytest.raises(ConfigError, match=r"data.tokenizer is read by the translation task only: task 'classification'.* leave it at 'joint', got 'separate'"):  # fmt: skip
-        classify.with_overrides({"data.tokenizer": "separate"})
-    assert classify.with_overrides({"data.max_tokens": 512}).data.max_tokens == 512  # read there
-    translation = get_train_preset("tiny-translation").with_overrides({"data.src_vocab_size": 300})
-    assert translation.data.src_vocab_size == 300
+        refuse_ignored_settings(classify.with_overrides({"data.tokenizer": "separate"}))
+    with pytest.raises(ConfigError, match="model.share_embeddings is for arch 'encoder_decoder' only"):
+        refuse_ignored_settings(lm.with_overrides({"model.share_embeddings": False}))
+    refuse_ignored_settings(classify.with_overrides({"data.max_tokens": 512}))  # read there
+    refuse_ignored_settings(get_train_preset("tiny-translation").with_overrides({"data.src_vocab_size": 300}))
 
 
 @pytest.mark.parametrize(
@@ -281,8 +290,19 @@ def test_a_key_written_twice_in_a_config_file_is_named(tmp_path, fmt: str, text:
         TrainConfig.load(path)
 
 
+def test_yaml_anchors_and_merge_keys_still_read(tmp_path) -> None:
+    """A merge key (`<<: *anchor`) overridden in the same mapping is not a key written twice."""
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: {<<: &o {lr: 0.01, warmup_steps: 2}, lr: 0.02}\nsteps: 3\n")
+    cfg = TrainConfig.load(path)
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps) == (0.02, 2, 3)
+    path.write_text("? [a, b]\n: 1\n")
+    with pytest.raises(ConfigError, match=r"a mapping key must be a plain value \(a string or a number\)"):
+        TrainConfig.load(path)
+
+
 def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
-    """They had been AttributeErrors from inside the functions."""
+    """They had been AttributeErrors from inside the functions (a wrong value stays a ValueError)."""
     from tformer import build_model
     from tformer.model.stats import fine_grained
     from tformer.presets import tiny
@@ -296,7 +316,7 @@ def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
     ):
         with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
             call()
-    with pytest.raises(ConfigError, match="fine_grained: m must be an int, got 2.0"):
+    with pytest.raises(TypeError, match="fine_grained: m must be an int, got 2.0"):
         fine_grained(tiny().replace(d_ff=64), 2.0, 1)
     assert build_model(fine_grained(tiny().replace(d_ff=64), 2, 1)) is not None
     from tformer.generate.sampling import sample_with_config
@@ -304,5 +324,8 @@ def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
 
     with pytest.raises(TypeError, match="config must be a SamplingConfig, got dict"):
         sample_with_config(torch.zeros(1, 4), {"temperature": 0}, generator=None)
-    with pytest.raises(ValueError, match="seq_len must be an int >= 1, got -5"):
+    with pytest.raises(TypeError, match="seq_len must be an int, got 32.0"):
+        flops_per_token(tiny(), 32.0)
+    with pytest.raises(ValueError, match="seq_len must be >= 1, got -5"):
         flops_per_token(tiny(), -5)
+    assert flops_per_token(tiny(), np.int64(32)) == flops_per_token(tiny(), 32)

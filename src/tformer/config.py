@@ -197,12 +197,6 @@ class MoEConfig(Config):
         return self.d_shared if self.d_shared is not None else self.expert_width(d_ff)
 
 
-# fields one arch reads, with their defaults: (arch, default, what they set). (The classifier head's
-# n_classes and pooling are left out: a classification run switched to another arch is better told that
-# its task needs an encoder, which TrainConfig says.)
-ARCH_ONLY = {
-    "share_embeddings": ("encoder_decoder", True, "one embedding for source and target"),
-}
 MAX_SIZE = 2**31 - 1  # the largest width, vocabulary or context a config takes
 
 SEQ2SEQ_ONLY = ("n_encoder_layers", "src_vocab_size")  # ModelConfig fields only arch encoder_decoder reads
@@ -272,13 +266,6 @@ class ModelConfig(Config):
                     name,
                     f"is for arch 'encoder_decoder' only (arch {self.arch!r} uses "
                     f"{'vocab_size' if name == 'src_vocab_size' else 'n_layers'}); leave it null",
-                )
-        for name, (arch, unset, what) in ARCH_ONLY.items():  # set on another arch, it would be ignored
-            value = getattr(self, name)
-            if self.arch != arch and value != unset:
-                raise ConfigError(
-                    f"ModelConfig.{name} is for arch {arch!r} only ({what}); arch {self.arch!r} would ignore "
-                    f"it: leave it at {unset!r}, got {value!r}"
                 )
         if self.src_vocab_size is not None:
             self._require(

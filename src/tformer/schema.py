@@ -16,6 +16,7 @@ import numbers
 import re
 import types
 import typing
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -153,7 +154,7 @@ class Config:
 
     def with_overrides(self: C, overrides: dict[str, Any]) -> C:
         """Apply dotted overrides such as {"rope.theta": 5e5, "d_model": 256}."""
-        if not isinstance(overrides, dict):
+        if not isinstance(overrides, Mapping):
             raise TypeError(
                 f"overrides must be a dict of dotted keys and values (e.g. {{'d_model': 256}}), got "
                 f"{type(overrides).__name__}"
@@ -250,7 +251,16 @@ def _yaml_unique(text: str) -> Any:
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by SafeLoader below
+                    continue
                 key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        "a mapping key must be a plain value (a string or a number)",
+                        key_node.start_mark,
+                    )
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None,

@@ -193,6 +193,9 @@ def test_a_model_on_the_meta_device_is_named_before_any_compute(arch: str) -> No
     if arch == "decoder":
         with pytest.raises(ValueError, match="the model is on the meta device"):
             generate(model, [[1, 2, 3]], SamplingConfig(max_new_tokens=2))
+    if arch == "encoder_decoder":
+        with pytest.raises(ValueError, match="the model is on the meta device"):
+            search(model, ids, None, SearchConfig(method="greedy", max_len=3), bos_id=1, eos_id=2)
 
 
 def test_translator_and_classifier_take_integer_ids_and_keep_the_models_mode() -> None:
@@ -214,14 +217,16 @@ def test_translator_and_classifier_take_integer_ids_and_keep_the_models_mode() -
             ValueError, match=rf"{what} 1 holds id 999 at index 0; allowed ids are 0..{tok.vocab_size - 1}"
         ):
             call([[5, 6], [999]])
-    assert pair.training and classifier.model.training  # as they were built (training mode)
-    model = classifier.model
 
     def fails(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    original, model.forward = model.forward, fails
-    with pytest.raises(RuntimeError, match="out of memory"):
-        classifier.probabilities([[5, 6]])
-    assert model.training
-    model.forward = original
+    for model, call in ((classifier.model, lambda: classifier.probabilities([[5, 6]])),
+                        (pair, lambda: translator.hypotheses([[5, 6]], search_cfg))):  # fmt: skip
+        assert model.training  # as build_model returns it
+        with pytest.MonkeyPatch.context() as patch:  # a batch that raises once the model is in eval mode
+            patch.setattr(model, "forward", fails)
+            patch.setattr(model, "encode", fails, raising=False)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                call()
+        assert model.training

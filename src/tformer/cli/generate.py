@@ -45,7 +45,10 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         top_k=value["top_k"],
         top_p=value["top_p"],
         repetition_penalty=args.repetition_penalty,
-        max_new_tokens=DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
+        # without --max-new-tokens the budget is at least --min-new-tokens (`run` fits it to the context)
+        max_new_tokens=max(DEFAULT_NEW_TOKENS, args.min_new_tokens)
+        if args.max_new_tokens is None
+        else args.max_new_tokens,
         min_new_tokens=args.min_new_tokens,
         seed=value["seed"],
         stop_strings=tuple(newlines(utf8_text(s, "--stop")) for s in args.stop),  # "\n" as in prompts
@@ -111,9 +114,12 @@ def run(args: argparse.Namespace) -> int:
         room = context - max(len(ids) for ids in encoded)
         if args.truncate_prompt:  # a prompt cut to fit keeps at least half the context for new tokens
             room = max(room, context // 2)
-        new = min(
-            DEFAULT_NEW_TOKENS, max(1, room)
-        )  # at least --min-new-tokens: a prompt leaving less is named
+        if 0 < room < sampling.min_new_tokens:  # (no room at all: the prompt is named below)
+            raise ValueError(
+                f"--min-new-tokens {sampling.min_new_tokens} does not fit: the model's context of {context} "
+                f"tokens leaves {room} after the prompt"
+            )
+        new = min(DEFAULT_NEW_TOKENS, max(1, room))
         sampling = sampling.replace(max_new_tokens=max(new, sampling.min_new_tokens))
     if args.truncate_prompt:
         try:

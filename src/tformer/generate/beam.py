@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.config import MAX_SIZE
 from tformer.generate.engine import check_token_id
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
@@ -76,7 +77,7 @@ class SearchConfig(Config):
 
     def check(self) -> None:
         self._require(self.beam_size >= 1, "beam_size", "must be >= 1")
-        self._require(self.beam_size <= 2**31 - 1, "beam_size", "must be at most 2**31 - 1")
+        self._require(self.beam_size <= MAX_SIZE, "beam_size", f"must be at most {MAX_SIZE:,}")
         if self.max_len is not None:
             self._require(self.max_len >= 1, "max_len", "must be >= 1 (or null: from the source length)")
         self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")

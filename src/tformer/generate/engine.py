@@ -220,9 +220,10 @@ def _generate(
     next_pos = real.sum(-1, keepdim=True)  # (B, 1)
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b  # host-side bookkeeping: one .tolist() per step instead of small tensor ops
+    held = torch.tensor([eos_id], device=device) if sampling.min_new_tokens and eos_id is not None else None
     for step in range(sampling.max_new_tokens):
-        if step < sampling.min_new_tokens and eos_id is not None:  # too early to end: EOS not drawable
-            logits = logits.index_fill(-1, torch.tensor([eos_id], device=device), float("-inf"))
+        if held is not None and step < sampling.min_new_tokens:  # too early to end: EOS not drawable
+            logits = logits.index_fill(-1, held, float("-inf"))
         if history is not None:
             logits = apply_repetition_penalty(
                 logits, history.clamp_min(0), sampling.repetition_penalty, mask=history >= 0

@@ -50,10 +50,11 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     scaled = logits / temperature
     # a tiny temperature can take finite logits to +-inf (and the softmax to NaN): such rows are
     # scaled after subtracting their largest logit, which keeps it at 0; other rows are left as they are
-    # (in float64: a temperature below float32's range, e.g. 1e-46, is 0 there and 0 / 0 would be NaN)
-    overflow = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)
-    if not bool(overflow.any()):
+    # (in float64: a temperature below float32's range, e.g. 1e-46, is 0 there and 0 / 0 would be NaN).
+    # Dividing by temperature >= 1 cannot overflow: decided on the host, no device sync either way
+    if temperature >= 1:
         return scaled
+    overflow = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)
     shifted = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
     return torch.where(overflow, shifted.to(scaled.dtype), scaled)
 

@@ -9,6 +9,8 @@ attention layer (full T x T; half of it with causal=True). Training = 3 x forwar
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -46,8 +48,10 @@ def count_params(model_or_cfg: nn.Module | ModelConfig) -> dict[str, int]:
 
 def flops_per_token(model_or_cfg: nn.Module | ModelConfig, seq_len: int, causal: bool = False) -> float:
     """Forward matmul FLOPs per token at sequence length `seq_len` (see the module docstring)."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
+        raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     from tformer.model.attention import CrossAttention, SelfAttention
     from tformer.model.moe import moe_layers
 
@@ -72,11 +76,9 @@ def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
     grows to mN - n_shared centroids; with cfg.bias each expert keeps its own output bias of d_model, so
     the bias parameters grow m-fold). Other MoE settings of the baseline are kept.
     """
-    import numbers
-
     for name, value in (("m", m), ("n_shared", n_shared)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ConfigError(f"fine_grained: {name} must be an int, got {value!r}")
+            raise TypeError(f"fine_grained: {name} must be an int, got {value!r}")
     base = cfg.moe if cfg.moe is not None else MoEConfig(n_experts=1, top_k=1)
     width = base.expert_width(cfg.d_ff)
     if m < 1 or width % m:

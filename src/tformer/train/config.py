@@ -200,13 +200,22 @@ class TrainConfig(Config):
             "device",
             "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
-        self._check_task_reads_its_data_settings()
 
-    def _check_task_reads_its_data_settings(self) -> None:
-        for name, (unset, tasks) in READ_BY.items():
-            value = getattr(self.data, name)
-            if self.task not in tasks and value not in unset:
-                raise ConfigError(
-                    f"data.{name} is read by the {' and '.join(tasks)} task{'s' if len(tasks) > 1 else ''} "
-                    f"only: task {self.task!r} would ignore it; leave it {'null' if unset[0] is None else 'at ' + repr(unset[0])}, got {value!r}"
-                )
+
+def refuse_ignored_settings(cfg: TrainConfig) -> None:
+    """ConfigError for a setting the run would ignore: a data setting its task never reads (READ_BY), or
+    model.share_embeddings off outside the encoder-decoder. Checked when a new run starts, not when a
+    stored config is read (a run saved before this check still loads, resumes and evaluates)."""
+    for name, (unset, tasks) in READ_BY.items():
+        value = getattr(cfg.data, name)
+        if cfg.task not in tasks and value not in unset:
+            keep = "null" if unset[0] is None else f"at {unset[0]!r}"
+            raise ConfigError(
+                f"data.{name} is read by the {' and '.join(tasks)} task{'s' if len(tasks) > 1 else ''} "
+                f"only: task {cfg.task!r} would ignore it; leave it {keep}, got {value!r}"
+            )
+    if not cfg.model.share_embeddings and cfg.model.arch != "encoder_decoder":
+        raise ConfigError(
+            "model.share_embeddings is for arch 'encoder_decoder' only (one embedding for source and target); "
+            f"arch {cfg.model.arch!r} would ignore it: leave it true"
+        )

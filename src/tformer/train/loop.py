@@ -41,7 +41,7 @@ from tformer.train.checkpoint import (
     step_of,
     why_none_committed,
 )
-from tformer.train.config import TrainConfig
+from tformer.train.config import TrainConfig, refuse_ignored_settings
 from tformer.train.interrupt import Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
@@ -145,6 +145,7 @@ class Trainer:
                 )
         refuse_unfinished(self.run_dir, resume_from)
         if resume_from is None:
+            refuse_ignored_settings(cfg)
             refuse_foreign_files(self.run_dir)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
