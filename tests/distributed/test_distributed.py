@@ -176,6 +176,12 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         assert r["disagree"]["error"].startswith(
             f"ranks disagree on the checkpoint step (this rank {5 + rank}"
         )
+    for r in first:  # C3: both ranks stop at step 3 (steps 2 and 3 skipped), naming the rank with the NaN
+        assert r["nonfinite"]["step"] == 3, r["nonfinite"]
+        assert r["nonfinite"]["error"].startswith(
+            "step 3: 2 consecutive steps with a non-finite loss or gradient norm (non-finite loss on rank 1)"
+        ), r["nonfinite"]
+        assert "the last checkpoint" in r["nonfinite"]["error"] and "is intact" in r["nonfinite"]["error"]
     for r in first:  # B7: a changed shard, hashed by rank 1 alone, is the same error on both ranks
         assert r["corrupt"]["error"].endswith(
             f"{r['corrupt']['shard']}: sha256 differs from the manifest (corrupted)"

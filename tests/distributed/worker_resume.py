@@ -94,6 +94,44 @@ def resume1(env, out_dir: Path, out: dict) -> None:
     run(cfg, out_dir / "one_proc", resume=True, dump=out_dir / "from_one.safetensors")
     out["disagree"] = step_disagreement(env, out_dir / "disagree")
     out["corrupt"] = corrupt_shard(env, out_dir / "corrupt")
+    out["nonfinite"] = nonfinite_on_one_rank(env, corpus, out_dir / "nonfinite")
+
+
+class NaNOnRank1:
+    """The LM task, its loss NaN on rank 1 only from its second step on."""
+
+    def __init__(self, rank: int) -> None:
+        from tformer.tasks import make_task
+
+        self.inner, self.rank, self.calls = make_task("lm"), rank, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def loss(self, model, batch):
+        self.calls += 1
+        loss, n = self.inner.loss(model, batch)
+        return (loss * float("nan") if self.rank == 1 and self.calls >= 2 else loss), n
+
+
+def nonfinite_on_one_rank(env, corpus: Path, run_dir: Path) -> dict:
+    """C3 on 2 ranks: a NaN loss on rank 1 alone makes both ranks skip the step and, at max_nonfinite=2,
+    stop together at the same step with the error naming rank 1 and the checkpoint left intact."""
+    from tformer.train.loop import Trainer
+    from tformer.train.step import NonFiniteError
+
+    cfg = lm_config(corpus, data="ddp").replace(steps=6, save_every=1, max_nonfinite=2)
+    trainer = Trainer(cfg, run_dir, NaNOnRank1(env.rank), progress=False)
+    try:
+        trainer.fit()
+        error = ""
+    except NonFiniteError as e:
+        error = str(e)
+    step = trainer.state.step
+    trainer.close()
+    del trainer
+    gc.collect()
+    return {"error": error, "step": step}
 
 
 def corrupt_shard(env, run_dir: Path) -> dict:
