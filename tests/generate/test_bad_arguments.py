@@ -9,14 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.generate.helpers import tiny_translator_and_classifier
 from tformer import build_model
-from tformer.data.tokenizer import Tokenizer
 from tformer.generate import SamplingConfig
 from tformer.generate.beam import SearchConfig, beam_search, search
 from tformer.generate.engine import generate
 from tformer.presets import tiny
-from tformer.tasks.classification import Classifier
-from tformer.tasks.translation import Translator
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=3)
 
@@ -158,12 +156,7 @@ def test_search_checks_its_ids_model_and_source(lm, seq2seq) -> None:
 
 
 def test_translator_and_classifier_take_lists_of_non_empty_strings() -> None:
-    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
-    torch.manual_seed(0)
-    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32)).eval()
-    translator = Translator(pair, tok, tok, max_src_len=32)
-    cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
-    classifier = Classifier(build_model(cfg).eval(), tok, ["a", "b"], max_len=32)
+    translator, classifier = tiny_translator_and_classifier()
     long_text = ["the market rose " * 20]
     for call in (lambda t: translator.translate(t, SearchConfig(method="greedy")), classifier.classify):
         with pytest.warns(UserWarning, match=r"1 text\(s\) longer than 32 tokens were truncated \(index 0\)"):
@@ -200,12 +193,8 @@ def test_a_model_on_the_meta_device_is_named_before_any_compute(arch: str) -> No
 
 def test_translator_and_classifier_take_integer_ids_and_keep_the_models_mode() -> None:
     """Float ids had been truncated in silence; an error mid-way had left the model in eval mode."""
-    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
-    torch.manual_seed(0)
-    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32))
-    translator = Translator(pair, tok, tok, max_src_len=32)
-    cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
-    classifier = Classifier(build_model(cfg), tok, ["a", "b"], max_len=32)
+    translator, classifier = tiny_translator_and_classifier()
+    tok, pair = classifier.tokenizer, translator.model
     search_cfg = SearchConfig(method="greedy", max_len=4)
     for call, what in (
         (classifier.probabilities, "text"),

@@ -295,13 +295,9 @@ def test_a_passed_generator_goes_on_across_calls() -> None:
 def test_sampled_translations_of_one_input_draw_one_stream_over_its_batches() -> None:
     """The same sentence four times, one per batch: four draws, not the first batch's draw four times;
     the whole input is still reproducible from the seed."""
-    from tformer.data.tokenizer import Tokenizer
-    from tformer.tasks.translation import Translator
+    from tests.generate.helpers import tiny_translator_and_classifier
 
-    tok = Tokenizer.train_bpe(["the market rose and the dog barked"] * 20, 270)
-    torch.manual_seed(0)
-    pair = build_model(tiny("encoder_decoder").replace(vocab_size=tok.vocab_size, max_seq_len=32)).eval()
-    translator = Translator(pair, tok, tok, max_src_len=32)
+    translator, _ = tiny_translator_and_classifier()
     cfg = SearchConfig(method="sample", temperature=1.0, max_len=12, seed=3, batch_size=1)
     out = translator.translate(["the dog barked"] * 4, cfg)
     assert len(set(out)) > 1
