@@ -113,27 +113,44 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
-    """F1, C4 for tensor parallelism (2 ranks, one group): a GQA decoder LM's gradients, two clipped AdamW
-    steps (losses, pre-clip norms, weights) and an encoder-decoder's gradients vs one process."""
+    """F1, C4 for tensor parallelism (2 ranks, one group), without and with sequence parallelism: a GQA
+    decoder LM's gradients, two clipped AdamW steps (losses, pre-clip norms, weights) and an
+    encoder-decoder's gradients vs one process. With sequence parallelism the blocks hand back half of
+    the positions (a length of 7 runs as plain tensor parallelism), every gradient is placed like its
+    parameter (the norms' are summed over the group) and a forward keeps fewer bytes for backward."""
     for r in launch("tensor", tmp_path):
-        d = r["decoder"]
-        assert d["sharded"] and d["clipped"] and d["targets"] == [16, 16]  # not doubled: one data rank
-        assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, d
-        assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, d
-        e = r["encoder_decoder"]
-        assert e["sharded"] and e["grad_diff"] <= 1e-6, e
+        for key in ("decoder", "sequence_decoder", "sequence_decoder_odd"):
+            d = r[key]
+            assert d["sharded"] and d["clipped"] and d["grads_placed"], (key, d)
+            assert d["targets"] == (
+                [14, 14] if key.endswith("odd") else [16, 16]
+            )  # not doubled: one data rank
+            assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
+            assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, (key, d)
+        assert [r[k]["rows"] for k in ("decoder", "sequence_decoder", "sequence_decoder_odd")] == [
+            [8],
+            [4],
+            [7],
+        ]
+        assert r["sequence_decoder"]["saved_bytes"] < r["decoder"]["saved_bytes"]
+        for key, rows in (("encoder_decoder", [10, 6]), ("sequence_encoder_decoder", [5, 3])):
+            e = r[key]
+            assert e["sharded"] and e["grads_placed"] and e["grad_diff"] <= 1e-6, (key, e)
+            assert [e["rows"]["encoder"], e["rows"]["decoder"]] == [[rows[0]], [rows[1]]], (key, e)
 
 
 def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> None:
-    """F1 on a 2-D mesh: 4 ranks, tensor parallel in pairs, FSDP2 over the two pairs, each pair on its
-    part of the batch: gradients, two clipped steps and weights vs one process on the whole batch."""
+    """F1 on a 2-D mesh: 4 ranks, tensor parallel in pairs (without and with sequence parallelism),
+    FSDP2 over the two pairs, each pair on its part of the batch: gradients, two clipped steps and
+    weights vs one process on the whole batch."""
     results = launch("tensor2d", tmp_path, nproc=4)
     assert [r["fsdp_tp"]["data_rank"] for r in results] == [0, 0, 1, 1]
     for r in results:
-        d = r["fsdp_tp"]
-        assert d["mesh"] == [2, 2] and d["clipped"], d
-        assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, d
-        assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, d
+        for key, rows in (("fsdp_tp", [8]), ("fsdp_tp_sp", [4])):  # sequence parallel: half the positions
+            d = r[key]
+            assert d["mesh"] == [2, 2] and d["clipped"] and d["grads_placed"] and d["rows"] == rows, (key, d)
+            assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
+            assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, (key, d)
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:
@@ -359,11 +376,13 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
 
 
 def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, capsys) -> None:
-    """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with FSDP2 over the pairs:
-    exit 0, metrics once, a DCP checkpoint that `tformer eval` opens in one process."""
+    """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with sequence parallelism and
+    FSDP2 over the pairs: exit 0, metrics once, a DCP checkpoint that `tformer eval` opens in one process."""
     out = tmp_path / "run"
-    proc = torchrun_train(out, corpus, "parallel.data=fsdp", "parallel.tensor=2", nproc=4)
+    sets = ("parallel.data=fsdp", "parallel.tensor=2", "parallel.sequence=true")
+    proc = torchrun_train(out, corpus, *sets, nproc=4)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads((out / "config.json").read_text())["parallel"]["sequence"] is True
     assert "terminate called" not in proc.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]

@@ -383,6 +383,9 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     loss, _ = lm_loss_sum(par.model, own_batch(0))
     (loss * own_scale).backward()
     grad_diff = max_diff(model, ref, set(), "grad")
+    # a DTensor gradient placed like its parameter (a Partial one would read whole in max_diff, but clip
+    # and step as this rank's partial sum)
+    placed = all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
     ref.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     results = []
@@ -391,6 +394,7 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
         results.append((train_step(*ref_args), train_step(*args)))
     return {
         "grad_diff": grad_diff,
+        "grads_placed": placed,
         "param_diff": max_diff(model, ref, set(), "param"),
         "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
         "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
@@ -402,34 +406,75 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
 TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
 
 
+def saved_bytes(model, batch) -> int:
+    """Bytes one forward keeps alive for backward on this rank: the storages of the saved tensors (a
+    DTensor's local piece), each counted once."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss_sum(model, batch)
+    return sum(seen.values())
+
+
+def sublayer_rows(block) -> list[int]:
+    """The sequence lengths the block's FFN hands back to the residual stream, one per forward."""
+    rows = []
+    block.ffn.register_forward_hook(lambda m, args, out: rows.append(out.shape[1]))
+    return rows
+
+
 def tensor(env, out_dir: Path, out: dict) -> None:
-    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process:
-    a decoder LM (with the trainer's step: clipping, AdamW) and an encoder-decoder (gradients). Every
-    stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0, also under autograd): the sharded layers
-    must refuse it."""
-    from tformer.data.datasets import Seq2SeqBatch
+    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process,
+    without and with sequence parallelism: a decoder LM (with the trainer's step: clipping, AdamW; with
+    sequence parallelism also a length the group does not divide) and an encoder-decoder (gradients).
+    Every stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0, also under autograd): the
+    sharded layers must refuse it."""
     from tformer.distributed.env import ProcessGroup
     from tformer.model import linear
-    from tformer.tasks.translation import seq2seq_loss_sum
 
     linear.FUSE_MIN_ROWS = 0
     linear.FUSE_UNDER_AUTOGRAD = True
     tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
-    plan = make_plan(ParallelConfig(tensor=env.world_size), env.world_size)
-    ref, model = twins(tiny().replace(bias=True, **TP_CFG))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    q = model.blocks[0].attn.q_proj.weight
     whole = partial(global_batch, 1)
-    out["decoder"] = compare_steps(ref, model, par, whole, whole, 1 / whole(0).targets.numel())
-    out["decoder"]["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (
-        32 // env.world_size,
-        32,
-    )
-    del par, model, ref
+    for sequence in (False, True):
+        key = "sequence_" if sequence else ""
+        plan = make_plan(ParallelConfig(tensor=env.world_size, sequence=sequence), env.world_size)
+        lengths = {"decoder": T, "decoder_odd": T - 1} if sequence else {"decoder": T}
+        for name, t in lengths.items():
+            ref, model = twins(tiny().replace(bias=True, **TP_CFG))
+            par = parallelize(model, plan, tp_env, torch.device("cpu"))
+            rows = sublayer_rows(model.blocks[0])
+            batch = lambda step, t=t: Batch(whole(step).ids[:, :t], whole(step).targets[:, :t])  # noqa: E731
+            d = compare_steps(ref, model, par, batch, batch, 1 / batch(0).targets.numel())
+            q = model.blocks[0].attn.q_proj.weight
+            d["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32)
+            d["rows"] = sorted(set(rows))
+            d["saved_bytes"] = saved_bytes(model, batch(0))
+            out[key + name] = d
+            del par, model, ref
+        out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
+    linear.FUSE_MIN_ROWS = 1024
+    gc.collect()
+
+
+def tensor_encoder_decoder(plan, tp_env) -> dict:
+    """An encoder-decoder's gradients (source 10 tokens, one row padded; target 6) vs one process."""
+    from tformer.data.datasets import Seq2SeqBatch
+    from tformer.tasks.translation import seq2seq_loss_sum
+
     ref, model = twins(tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    rows = {
+        "encoder": sublayer_rows(model.encoder.blocks[0]),
+        "decoder": sublayer_rows(model.decoder.blocks[0]),
+    }
     g = torch.Generator().manual_seed(7)
-    src, tgt = torch.randint(3, 64, (4, 9), generator=g), torch.randint(3, 64, (4, 7), generator=g)
+    src, tgt = torch.randint(3, 64, (4, 10), generator=g), torch.randint(3, 64, (4, 7), generator=g)
     src_mask = torch.ones_like(src, dtype=torch.bool)
     src_mask[1, 6:] = False
     batch = Seq2SeqBatch(
@@ -438,13 +483,14 @@ def tensor(env, out_dir: Path, out: dict) -> None:
     for m in (ref, par.model):
         loss, n = seq2seq_loss_sum(m, batch)
         (loss / n).backward()
-    out["encoder_decoder"] = {
+    return {
         "sharded": isinstance(model.decoder.blocks[0].cross_attn.k_proj.weight, DTensor),
         "grad_diff": max_diff(model, ref, set(), "grad"),
+        "grads_placed": all(
+            p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor)
+        ),
+        "rows": {name: sorted(set(r)) for name, r in rows.items()},
     }
-    del par, model, ref
-    linear.FUSE_MIN_ROWS = 1024
-    gc.collect()
 
 
 def tensor2d(env, out_dir: Path, out: dict) -> None:
@@ -453,24 +499,27 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
     from tformer.distributed.env import ProcessGroup
 
     tp_env = ProcessGroup(owns_group=False, tensor=2)
-    plan = make_plan(ParallelConfig(tensor=2, data="fsdp"), env.world_size)
-    ref, model = twins(tiny().replace(**TP_CFG))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    dp = tp_env.data_world_size
-    whole = partial(global_batch, dp)
-    out["fsdp_tp"] = compare_steps(
-        ref,
-        model,
-        par,
-        whole,
-        lambda step: rank_part(whole(step), tp_env.data_rank),
-        dp / whole(0).targets.numel(),
-    )
-    q = model.blocks[0].attn.q_proj.weight
-    out["fsdp_tp"] |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
-                       "data_rank": tp_env.data_rank}  # fmt: skip
-    del par, model, ref
-    gc.collect()
+    for sequence in (False, True):
+        plan = make_plan(ParallelConfig(tensor=2, data="fsdp", sequence=sequence), env.world_size)
+        ref, model = twins(tiny().replace(**TP_CFG))
+        par = parallelize(model, plan, tp_env, torch.device("cpu"))
+        rows = sublayer_rows(model.blocks[0])
+        dp = tp_env.data_world_size
+        whole = partial(global_batch, dp)
+        d = compare_steps(
+            ref,
+            model,
+            par,
+            whole,
+            lambda step, whole=whole: rank_part(whole(step), tp_env.data_rank),
+            dp / whole(0).targets.numel(),
+        )
+        q = model.blocks[0].attn.q_proj.weight
+        d |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
+              "data_rank": tp_env.data_rank, "rows": sorted(set(rows))}  # fmt: skip
+        out["fsdp_tp_sp" if sequence else "fsdp_tp"] = d
+        del par, model, ref
+        gc.collect()
 
 
 def main() -> int:

@@ -16,18 +16,20 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.plans import ParallelPlan, is_rank_local
+from tformer.distributed.sequence import apply_sequence_parallel
 from tformer.model.moe import moe_layers, moe_routing_stats
 from tformer.schema import ConfigError
 from tformer.train.step import LOCAL, Collectives
@@ -153,7 +155,7 @@ def parallelize_tensor(
     model: nn.Module, plan: ParallelPlan, env: Local, device: torch.device
 ) -> Parallelized:
     """Tensor parallelism over groups of plan.tensor ranks, then FSDP2 over the data dimension (if any)."""
-    check_tensor_parallel(model, plan.tensor)
+    check_tensor_parallel(model, plan.tensor, plan.sequence)
     mesh = init_device_mesh(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
@@ -166,7 +168,7 @@ def parallelize_tensor(
     return Parallelized(model, ProcessCollectives(env, device, set(), data_group), mesh)
 
 
-def check_tensor_parallel(model: nn.Module, degree: int) -> None:
+def check_tensor_parallel(model: nn.Module, degree: int, sequence: bool = False) -> None:
     """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split (yet)."""
     if any(True for _ in moe_layers(model)):
         raise ConfigError(f"parallel.tensor={degree}: MoE layers are not split by tensor parallelism yet")
@@ -175,6 +177,12 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
         raise ConfigError(
             f"parallel.tensor={degree} with model.attn_dropout={cfg.attn_dropout}: attention dropout is not "
             "supported with tensor parallelism yet (set model.attn_dropout=0; residual dropout is fine)"
+        )
+    if sequence and cfg.dropout > 0:  # one RNG stream per group: every rank would drop its shard alike
+        raise ConfigError(
+            f"parallel.sequence=true with model.dropout={cfg.dropout}: residual dropout on a sequence split "
+            "over the tensor-parallel group is not supported yet (set model.dropout=0, or "
+            "parallel.sequence=false)"
         )
     for name, value in (
         ("model.n_heads", cfg.n_heads),
@@ -187,14 +195,19 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
 
 def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> None:
     """Column-split q/k/v and the FFN's input layers, row-split o and the FFN's output layer (activations
-    between them stay local to each rank; one all-reduce after each pair)."""
+    between them stay local to each rank; one all-reduce after each pair). With plan.sequence the
+    residual stream between them is split over the sequence as well (tformer.distributed.sequence)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if plan.sequence:  # row-split outputs stay partial sums: sequence.py reduce-scatters or all-reduces them
+        styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
     layout = {name: styles[style]() for name, _ in model.named_modules() if (style := plan.tp_style(name))}
     if not layout:
         raise ConfigError("parallel.tensor > 1, but the model has no layer that tensor parallelism splits")
     parallelize_module(model, mesh, layout)
+    if plan.sequence:
+        apply_sequence_parallel(model, mesh)
 
 
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:

@@ -9,6 +9,8 @@ The model code stays single-device. A plan names module paths and buffers; `para
   tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" (Megatron:
                 q/k/v and the FFN's input layers split by output features, o and the FFN's output layer
                 by input features, so a block needs one all-reduce after attention and one after the FFN)
+  sequence      sequence parallelism inside each tensor-parallel group: the residual stream, norms and
+                dropout between those layers split over the sequence (tformer.distributed.sequence)
 Rank-local state (never averaged, never broadcast, saved per rank): buffers named by RANK_LOCAL.
 """
 
@@ -47,6 +49,7 @@ class ParallelPlan:
     param_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     tensor: int = 1
+    sequence: bool = False
     tp_styles: tuple[tuple[str, str], ...] = TP_STYLES
 
     def is_fsdp_unit(self, module_name: str) -> bool:
@@ -84,6 +87,7 @@ def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
         param_dtype=DTYPES[cfg.param_dtype],
         reshard_after_forward=cfg.reshard_after_forward,
         tensor=cfg.tensor,
+        sequence=cfg.sequence,
     )
 
 

@@ -121,6 +121,10 @@ class ParallelConfig(Config):
     tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
         `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism
         (FSDP2 when world / T > 1) runs over the first dimension. Dense models only; 1 = off.
+    sequence: sequence parallelism inside each tensor-parallel group (needs tensor > 1): between the
+        split layers each rank holds T / tensor of the positions (norms, residuals), with a
+        reduce-scatter and an all-gather in place of each all-reduce. A forward whose length the group
+        does not divide runs as plain tensor parallelism. No residual dropout (model.dropout=0) yet.
     backend: process-group backend; "auto" = nccl with CUDA, gloo on CPU.
     timeout_s: how long a collective may wait for a peer before the job fails.
     """
@@ -134,12 +138,18 @@ class ParallelConfig(Config):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: int = 600
     tensor: int = 1
+    sequence: bool = False
 
     def check(self) -> None:
         self._require(self.timeout_s >= 1, "timeout_s", "must be >= 1")
         self._require(self.tensor >= 1, "tensor", "must be >= 1 (1 = no tensor parallelism)")
         if self.tensor > 1:
             self._require(self.experts == "replicate", "tensor", "does not combine with experts='shard' yet")
+        self._require(
+            not self.sequence or self.tensor > 1,
+            "sequence",
+            "needs tensor > 1 (it splits within a tensor-parallel group)",
+        )
         if self.param_dtype != "float32":
             self._require(self.data == "fsdp", "param_dtype", "needs data='fsdp' (FSDP2 mixed precision)")
 

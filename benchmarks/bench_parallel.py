@@ -1,0 +1,136 @@
+"""Tensor parallelism with and without sequence parallelism: activation memory and step time per rank.
+
+Run under torchrun (each rank one thread: 2 ranks fill a 2-core machine):
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py            # ~3 minutes here
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py --quick    # smoke check
+
+Both variants are the same dense Pre-Norm RoPE SwiGLU decoder LM (`llama_like`, the shape of
+bench_lm.py's dense model unless --quick), built from one seed and split over all ranks as one
+tensor-parallel group (`parallel.tensor=W`); the second adds `parallel.sequence=true`. Measured on
+each rank, in one process group, round-robin (harness.py):
+
+  saved bytes   what one forward keeps for backward on this rank (`saved_tensors_hooks`; a DTensor
+                counts its local piece), split into parameters and everything else (activations)
+  step time     forward, cross-entropy, backward, AdamW, zero_grad; paired median ratio to plain TP
+
+The first loss of both variants is printed: they compute the same model. Time over gloo on a CPU says
+little about NCCL on GPUs; the activation bytes are what sequence parallelism is for and carry over.
+The load line counts this job's other ranks as foreign CPU (2 ranks on 2 cores: ~50%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
+
+from tformer.distributed.env import init_distributed  # noqa: E402
+from tformer.distributed.parallelize import parallelize  # noqa: E402
+from tformer.distributed.plans import make_plan  # noqa: E402
+from tformer.model import build_model  # noqa: E402
+from tformer.presets import llama_like  # noqa: E402
+from tformer.train.config import OptimConfig, ParallelConfig  # noqa: E402
+from tformer.train.optim import make_optimizer  # noqa: E402
+
+FULL = dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, d_ff=1376, batch=8, seq=256, rounds=5)
+QUICK = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, batch=2, seq=32, rounds=2)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def saved_bytes(model, ids, targets) -> dict[str, int]:
+    """Bytes one forward keeps alive for backward on this rank: the storages of the saved tensors, each
+    counted once (q/k/v save one input), split into parameters and the rest."""
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = {"parameters": 0, "activations": 0}
+
+    def pack(t):
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total["parameters" if storage.data_ptr() in params else "activations"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
+    args = p.parse_args()
+    if "RANK" not in os.environ:
+        sys.exit("run under torchrun: torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py")
+    setup(threads=1)
+    s = QUICK if args.quick else FULL
+    env = init_distributed(ParallelConfig(), "cpu")
+    world, rank = env.world_size, env.rank
+    cfg = llama_like(
+        s["vocab_size"], s["d_model"], s["n_layers"], s["n_heads"], d_ff=s["d_ff"], max_seq_len=s["seq"]
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, s["vocab_size"], (s["batch"], s["seq"] + 1), generator=g)
+    ids, targets = ids[:, :-1], ids[:, 1:]
+    steps, memory, first_loss = {}, {}, {}
+    for name, sequence in (("tensor parallel", False), ("+ sequence parallel", True)):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        plan = make_plan(ParallelConfig(tensor=world, sequence=sequence), world)
+        par = parallelize(model, plan, env, torch.device("cpu"))
+        optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
+        memory[name] = saved_bytes(par.model, ids, targets)
+        with torch.no_grad():
+            first_loss[name] = float(F.cross_entropy(par.model(ids).flatten(0, 1), targets.flatten()))
+
+        def step(model=par.model, optimizer=optimizer) -> None:
+            loss = F.cross_entropy(model(ids).flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        steps[name] = step
+    with LoadMeter() as load:
+        times = round_robin(steps, s["rounds"], progress=rank == 0)
+    rows = summarize(times, "tensor parallel", s["batch"] * s["seq"])
+    table = []
+    for name, row in rows.items():
+        mib = {k: v / 2**20 for k, v in memory[name].items()}
+        table.append({**row.as_dict(), "activations_mib": mib["activations"], "parameters_mib": mib["parameters"],
+                      "first_loss": first_loss[name]})  # fmt: skip
+    base = table[0]["activations_mib"]
+    for r in table:
+        r["activations_vs_tp"] = r["activations_mib"] / base
+    if rank == 0:
+        shape = f"d_model {s['d_model']}, {s['n_layers']} layers, batch {s['batch']} x {s['seq']}"
+        print_table(
+            f"tensor parallel over {world} ranks (gloo, 1 thread each), {shape}; per rank:",
+            table,
+            [("name", "variant", "s"), ("best_s", "best s", ".3f"), ("median_s", "median s", ".3f"),
+             ("speedup_paired_median", "x TP (paired)", ".3f"), ("activations_mib", "saved activations MiB", ".1f"),
+             ("activations_vs_tp", "x TP", ".3f"), ("parameters_mib", "saved params MiB", ".1f"),
+             ("first_loss", "first loss", ".6f")],
+        )  # fmt: skip
+        print(load.line(), f"(the machine's other {world - 1} rank(s) of this job count as foreign CPU)")
+        write_json("parallel_quick.json" if args.quick else "parallel.json",
+                   {"shape": s, "world_size": world, "rows": table, "load": load.result})  # fmt: skip
+    dist.barrier()
+    env.shutdown()
+
+
+if __name__ == "__main__":
+    main()

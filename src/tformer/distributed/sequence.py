@@ -1,0 +1,109 @@
+"""Sequence parallelism inside a tensor-parallel group (Korthikanti et al., 2022, "Reducing Activation
+Recomputation in Large Transformer Models").
+
+Tensor parallelism alone keeps the residual stream, the norms and the dropout replicated: every rank of
+a group holds (B, T, D) between the blocks and runs every norm over all T positions. With sequence
+parallelism each rank holds T / P of the positions there, so those activations (and the work of the
+norms) are split P ways, for the same communication volume: the all-reduce after each row-split layer
+becomes a reduce-scatter over the sequence, and each sublayer's input is all-gathered before its
+column-split layers.
+
+    x (B, T/P, D) -> norm -> all-gather -> q/k/v, attention, o (heads split) -> reduce-scatter -> + x
+                  -> norm -> all-gather -> FFN (width split)                 -> reduce-scatter -> + x
+
+In each stack the first block's input is split (no communication: every rank of the group holds the
+same embeddings) and the final norm's input gathered. Everything is `torch.distributed.tensor`
+(DTensor) redistribution, so backward runs the dual collectives (the all-gather's backward is a
+reduce-scatter) and the norms' weights are replicated DTensors whose gradients are summed over the
+group once backward has accumulated them.
+
+The split is decided per forward and per stack from the sequence length: a length the group size does
+not divide (a translation batch of odd length, a decoding step of one token) runs that forward as plain
+tensor parallelism, with the same result. Both routes are tested against one process
+(tests/distributed/worker.py, `tensor`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+SEQ = Shard(1)  # hidden states are (B, T, D)
+SUBLAYERS = ("attn", "cross_attn", "ffn")  # each ends in a row-split layer whose output is left Partial
+NORMS = ("attn_norm", "cross_norm", "ffn_norm")
+
+
+@dataclass
+class SequenceSplit:
+    """One stack's switch: whether the forward running now holds its residual stream split over T."""
+
+    mesh: DeviceMesh
+    active: bool = False
+
+    def from_local(self, x: Tensor, split: bool) -> DTensor:
+        return DTensor.from_local(x, self.mesh, [SEQ if split else Replicate()], run_check=False)
+
+    # ---- stack boundaries: plain tensors in and out
+    def split(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Forward pre-hook of the stack's first block: keep this rank's T / P positions."""
+        x = args[0]
+        self.active = x.shape[1] % self.mesh.size() == 0
+        if not self.active:
+            return None
+        return (self.from_local(x, False).redistribute(self.mesh, [SEQ]).to_local(), *args[1:])
+
+    def gather(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Forward pre-hook of the stack's final norm (or its identity, Post-Norm): the whole sequence."""
+        if not self.active:
+            return None
+        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]).to_local(), *args[1:])
+
+    # ---- sublayers: attention, cross-attention, FFN
+    def gather_input(self, module: nn.Module, args: tuple) -> tuple | None:
+        """The whole sequence for the column-split layers, as a replicated DTensor: their input
+        gradients (partial sums over the group) then reduce-scatter back to the shards."""
+        if not self.active:
+            return None
+        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]), *args[1:])
+
+    def reduce_output(self, module: nn.Module, args: tuple, out: DTensor) -> Tensor:
+        """The row-split layer's partial sums: reduce-scattered over T (split) or all-reduced."""
+        return out.redistribute(self.mesh, [SEQ if self.active else Replicate()]).to_local()
+
+    # ---- norms: replicated weights, sharded or replicated inputs
+    def norm_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return (self.from_local(inputs[0], self.active), *inputs[1:])
+
+    @staticmethod
+    def norm_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:
+        return out.to_local()
+
+
+def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Hook every stack (a module with `blocks` and `final_norm`) of a tensor-parallel model whose
+    row-split layers leave their outputs Partial (`parallelize.apply_tensor_parallel`)."""
+    stacks = [m for m in model.modules() if isinstance(getattr(m, "blocks", None), nn.ModuleList)]
+    for stack in stacks:
+        switch = SequenceSplit(mesh)
+        stack.blocks[0].register_forward_pre_hook(switch.split)
+        stack.final_norm.register_forward_pre_hook(switch.gather)
+        for block in stack.blocks:
+            for name in SUBLAYERS:
+                if (sub := getattr(block, name, None)) is not None:
+                    sub.register_forward_pre_hook(switch.gather_input)
+                    sub.register_forward_hook(switch.reduce_output)
+            for name in NORMS:
+                if (norm := getattr(block, name, None)) is not None:
+                    distribute_module(norm, mesh, input_fn=switch.norm_input, output_fn=switch.norm_output)
+                    for p in norm.parameters():
+                        p.register_post_accumulate_grad_hook(replicate_grad)
+
+
+def replicate_grad(p: nn.Parameter) -> None:
+    """A norm weight's gradient from a split sequence is each rank's partial sum (placement Partial): sum
+    it over the group, so that clipping, the gradient norm and the optimizer read the whole gradient."""
+    if p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
