@@ -115,9 +115,10 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
 def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     """F1, C4 for tensor parallelism (2 ranks, one group), without and with sequence parallelism: a GQA
     decoder LM's gradients, two clipped AdamW steps (losses, pre-clip norms, weights) and an
-    encoder-decoder's gradients vs one process. With sequence parallelism the blocks hand back half of
-    the positions (a length of 7 runs as plain tensor parallelism), every gradient is placed like its
-    parameter (the norms' are summed over the group) and a forward keeps fewer bytes for backward."""
+    encoder-decoder's gradients vs one process; with residual dropout, losses and gradients vs one process
+    drawing from the same seed. With sequence parallelism the blocks hand back half of the positions (a
+    length of 7 runs as plain tensor parallelism), every gradient is placed like its parameter (the
+    norms' are summed over the group) and a forward keeps fewer bytes for backward."""
     for r in launch("tensor", tmp_path):
         for key in ("decoder", "sequence_decoder", "sequence_decoder_odd"):
             d = r[key]
@@ -133,6 +134,11 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             [7],
         ]
         assert r["sequence_decoder"]["saved_bytes"] < r["decoder"]["saved_bytes"]
+        for key, rows in (("dropout", [7, 8]), ("sequence_dropout", [4, 7])):  # residual dropout 0.1, seeded
+            d = r[key]
+            assert d["dropped"] and d["rows"] == rows, (key, d)
+            for length in ("length_8", "length_7"):
+                assert d[length]["loss_diff"] <= 1e-6 and d[length]["grad_diff"] <= 1e-6, (key, d)
         for key, rows in (("encoder_decoder", [10, 6]), ("sequence_encoder_decoder", [5, 3])):
             e = r[key]
             assert e["sharded"] and e["grads_placed"] and e["grad_diff"] <= 1e-6, (key, e)

@@ -108,15 +108,11 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
     with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):
         check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=2, d_ff=64)), 4)
     check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64)), 2)
-    # sequence parallelism: inside a tensor-parallel group, without residual dropout
+    # sequence parallelism: inside a tensor-parallel group
     assert make_plan(ParallelConfig(tensor=2, sequence=True), 2).sequence
     assert not make_plan(ParallelConfig(tensor=2), 2).sequence
     with pytest.raises(ConfigError, match="sequence needs tensor > 1"):
         ParallelConfig(sequence=True)
-    dropout = build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64, dropout=0.1))
-    check_tensor_parallel(dropout, 2)  # plain tensor parallelism keeps residual dropout
-    with pytest.raises(ConfigError, match=r"parallel.sequence=true with model.dropout=0.1"):
-        check_tensor_parallel(dropout, 2, sequence=True)
 
 
 def test_the_dcp_checkpointer_loads_a_single_process_checkpoint_in_one_process_only(tmp_path) -> None:

@@ -458,8 +458,39 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             out[key + name] = d
             del par, model, ref
         out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
+        out[key + "dropout"] = tensor_dropout(plan, tp_env)
     linear.FUSE_MIN_ROWS = 1024
     gc.collect()
+
+
+def tensor_dropout(plan, tp_env) -> dict:
+    """Residual dropout 0.1: losses and gradients vs one process drawing from the same seed, at a length
+    the group divides (a split sequence draws the whole mask, applies its part) and at one it does not."""
+    ref, model = twins(tiny().replace(dropout=0.1, **TP_CFG))
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    rows = sublayer_rows(model.blocks[0])
+    out = {}
+    for t in (T, T - 1):
+        batch = global_batch(1, 0)
+        batch = Batch(batch.ids[:, :t], batch.targets[:, :t])
+        losses = []
+        for m in (ref, par.model):
+            torch.manual_seed(11)
+            loss, n = lm_loss_sum(m, batch)
+            (loss / n).backward()
+            losses.append((loss / n).item())
+        out[f"length_{t}"] = {
+            "loss_diff": abs(losses[0] - losses[1]),
+            "grad_diff": max_diff(model, ref, set(), "grad"),
+        }
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    ref.eval()  # the dropout is on: without it the loss differs
+    with torch.no_grad():
+        loss, n = lm_loss_sum(ref, batch)
+    out["dropped"] = abs(float(loss / n) - losses[0]) > 1e-4
+    out["rows"] = sorted(set(rows))
+    return out
 
 
 def tensor_encoder_decoder(plan, tp_env) -> dict:

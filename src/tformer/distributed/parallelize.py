@@ -155,7 +155,7 @@ def parallelize_tensor(
     model: nn.Module, plan: ParallelPlan, env: Local, device: torch.device
 ) -> Parallelized:
     """Tensor parallelism over groups of plan.tensor ranks, then FSDP2 over the data dimension (if any)."""
-    check_tensor_parallel(model, plan.tensor, plan.sequence)
+    check_tensor_parallel(model, plan.tensor)
     mesh = init_device_mesh(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
@@ -168,7 +168,7 @@ def parallelize_tensor(
     return Parallelized(model, ProcessCollectives(env, device, set(), data_group), mesh)
 
 
-def check_tensor_parallel(model: nn.Module, degree: int, sequence: bool = False) -> None:
+def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split (yet)."""
     if any(True for _ in moe_layers(model)):
         raise ConfigError(f"parallel.tensor={degree}: MoE layers are not split by tensor parallelism yet")
@@ -177,12 +177,6 @@ def check_tensor_parallel(model: nn.Module, degree: int, sequence: bool = False)
         raise ConfigError(
             f"parallel.tensor={degree} with model.attn_dropout={cfg.attn_dropout}: attention dropout is not "
             "supported with tensor parallelism yet (set model.attn_dropout=0; residual dropout is fine)"
-        )
-    if sequence and cfg.dropout > 0:  # one RNG stream per group: every rank would drop its shard alike
-        raise ConfigError(
-            f"parallel.sequence=true with model.dropout={cfg.dropout}: residual dropout on a sequence split "
-            "over the tensor-parallel group is not supported yet (set model.dropout=0, or "
-            "parallel.sequence=false)"
         )
     for name, value in (
         ("model.n_heads", cfg.n_heads),

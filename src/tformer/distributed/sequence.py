@@ -19,14 +19,16 @@ group once backward has accumulated them.
 
 The split is decided per forward and per stack from the sequence length: a length the group size does
 not divide (a translation batch of odd length, a decoding step of one token) runs that forward as plain
-tensor parallelism, with the same result. Both routes are tested against one process
-(tests/distributed/worker.py, `tensor`).
+tensor parallelism, with the same result. Residual dropout draws the whole sequence's mask and applies
+each rank's part (`SplitDropout`), so it drops what one process would. Both routes, with and without
+dropout, are tested against one process (tests/distributed/worker.py, `tensor`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -82,6 +84,28 @@ class SequenceSplit:
         return out.to_local()
 
 
+class SplitDropout(nn.Module):
+    """A block's residual dropout while its sequence is split: the mask of the whole (B, T, D) is drawn
+    from the group's one RNG stream, as plain tensor parallelism and one process draw it (`F.dropout`
+    is x * bernoulli(1 - p) / (1 - p)), and this rank's positions of it are applied. So every rank
+    drops its own positions, and a run drops exactly what it would without the split."""
+
+    def __init__(self, p: float, switch: SequenceSplit) -> None:
+        super().__init__()
+        self.p, self.switch = p, switch
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and self.switch.active):
+            return F.dropout(x, self.p, self.training)
+        b, t, d = x.shape
+        rank = self.switch.mesh.get_local_rank()
+        mask = x.new_empty(b, t * self.switch.mesh.size(), d).bernoulli_(1 - self.p).div_(1 - self.p)
+        return x * mask[:, rank * t : (rank + 1) * t]
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Hook every stack (a module with `blocks` and `final_norm`) of a tensor-parallel model whose
     row-split layers leave their outputs Partial (`parallelize.apply_tensor_parallel`)."""
@@ -91,6 +115,8 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         stack.blocks[0].register_forward_pre_hook(switch.split)
         stack.final_norm.register_forward_pre_hook(switch.gather)
         for block in stack.blocks:
+            if isinstance(block.drop, nn.Dropout):
+                block.drop = SplitDropout(block.drop.p, switch)
             for name in SUBLAYERS:
                 if (sub := getattr(block, name, None)) is not None:
                     sub.register_forward_pre_hook(switch.gather_input)

@@ -124,7 +124,7 @@ class ParallelConfig(Config):
     sequence: sequence parallelism inside each tensor-parallel group (needs tensor > 1): between the
         split layers each rank holds T / tensor of the positions (norms, residuals), with a
         reduce-scatter and an all-gather in place of each all-reduce. A forward whose length the group
-        does not divide runs as plain tensor parallelism. No residual dropout (model.dropout=0) yet.
+        does not divide runs as plain tensor parallelism.
     backend: process-group backend; "auto" = nccl with CUDA, gloo on CPU.
     timeout_s: how long a collective may wait for a peer before the job fails.
     """
