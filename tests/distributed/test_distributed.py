@@ -118,11 +118,12 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     encoder-decoder's gradients vs one process; with residual dropout, losses and gradients vs one process
     drawing from the same seed. With sequence parallelism the blocks hand back half of the positions (a
     length of 7 runs as plain tensor parallelism), every gradient is placed like its parameter (the
-    norms' are summed over the group) and a forward keeps fewer bytes for backward."""
+    norms' are summed over the group) and a forward keeps fewer bytes for backward. `generate` (greedy,
+    fast decoding paths) gives the tokens one process gives, with both."""
     for r in launch("tensor", tmp_path):
         for key in ("decoder", "sequence_decoder", "sequence_decoder_odd"):
             d = r[key]
-            assert d["sharded"] and d["clipped"] and d["grads_placed"], (key, d)
+            assert d["sharded"] and d["clipped"] and d["grads_placed"] and d["generated_same"], (key, d)
             assert d["targets"] == (
                 [14, 14] if key.endswith("odd") else [16, 16]
             )  # not doubled: one data rank

@@ -306,3 +306,38 @@ def test_the_groups_tformer_makes_time_out_after_parallel_timeout_s(tmp_path) ->
         assert [timeout(mesh.get_group(d)) for d in range(2)] == [datetime.timedelta(seconds=7)] * 2
     finally:
         dist.destroy_process_group()
+
+
+def test_split_dropout_applies_its_part_of_the_whole_mask_and_keeps_only_that_part() -> None:
+    """Rank 1 of 2 with its sequence split: the output is the second half of `F.dropout` over the whole
+    sequence from the same seed, and backward keeps only this rank's part of the mask (not the whole
+    mask through a view of it)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from tformer.distributed.sequence import SplitDropout
+
+    mesh = SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 1)
+    drop = SplitDropout(0.3, SimpleNamespace(mesh=mesh, active=True))
+    whole = torch.randn(2, 8, 4)
+    torch.manual_seed(5)
+    want = F.dropout(whole, 0.3, True)[:, 4:]
+    x = whole[:, 4:].clone().requires_grad_()
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(5)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = drop(x)
+    assert torch.equal(got, want)
+    assert sum(kept.values()) == x.numel() * x.element_size()  # the (2, 4, 4) part, not the (2, 8, 4) mask
+    drop.switch.active = False  # a length the group does not divide: plain dropout of what it is given
+    torch.manual_seed(5)
+    plain = drop(whole)
+    torch.manual_seed(5)
+    assert torch.equal(plain, F.dropout(whole, 0.3, True))
+    assert torch.equal(drop.eval()(whole), whole)

@@ -435,6 +435,8 @@ def tensor(env, out_dir: Path, out: dict) -> None:
     Every stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0, also under autograd): the
     sharded layers must refuse it."""
     from tformer.distributed.env import ProcessGroup
+    from tformer.generate import SamplingConfig
+    from tformer.generate.engine import generate
     from tformer.model import linear
 
     linear.FUSE_MIN_ROWS = 0
@@ -448,9 +450,15 @@ def tensor(env, out_dir: Path, out: dict) -> None:
         for name, t in lengths.items():
             ref, model = twins(tiny().replace(bias=True, **TP_CFG))
             par = parallelize(model, plan, tp_env, torch.device("cpu"))
+            # greedy tokens (left-padded prompts, prefill lengths 4 and 5, 1-token steps), fast decoding paths
+            prompts, greedy = [[5, 6, 7, 8], [9, 10, 11]], SamplingConfig(temperature=0.0, max_new_tokens=4)
+            generated = [
+                generate(m, p, greedy) for m in (ref, par.model) for p in (prompts, [[5, 6, 7, 8, 9]])
+            ]
             rows = sublayer_rows(model.blocks[0])
             batch = lambda step, t=t: Batch(whole(step).ids[:, :t], whole(step).targets[:, :t])  # noqa: E731
             d = compare_steps(ref, model, par, batch, batch, 1 / batch(0).targets.numel())
+            d["generated_same"] = generated[:2] == generated[2:]
             q = model.blocks[0].attn.q_proj.weight
             d["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32)
             d["rows"] = sorted(set(rows))

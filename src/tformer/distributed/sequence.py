@@ -14,14 +14,15 @@ column-split layers.
 In each stack the first block's input is split (no communication: every rank of the group holds the
 same embeddings) and the final norm's input gathered. Everything is `torch.distributed.tensor`
 (DTensor) redistribution, so backward runs the dual collectives (the all-gather's backward is a
-reduce-scatter) and the norms' weights are replicated DTensors whose gradients are summed over the
-group once backward has accumulated them.
+reduce-scatter) and the norms' weights are replicated DTensors whose gradients, each rank's partial
+sums, are summed over the group once backward has accumulated them (by `replicate_grad`; under FSDP2,
+which replaces the parameters, by FSDP2 when it reduces them).
 
 The split is decided per forward and per stack from the sequence length: a length the group size does
 not divide (a translation batch of odd length, a decoding step of one token) runs that forward as plain
 tensor parallelism, with the same result. Residual dropout draws the whole sequence's mask and applies
-each rank's part (`SplitDropout`), so it drops what one process would. Both routes, with and without
-dropout, are tested against one process (tests/distributed/worker.py, `tensor`).
+each rank's part (`SplitDropout`; on the CPU the same mask one process draws). Both routes, with and
+without dropout, are tested against one process on the CPU (tests/distributed/worker.py, `tensor`).
 """
 
 from __future__ import annotations
@@ -86,9 +87,11 @@ class SequenceSplit:
 
 class SplitDropout(nn.Module):
     """A block's residual dropout while its sequence is split: the mask of the whole (B, T, D) is drawn
-    from the group's one RNG stream, as plain tensor parallelism and one process draw it (`F.dropout`
-    is x * bernoulli(1 - p) / (1 - p)), and this rank's positions of it are applied. So every rank
-    drops its own positions, and a run drops exactly what it would without the split."""
+    from the group's one RNG stream and this rank's positions of it are applied, so every rank drops
+    its own positions. On the CPU, where `F.dropout` is x * (bernoulli(1 - p) / (1 - p)) with the same
+    draws, a run drops exactly what plain tensor parallelism and one process drop; on CUDA `F.dropout`
+    is a fused kernel with draws of its own, so the masks differ from theirs (and the part kept for
+    backward is in x's dtype where the fused kernel keeps one byte per element)."""
 
     def __init__(self, p: float, switch: SequenceSplit) -> None:
         super().__init__()
@@ -99,8 +102,8 @@ class SplitDropout(nn.Module):
             return F.dropout(x, self.p, self.training)
         b, t, d = x.shape
         rank = self.switch.mesh.get_local_rank()
-        mask = x.new_empty(b, t * self.switch.mesh.size(), d).bernoulli_(1 - self.p).div_(1 - self.p)
-        return x * mask[:, rank * t : (rank + 1) * t]
+        whole = x.new_empty(b, t * self.switch.mesh.size(), d).bernoulli_(1 - self.p)
+        return x * whole[:, rank * t : (rank + 1) * t].div(1 - self.p)  # a copy: only it is kept for backward
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -130,6 +133,7 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def replicate_grad(p: nn.Parameter) -> None:
     """A norm weight's gradient from a split sequence is each rank's partial sum (placement Partial): sum
-    it over the group, so that clipping, the gradient norm and the optimizer read the whole gradient."""
+    it over the group, so that clipping, the gradient norm and the optimizer read the whole gradient.
+    One all-reduce of d_model elements per norm parameter, during backward (not bucketed)."""
     if p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)

@@ -50,8 +50,8 @@ def rms_norms_as_layer_norm(model: nn.Module) -> Iterator[None]:
         for m in model.modules():
             if type(m) is not nn.RMSNorm or len(m.normalized_shape) != 1 or "forward" in m.__dict__:
                 continue
-            if m.weight is None or m.weight.device.type != "cpu":
-                continue
+            if m.weight is None or m.weight.device.type != "cpu" or type(m.weight) is not nn.Parameter:
+                continue  # (not a plain parameter: a sequence-parallel norm's replicated DTensor)
             eps = m.eps if m.eps is not None else torch.finfo(m.weight.dtype).eps
             weight2 = torch.cat((m.weight.detach(), m.weight.detach()))
             m.forward = partial(rms_norm_as_layer_norm, weight2=weight2, eps=eps)
