@@ -5,16 +5,18 @@ Run under torchrun (each rank one thread: 2 ranks fill a 2-core machine):
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py            # ~3 minutes here
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py --quick    # smoke check
 
-Both variants are the same dense Pre-Norm RoPE SwiGLU decoder LM (`llama_like`, the shape of
+Every variant is the same dense Pre-Norm RoPE SwiGLU decoder LM (`llama_like`, the shape of
 bench_lm.py's dense model unless --quick), built from one seed and split over all ranks as one
-tensor-parallel group (`parallel.tensor=W`); the second adds `parallel.sequence=true`. Measured on
-each rank, in one process group, round-robin (harness.py):
+tensor-parallel group (`parallel.tensor=W`); the second adds `parallel.sequence=true`; the third is the
+first with the LM head left whole on every rank (the plan without its "gather" style), as it was
+before the head was split by vocabulary. Measured on each rank, in one process group, round-robin
+(harness.py):
 
   saved bytes   what one forward keeps for backward on this rank (`saved_tensors_hooks`; a DTensor
                 counts its local piece), split into parameters and everything else (activations)
   step time     forward, cross-entropy, backward, AdamW, zero_grad; paired median ratio to plain TP
 
-The first loss of both variants is printed: they compute the same model. Time over gloo on a CPU says
+The first loss of every variant is printed: they compute the same model. Time over gloo on a CPU says
 little about NCCL on GPUs; the activation bytes are what sequence parallelism is for and carry over.
 The load line counts this job's other ranks as foreign CPU (2 ranks on 2 cores: ~50%).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,10 +90,16 @@ def main() -> None:
     ids = torch.randint(0, s["vocab_size"], (s["batch"], s["seq"] + 1), generator=g)
     ids, targets = ids[:, :-1], ids[:, 1:]
     steps, memory, first_loss = {}, {}, {}
-    for name, sequence in (("tensor parallel", False), ("+ sequence parallel", True)):
+    plain = make_plan(ParallelConfig(tensor=world), world)
+    whole_head = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if s[1] != "gather"))
+    plans = {
+        "tensor parallel": plain,
+        "+ sequence parallel": make_plan(ParallelConfig(tensor=world, sequence=True), world),
+        "TP, head not split": whole_head,
+    }
+    for name, plan in plans.items():
         torch.manual_seed(0)
         model = build_model(cfg)
-        plan = make_plan(ParallelConfig(tensor=world, sequence=sequence), world)
         par = parallelize(model, plan, env, torch.device("cpu"))
         optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
         memory[name] = saved_bytes(par.model, ids, targets)

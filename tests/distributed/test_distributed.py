@@ -114,8 +114,8 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
 
 def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     """F1, C4 for tensor parallelism (2 ranks, one group), without and with sequence parallelism: a GQA
-    decoder LM's gradients, two clipped AdamW steps (losses, pre-clip norms, weights) and an
-    encoder-decoder's gradients vs one process; with residual dropout, losses and gradients vs one process
+    decoder LM's gradients (its untied head split by vocabulary), two clipped AdamW steps (losses, pre-clip norms, weights) and an
+    encoder-decoder's (its head tied to the embedding, left whole) gradients vs one process; with residual dropout, losses and gradients vs one process
     drawing from the same seed. With sequence parallelism the blocks hand back half of the positions (a
     length of 7 runs as plain tensor parallelism), every gradient is placed like its parameter (the
     norms' are summed over the group) and a forward keeps fewer bytes for backward. `generate` (greedy,
@@ -123,7 +123,8 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     for r in launch("tensor", tmp_path):
         for key in ("decoder", "sequence_decoder", "sequence_decoder_odd"):
             d = r[key]
-            assert d["sharded"] and d["clipped"] and d["grads_placed"] and d["generated_same"], (key, d)
+            assert d["sharded"] and d["head_split"] and d["clipped"] and d["grads_placed"], (key, d)
+            assert d["generated_same"], (key, d)
             assert d["targets"] == (
                 [14, 14] if key.endswith("odd") else [16, 16]
             )  # not doubled: one data rank
@@ -142,7 +143,7 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
                 assert d[length]["loss_diff"] <= 1e-6 and d[length]["grad_diff"] <= 1e-6, (key, d)
         for key, rows in (("encoder_decoder", [10, 6]), ("sequence_encoder_decoder", [5, 3])):
             e = r[key]
-            assert e["sharded"] and e["grads_placed"] and e["grad_diff"] <= 1e-6, (key, e)
+            assert e["sharded"] and e["head_tied"] and e["grads_placed"] and e["grad_diff"] <= 1e-6, (key, e)
             assert [e["rows"]["encoder"], e["rows"]["decoder"]] == [[rows[0]], [rows[1]]], (key, e)
 
 
@@ -156,6 +157,7 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
         for key, rows in (("fsdp_tp", [8]), ("fsdp_tp_sp", [4])):  # sequence parallel: half the positions
             d = r[key]
             assert d["mesh"] == [2, 2] and d["clipped"] and d["grads_placed"] and d["rows"] == rows, (key, d)
+            assert d["head_split"], (key, d)
             assert d["grad_diff"] <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= 1e-5, (key, d)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from worker_common import full, moe_model_cfg
@@ -403,7 +404,7 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     }
 
 
-TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64)
+TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, tie_embeddings=False)  # head split
 
 
 def saved_bytes(model, batch) -> int:
@@ -461,6 +462,11 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             d["generated_same"] = generated[:2] == generated[2:]
             q = model.blocks[0].attn.q_proj.weight
             d["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32)
+            head = model.lm_head.weight  # untied: split by vocabulary
+            d["head_split"] = isinstance(head, DTensor) and tuple(head.to_local().shape) == (
+                64 // env.world_size,
+                32,
+            )
             d["rows"] = sorted(set(rows))
             d["saved_bytes"] = saved_bytes(model, batch(0))
             out[key + name] = d
@@ -524,6 +530,8 @@ def tensor_encoder_decoder(plan, tp_env) -> dict:
         (loss / n).backward()
     return {
         "sharded": isinstance(model.decoder.blocks[0].cross_attn.k_proj.weight, DTensor),
+        "head_tied": model.lm_head.weight is model.tok_embed.weight
+        and type(model.lm_head.weight) is nn.Parameter,
         "grad_diff": max_diff(model, ref, set(), "grad"),
         "grads_placed": all(
             p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor)
@@ -555,7 +563,8 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         )
         q = model.blocks[0].attn.q_proj.weight
         d |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
-              "data_rank": tp_env.data_rank, "rows": sorted(set(rows))}  # fmt: skip
+              "data_rank": tp_env.data_rank, "rows": sorted(set(rows)),
+              "head_split": isinstance(model.lm_head.weight, DTensor)}  # fmt: skip
         out["fsdp_tp_sp" if sequence else "fsdp_tp"] = d
         del par, model, ref
         gc.collect()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
@@ -193,15 +193,33 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
     residual stream between them is split over the sequence as well (tformer.distributed.sequence)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "gather": partial(ColwiseParallel, output_layouts=Replicate()),  # vocabulary split, logits gathered
+    }
     if plan.sequence:  # row-split outputs stay partial sums: sequence.py reduce-scatters or all-reduces them
         styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
-    layout = {name: styles[style]() for name, _ in model.named_modules() if (style := plan.tp_style(name))}
+    tied = shared_weights(model)  # splitting one user of a shared weight would untie it: both stay whole
+    layout = {
+        name: styles[style]()
+        for name, module in model.named_modules()
+        if (style := plan.tp_style(name)) and id(getattr(module, "weight", None)) not in tied
+    }
     if not layout:
         raise ConfigError("parallel.tensor > 1, but the model has no layer that tensor parallelism splits")
     parallelize_module(model, mesh, layout)
     if plan.sequence:
         apply_sequence_parallel(model, mesh)
+
+
+def shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters that more than one module holds (a head tied to the embedding)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
