@@ -89,6 +89,8 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
             assert m["loss_diff"] < 1e-6 and m["grad_norm_diff"] < 1e-5 and m["clipped"], mode
             assert m["bias_diff"] == 0.0 and m["bias_moved"], mode  # bias updated from global loads
         assert r["bf16"]["finite"] and r["bf16"]["fp32_params"] and r["bf16"]["loss_diff"] < 0.05, r["bf16"]
+        # C8: FSDP2 gathers the parameters in bf16 for compute and reduce-scatters the gradients in fp32
+        assert r["bf16"]["collective_dtypes"] == {"gather": ["torch.bfloat16"], "reduce": ["torch.float32"]}
         ep = r["ep_layer"]
         assert ep["out_equal"] and ep["dx_diff"] <= 1e-6 and ep["expert_grad_diff"] <= 1e-5
         assert ep["empty_expert_grad_zero"]

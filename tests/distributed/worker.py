@@ -147,8 +147,36 @@ def parity(env, out_dir: Path, out: dict) -> None:
     out["ragged"] = ragged(env, cfg, ocfg)
 
 
+# the collectives FSDP2 calls, by name across torch versions: (output, input) for each
+GATHERS, SCATTERS = (
+    ("all_gather_into_tensor", "all_gather_single"),
+    ("reduce_scatter_tensor", "reduce_scatter_single"),
+)
+
+
+def recording_collectives(seen: dict[str, set]):
+    """Patch torch.distributed's gather / reduce-scatter functions to record their input dtypes in
+    seen["gather"] / seen["reduce"]; returns a function that undoes it."""
+    saved = {}
+    for kind, names in (("gather", GATHERS), ("reduce", SCATTERS)):
+        for name in names:
+            if hasattr(dist, name):
+                saved[name] = original = getattr(dist, name)
+
+                def wrapper(*args, _original=original, _kind=kind, **kwargs):
+                    tensor = kwargs.get(
+                        "input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+                    )
+                    seen[_kind].add(str(tensor.dtype))
+                    return _original(*args, **kwargs)
+
+                setattr(dist, name, wrapper)
+    return lambda: [setattr(dist, name, fn) for name, fn in saved.items()]
+
+
 def fsdp_bf16(env, cfg, ocfg, ref_loss: float) -> dict:
-    """FSDP2 mixed precision (bf16 compute, fp32 reduction and optimizer step) runs and stays close."""
+    """FSDP2 mixed precision (bf16 compute, fp32 reduction and optimizer step) runs and stays close;
+    C8: the parameters are all-gathered in bf16 and the gradients reduce-scattered in fp32."""
     torch.manual_seed(0)
     model = build_model(cfg)
     plan = make_plan(ParallelConfig(data="fsdp", param_dtype="bfloat16"), env.world_size)
@@ -156,10 +184,16 @@ def fsdp_bf16(env, cfg, ocfg, ref_loss: float) -> dict:
     opt = make_optimizer(model, ocfg)
     args = step_args(par.model, opt, par.comm)
     args[2] = [rank_part(global_batch(env.world_size, 0), env.rank)]
-    r = train_step(*args)
+    seen: dict[str, set] = {"gather": set(), "reduce": set()}
+    undo = recording_collectives(seen)
+    try:
+        r = train_step(*args)
+    finally:
+        undo()
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     del par, model, opt, args
-    return {"loss_diff": abs(r.loss - ref_loss), "finite": math.isfinite(r.grad_norm), "fp32_params": fp32}
+    return {"loss_diff": abs(r.loss - ref_loss), "finite": math.isfinite(r.grad_norm), "fp32_params": fp32,
+            "collective_dtypes": {kind: sorted(dtypes) for kind, dtypes in seen.items()}}  # fmt: skip
 
 
 def ep_layer(env) -> dict:
