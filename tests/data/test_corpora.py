@@ -481,6 +481,18 @@ def test_split_by_hash_keeps_groups_together():
     assert splits == C.split_by_hash(items, lambda x: x, n_val=2, n_test=2)
 
 
+def test_split_by_hash_a_large_group_in_test_leaves_val_its_share():
+    """Val counts its own items from where test ended: the group that test takes whole (3 copies of the
+    first key in hash order, for n_test 2) used to leave val empty on 21 items of 20 keys."""
+    keys = [f"k{i}" for i in range(20)]
+    first = min(keys, key=lambda k: (C.sha256_hex(k), k))
+    items = [*keys, first, first]
+    splits = C.split_by_hash(items, lambda x: x, n_val=2, n_test=2)
+    assert splits["test"] == (first, first, first)
+    assert len(splits["val"]) == 2 and len(splits["train"]) == 17
+    assert sum(first in splits[s] for s in SPLITS) == 1
+
+
 def test_cached_loads_read_edited_files_afresh_and_stamp_only_path_arguments(tmp_path, monkeypatch):
     from tformer.data.corpora import cached_by_files
 

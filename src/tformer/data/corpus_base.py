@@ -184,18 +184,22 @@ def split_by_hash(
 ) -> dict[str, tuple[T, ...]]:
     """Order items by sha256(key); the first `n_test` go to test, the next `n_val` to val, the rest to train.
 
-    Items sharing a key stay together (the cut moves to the end of the group), so duplicates and
-    near-duplicates never straddle splits. Each split keeps the corpus order.
+    Items sharing a key stay together (a group that starts while a split still wants items goes to it
+    whole), so duplicates and near-duplicates never straddle splits. Val counts its own items from where
+    test ended: a large group at the end of test does not eat val's share. Each split keeps the corpus
+    order.
     """
     order = sorted(range(len(items)), key=lambda i: (sha256_hex(key(items[i])), key(items[i])))
     split_of: dict[int, str] = {}
+    size = dict.fromkeys(SPLITS, 0)
     previous, name = None, "test"
-    for taken, i in enumerate(order):
+    for i in order:
         k = key(items[i])
         if k != previous:
-            name = "test" if taken < n_test else "val" if taken < n_test + n_val else "train"
+            name = "test" if size["test"] < n_test else "val" if size["val"] < n_val else "train"
             previous = k
         split_of[i] = name
+        size[name] += 1
     return {s: tuple(x for i, x in enumerate(items) if split_of[i] == s) for s in SPLITS}
 
 
