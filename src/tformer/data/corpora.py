@@ -34,6 +34,7 @@ from tformer.data.corpus_base import (  # noqa: F401 (also this module's names, 
     cached_by_files,
     decode_text,
     fraction_counts,
+    linked_groups,
     package_dir,
     read_text,
     require_path,
@@ -233,6 +234,12 @@ def bbc_headline(doc: Document) -> str:
     return " ".join(doc.text.split("\n", 1)[0].split()).lower()
 
 
+def bbc_body(doc: Document) -> str:
+    """An article's body (after the headline), whitespace-normalised and lower-cased."""
+    parts = doc.text.split("\n", 1)
+    return " ".join(parts[1].split()).lower() if len(parts) > 1 else ""
+
+
 @cached_by_files(maxsize=4)
 def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_frac: float = 0.1) -> Corpus:
     """BBC News, 5 topics: exact duplicates dropped before splitting, then a stratified split by hash."""
@@ -258,17 +265,19 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
                 f"BBC News topic {label!r} ({data / label}) has {len(docs)} distinct non-empty article(s) "
                 f"in {len(files)} file(s): {error}"
             ) from None
-        first: dict[str, str] = {}  # headline -> the whitespace-normalised text of its first article
-        for d in docs:
-            first.setdefault(bbc_headline(d), " ".join(d.text.split()))
-        for s, items in split_by_hash(
-            docs, lambda d, first=first: first[bbc_headline(d)], n_val, n_test
-        ).items():
+        # near-duplicates: the same story under one headline edited by a word or a quote mark, or the
+        # same body under another headline; such articles, directly or through others, form one group
+        group = linked_groups([("headline:" + bbc_headline(d), "body:" + (bbc_body(d) or d.id)) for d in docs])
+        first: dict[str, str] = {}  # group -> the whitespace-normalised text of its first article
+        for g, d in zip(group, docs):
+            first.setdefault(g, " ".join(d.text.split()))
+        key_of = {d.id: first[g] for g, d in zip(group, docs)}
+        for s, items in split_by_hash(docs, lambda d, key_of=key_of: key_of[d.id], n_val, n_test).items():
             splits[s].extend(items)
     rule = (
-        f"exact duplicates dropped; per label, articles grouped by headline (near-duplicates: the same "
-        f"story edited by a word or a quote mark), groups ordered by sha256(whitespace-normalised text "
-        f"of their first article): "
+        f"exact duplicates dropped; per label, articles grouped by headline or by body (near-duplicates: "
+        f"the same story edited by a word or a quote mark, or retitled), groups ordered by "
+        f"sha256(whitespace-normalised text of their first article): "
         f"test={test_frac:.0%}, val={val_frac:.0%}, train=the rest"
     )
     return Corpus(

@@ -179,6 +179,29 @@ def sha256_hex(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def linked_groups(keys: Sequence[Sequence[str]]) -> list[str]:
+    """One group key per item, from each item's keys: items that share any key, directly or through
+    other items, get the same group key (the least key of their group), so a split that keeps groups
+    together keeps all of them in one split."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for item_keys in keys:
+        first = find(item_keys[0])
+        for other in item_keys[1:]:
+            root = find(other)
+            if root != first:
+                parent[max(first, root)] = min(first, root)
+                first = min(first, root)
+    return [find(item_keys[0]) for item_keys in keys]
+
+
 def split_by_hash(
     items: Sequence[T], key: Callable[[T], str], n_val: int, n_test: int
 ) -> dict[str, tuple[T, ...]]:

@@ -32,7 +32,7 @@ import html
 import re
 from pathlib import Path
 
-from tformer.data.corpus_base import Corpus, MissingDataError, Pair, cached_by_files, split_by_hash
+from tformer.data.corpus_base import Corpus, MissingDataError, Pair, cached_by_files, linked_groups, split_by_hash
 
 HELP_ROOT = Path("/usr/share/libreoffice/help")
 UI_ROOT = Path("/usr/lib/libreoffice/program/resource")
@@ -167,21 +167,7 @@ def groups(pairs: list[tuple[str, str, str]]) -> list[str]:
     """A group key per (id, English, translation): pairs that share their English or their translation
     (up to case and punctuation), directly or through other pairs, get the same key, so no source or
     reference of one split appears in another, whichever the direction."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    english = ["en:" + normalized(en) for _, en, _ in pairs]
-    for key, (_, _, xx) in zip(english, pairs):
-        a, b = find(key), find("xx:" + normalized(xx))
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-    return [find(key) for key in english]
+    return linked_groups([("en:" + normalized(en), "xx:" + normalized(xx)) for _, en, xx in pairs])
 
 
 def load_libreoffice(
