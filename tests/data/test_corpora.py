@@ -83,6 +83,22 @@ def test_text_folder_splits_by_file(tmp_path):
     assert sum(len(load_corpus(f"text:{tmp_path}")[s]) for s in SPLITS) == 31  # read afresh: no stale cache
 
 
+def test_text_folder_names_a_linked_folder_it_does_not_follow(tmp_path):
+    """A link to a folder is not followed (it may loop); it had been left out without a word."""
+    (tmp_path / "real").mkdir()
+    for i in range(5):
+        (tmp_path / "real" / f"r{i}.txt").write_text(f"linked text {i}\n")
+    (tmp_path / "outer").mkdir()
+    for i in range(3):
+        (tmp_path / "outer" / f"o{i}.txt").write_text(f"outer text {i}\n")
+    (tmp_path / "outer" / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.warns(
+        UserWarning, match=r"skipped 1 file\(s\) .*: linked \(a linked folder, not followed\)$"
+    ):
+        corpus = load_corpus(f"text:{tmp_path / 'outer'}")
+    assert sum(len(corpus[s]) for s in SPLITS) == 3
+
+
 def test_text_single_file_splits_by_chunks(tmp_path):
     path = tmp_path / "book.txt"
     path.write_bytes("".join(f"line {i} caf\xe9\r\n" for i in range(2000)).encode("cp1252"))
@@ -133,6 +149,11 @@ def test_read_text_handles_bad_utf8(tmp_path):
     assert C.read_text(path) == "a \u00a315.8m fee\n"
     with pytest.warns(UserWarning, match=r"x.txt is not UTF-8 \(byte 0xa3 at offset 2\); read as cp1252"):
         assert C.read_text(path, warn=True) == "a \u00a315.8m fee\n"  # a user's file: said
+    # with a UTF-8 byte-order mark in front: the mark is dropped and the offset counts it (the mark had
+    # been decoded as three cp1252 letters, and the offset pointed 3 bytes early)
+    path.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9 \xe9 end")
+    with pytest.warns(UserWarning, match=r"x.txt is not UTF-8 \(byte 0xe9 at offset 9\); read as cp1252"):
+        assert C.read_text(path, warn=True) == "caf\u00c3\u00a9 \u00e9 end"
 
 
 @pytest.mark.parametrize(

@@ -267,7 +267,9 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
             ) from None
         # near-duplicates: the same story under one headline edited by a word or a quote mark, or the
         # same body under another headline; such articles, directly or through others, form one group
-        group = linked_groups([("headline:" + bbc_headline(d), "body:" + (bbc_body(d) or d.id)) for d in docs])
+        group = linked_groups(
+            [("headline:" + bbc_headline(d), "body:" + (bbc_body(d) or d.id)) for d in docs]
+        )
         first: dict[str, str] = {}  # group -> the whitespace-normalised text of its first article
         for g, d in zip(group, docs):
             first.setdefault(g, " ".join(d.text.split()))

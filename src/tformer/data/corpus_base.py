@@ -7,6 +7,7 @@ user's own files) both build on it.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import importlib.util
@@ -254,14 +255,15 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
     if b"\x00" in raw:
         kind = "text" if name == "stdin" else "a text file"
         raise ValueError(f"{name} is not {kind} (it holds NUL bytes: binary, or UTF-16 / UTF-32)")
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a UTF-8 mark is no text
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
         encoding = "cp1252"
         try:
-            text = raw.decode(encoding)
+            text = raw[bom:].decode(encoding)
         except UnicodeDecodeError:
-            encoding, text = "latin-1", raw.decode("latin-1")
+            encoding, text = "latin-1", raw[bom:].decode("latin-1")
         if warn:
             controls = len(raw) - len(raw.translate(None, BINARY_BYTES))
             if controls > max(16, len(raw) // 25):  # text next to none; random bytes 20 in 256
@@ -270,7 +272,8 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
                     "control codes no text uses (binary data?)"
                 ) from None
             warnings.warn(
-                f"{name} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); read as {encoding}",
+                f"{name} is not UTF-8 (byte {raw[bom + e.start]:#04x} at offset {bom + e.start}); read as "
+                f"{encoding}",
                 UserWarning,
                 stacklevel=3,
             )

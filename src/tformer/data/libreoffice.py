@@ -32,7 +32,14 @@ import html
 import re
 from pathlib import Path
 
-from tformer.data.corpus_base import Corpus, MissingDataError, Pair, cached_by_files, linked_groups, split_by_hash
+from tformer.data.corpus_base import (
+    Corpus,
+    MissingDataError,
+    Pair,
+    cached_by_files,
+    linked_groups,
+    split_by_hash,
+)
 
 HELP_ROOT = Path("/usr/share/libreoffice/help")
 UI_ROOT = Path("/usr/lib/libreoffice/program/resource")

@@ -65,22 +65,25 @@ def load_text(path: str | Path) -> Corpus:
 
 def _folder_texts(path: Path) -> list[Path]:
     """A text folder's files with a text suffix, sorted; hidden files and folders are left out silently,
-    other files (wrong suffix, broken links) with a warning naming them."""
+    other files (wrong suffix, broken links) and linked folders (not followed: a link may loop) with a
+    warning naming them."""
     found = sorted(
         p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
     )
     files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
     taken = set(files)
     skipped = [
-        p.relative_to(path).as_posix() + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
+        p.relative_to(path).as_posix()
+        + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
+        + (" (a linked folder, not followed)" if p.is_symlink() and p.is_dir() else "")
         for p in found
-        if p not in taken and not p.is_dir()
+        if p not in taken and (not p.is_dir() or p.is_symlink())
     ]
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         warnings.warn(
             f"text folder {str(path)!r}: skipped {len(skipped)} file(s) that are not text files "
-            f"({', '.join(TEXT_SUFFIXES)}): {shown}",
+            f"({', '.join(TEXT_SUFFIXES)}) or linked folders: {shown}",
             stacklevel=3,
         )
     return files
