@@ -153,6 +153,10 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["experiment", "norm", "--depths", "a,b"], "argument --depths: expected comma-separated integers"),
         (["experiment", "norm", "--depths", "2,2"], "argument --depths: a depth appears twice in '2,2'"),
         (
+            ["experiment", "norm", "--quick", "--warmup-steps", "0", "--out", "fresh"],
+            "warmup_steps (--warmup-steps) must be >= 1: the study compares arms with and without",
+        ),
+        (
             ["experiment", "norm", "--report-only", "--steps", "5", "--out", "adir"],
             "--report-only rebuilds the report from the run's logs; --steps would change nothing",
         ),

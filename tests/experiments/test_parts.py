@@ -144,6 +144,21 @@ def test_cli_rejects_an_option_the_study_lacks(capsys):
     assert "has no option --n-layers" in capsys.readouterr().err
 
 
+def test_max_train_docs_of_the_encoder_decoder_norm_study_limits_its_pairs():
+    """--max-train-docs with --arch encoder_decoder had been accepted and ignored (that study reads
+    max_train_pairs)."""
+    import argparse
+
+    from tformer.cli.experiment import OVERRIDES, resolve_setting
+
+    flags = dict.fromkeys(OVERRIDES) | {"depths": None, "quick": True, "study": "norm"}
+    args = argparse.Namespace(**(flags | {"arch": "encoder_decoder", "max_train_docs": 50}))
+    setting = resolve_setting(args, norm)
+    assert setting.arch == "encoder_decoder" and setting.max_train_pairs == 50
+    args = argparse.Namespace(**(flags | {"arch": None, "max_train_docs": 1}))
+    assert resolve_setting(args, norm).max_train_docs == 1  # the decoder's works, as before
+
+
 def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(tmp_path):
     """A tokenizer, data manifest or plot of the previous study must not outlive --overwrite (the new
     study would train on the old vocabulary); a training run's directory is not a study's."""

@@ -114,6 +114,12 @@ def test_report_only_of_an_interrupted_study_names_what_is_missing(quick_run, tm
     err = capsys.readouterr().err
     assert f"is incomplete: {len(arms) - 2} of {len(arms)} arms finished" in err, err
     assert arms[0].name in err and "Traceback" not in err
+    # an arm killed during its analyses (after training to the end): no DONE marker, not finished
+    shutil.copytree(out, copy, dirs_exist_ok=True)
+    (arms[1] / "DONE").unlink()
+    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"is incomplete: {len(arms) - 1} of {len(arms)} arms finished" in err and arms[1].name in err, err
 
 
 def test_report_only_names_a_damaged_setting_and_skips_a_half_written_record(quick_run, tmp_path, capsys):

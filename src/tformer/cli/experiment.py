@@ -93,7 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=None, help="training context L")
     p.add_argument("--vocab-size", type=positive_int, default=None, help="BPE vocabulary of the study")
     p.add_argument(
-        "--max-train-docs", type=positive_int, default=None, help="train on the first N works only"
+        "--max-train-docs",
+        type=positive_int,
+        default=None,
+        help="train on the first N works only (norm --arch encoder_decoder: the first N sentence pairs)",
     )
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads for this run")
@@ -106,6 +109,7 @@ def resolve_setting(args: argparse.Namespace, module):
         changes["depths"] = args.depths
     if getattr(args, "arch", None):
         changes["arch"] = args.arch
+    changes = getattr(module, "cli_changes", lambda c: c)(changes)  # a study's own reading of a flag
     known = set(setting.to_dict()) - set(getattr(module, "UNUSED_OPTIONS", ()))
     unused = sorted(k for k, v in changes.items() if v is not None and k not in known)
     if unused:

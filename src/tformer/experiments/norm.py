@@ -45,6 +45,15 @@ from tformer.train.config import DataConfig
 
 PLACEMENTS = ("post", "pre")
 UNUSED_OPTIONS = ("n_layers",)  # the depths are `depths`
+
+
+def cli_changes(changes: dict) -> dict:
+    """--max-train-docs of the encoder-decoder arms: the first N training pairs."""
+    if changes.get("arch") == "encoder_decoder" and changes.get("max_train_docs") is not None:
+        changes = {**changes, "max_train_pairs": changes["max_train_docs"], "max_train_docs": None}
+    return changes
+
+
 TRANSLATION_CORPUS = "trans-de-en"
 COLORS = {"post": "tab:red", "pre": "tab:blue"}
 
@@ -62,6 +71,11 @@ class NormSetting(Setting):
             raise ValueError(f"depths must be a non-empty list of positive ints, got {self.depths}")
         if self.arch not in ("decoder", "encoder_decoder"):
             raise ValueError(f"arch must be 'decoder' or 'encoder_decoder', got {self.arch!r}")
+        if self.warmup_steps < 1:  # the warm-up arms would be the arms without warm-up
+            raise ValueError(
+                f"warmup_steps (--warmup-steps) must be >= 1: the study compares arms with and without a "
+                f"warm-up of that many steps, got {self.warmup_steps}"
+            )
 
 
 FULL = NormSetting(

@@ -475,12 +475,13 @@ def finished_arms(run_dir: Path) -> set[str]:
 
 
 def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
-    """Every arm of the study trained to the end (or stopped by the non-finite rule): a report of an
-    interrupted study would compare arms that are not there."""
-    done = set()
+    """Every arm of the study trained to the end (or stopped by the non-finite rule) and ran its
+    analyses (its DONE marker): a report of an interrupted study would compare arms that are not there,
+    or drop an arm whose analyses were cut short from its tables."""
+    done, analysed = set(), finished_arms(run_dir)
     for log in read_arms(run_dir):
         last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
-        if last == steps or any(r.get("kind") == "stopped" for r in log.records):
+        if log.name in analysed and (last == steps or any(r.get("kind") == "stopped" for r in log.records)):
             done.add(log.name)
     missing = [a.name for a in arms if a.name not in done]
     if missing:
