@@ -217,3 +217,16 @@ def test_a_study_that_fails_before_training_leaves_no_directory(argv, needle, tm
 def test_a_study_on_a_missing_device_is_one_line(tmp_path, capsys):
     assert main(["experiment", "rope", "--quick", "--device", "cuda", "--out", str(tmp_path / "x")]) == 2
     assert "has no CUDA device" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_moe_train_loads_weight_each_routing_window_by_its_steps():
+    """50 steps all on expert 0, then a 10-step window all on expert 1: 50/60 and 10/60 of the
+    assignments (equal weights per window had read 0.5 / 0.5)."""
+    from tformer.experiments.moe_report import train_loads
+
+    records = [
+        {"kind": "routing", "step": 50, "load": {"blocks.1": [1.0, 0.0]}},
+        {"kind": "routing", "step": 60, "load": {"blocks.1": [0.0, 1.0]}},
+    ]
+    loads = train_loads(ArmLog("a", 0, {}, {}, records))["blocks.1"]
+    assert loads == pytest.approx([50 / 60, 10 / 60])

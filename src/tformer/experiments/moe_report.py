@@ -90,12 +90,16 @@ def disabled_share(arm: ArmLog, ratio: float) -> float:
 
 
 def train_loads(arm: ArmLog) -> dict[str, list[float]]:
-    """Share of assignments per expert over the whole run, per MoE layer (summed routing windows)."""
+    """Share of assignments per expert over the whole run, per MoE layer: each routing window's shares
+    weighted by its steps (every step routes the same number of assignments), so a short last window
+    (steps not a multiple of the evaluation cadence, an arm stopped early) counts for what it holds."""
     sums: dict[str, list[float]] = {}
-    for r in arm.kind("routing"):
+    previous = 0
+    for r in sorted(arm.kind("routing"), key=lambda r: r["step"]):
+        steps, previous = r["step"] - previous, r["step"]
         for layer, shares in r["load"].items():
             prev = sums.get(layer, [0.0] * len(shares))
-            sums[layer] = [a + b for a, b in zip(prev, shares)]
+            sums[layer] = [a + steps * b for a, b in zip(prev, shares)]
     return {k: [x / max(1e-12, sum(v)) for x in v] for k, v in sums.items()}
 
 
