@@ -34,6 +34,22 @@ def test_packed_windows_are_shifted_by_one():
         ds[3]
 
 
+def test_packed_windows_score_the_tail_when_asked():
+    """A whole text's evaluation: one more window, the last T + 1 tokens, scores the predictions the
+    whole windows left out (a text of 1.9 windows had been scored on its first window alone)."""
+    docs = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]  # stream 5..11 2 12 13 2: 11 tokens, 10 predictions
+    assert len(PackedLMDataset(docs, seq_len=4, eos_id=EOS)) == 2  # training: the tail is dropped
+    ds = PackedLMDataset(docs, seq_len=4, eos_id=EOS, score_tail=True)
+    assert len(ds) == 3 and ds.tail == 2
+    x, y = ds[2]
+    assert x.tolist() == [11, 2, 12, 13] and y.tolist() == [IGNORE_INDEX, IGNORE_INDEX, 13, 2]
+    scored = torch.cat([ds[i][1] for i in range(len(ds))])
+    assert scored[scored != IGNORE_INDEX].tolist() == ds.stream[1:].tolist()  # each prediction once
+    even = PackedLMDataset([[5, 6, 7, 8, 9, 10, 11]], seq_len=4, eos_id=EOS, score_tail=True)  # 8 tokens
+    assert len(even) == 2 and even.tail == 3  # 7 predictions: a window of 4, then a tail of 3
+    assert PackedLMDataset([[5, 6, 7, 8]], seq_len=4, eos_id=EOS, score_tail=True).tail == 0  # 5 tokens
+
+
 def test_packed_too_short_and_from_texts():
     with pytest.raises(ValueError, match="too few"):
         PackedLMDataset([[5]], seq_len=4, eos_id=EOS)

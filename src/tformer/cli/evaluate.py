@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
             warn("eval", f"{path} holds {stream} tokens with its EOS, fewer than one window of the run's "
                  f"data.seq_len + 1 = {cfg.data.seq_len + 1}: scored as one window of {seq_len} predictions "
                  "(less context than the splits' windows, so not comparable with them)")  # fmt: skip
-        ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}")
+        # every prediction of the text scored: its tail after the last whole window too
+        ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}", score_tail=True)
         chars, what = len(text) + 1, str(path)
     else:
         from tformer.tasks.corpus import load_task_corpus, warn_if_split_changed

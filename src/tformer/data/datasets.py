@@ -37,10 +37,18 @@ class PackedLMDataset(Dataset):
 
     Window i holds stream[i*T : i*T + T + 1]; ids are its first T tokens, targets its last T, so
     every stream token after the first is a target exactly once. The tail shorter than a window
-    is dropped.
+    is dropped, unless `score_tail` (evaluating a whole text): then one more window, the last T + 1
+    tokens, scores only the predictions the others left out (its other targets are IGNORE_INDEX).
     """
 
-    def __init__(self, docs: Sequence[Sequence[int]], seq_len: int, eos_id: int, what: str = "the text"):
+    def __init__(
+        self,
+        docs: Sequence[Sequence[int]],
+        seq_len: int,
+        eos_id: int,
+        what: str = "the text",
+        score_tail: bool = False,
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         stream: list[int] = []
@@ -55,13 +63,20 @@ class PackedLMDataset(Dataset):
                 f"{what} is {len(stream)} tokens, too few for one window of seq_len + 1 = {seq_len + 1} "
                 "(it needs more text, or a run with a smaller data.seq_len)"
             )
+        self.tail = (len(stream) - 1) % seq_len if score_tail else 0  # predictions the last window adds
+        self.n_windows += self.tail > 0
 
     @classmethod
     def from_texts(
-        cls, tokenizer: Tokenizer, texts: Sequence[str], seq_len: int, what: str = "the text"
+        cls,
+        tokenizer: Tokenizer,
+        texts: Sequence[str],
+        seq_len: int,
+        what: str = "the text",
+        score_tail: bool = False,
     ) -> PackedLMDataset:
         """`what` names the texts in the error a too-short stream raises (e.g. "the val split of ...")."""
-        return cls(tokenizer.encode_batch(texts), seq_len, tokenizer.eos_id, what)
+        return cls(tokenizer.encode_batch(texts), seq_len, tokenizer.eos_id, what, score_tail)
 
     @property
     def n_tokens(self) -> int:
@@ -76,6 +91,11 @@ class PackedLMDataset(Dataset):
             index += self.n_windows
         if not 0 <= index < self.n_windows:
             raise IndexError(f"window {index} out of range for {self.n_windows} windows")
+        if self.tail and index == self.n_windows - 1:  # the last T + 1 tokens, only the new predictions
+            window = self.stream[-(self.seq_len + 1) :].long()
+            targets = window[1:].clone()
+            targets[: self.seq_len - self.tail] = IGNORE_INDEX
+            return window[:-1], targets
         start = index * self.seq_len
         window = self.stream[start : start + self.seq_len + 1].long()  # (T + 1,)
         return window[:-1], window[1:]
