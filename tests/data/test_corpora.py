@@ -109,6 +109,21 @@ def test_text_single_file_splits_by_chunks(tmp_path):
         d.text for d in sorted((d for s in SPLITS for d in corpus[s]), key=lambda d: int(d.id[9:]))
     )
     assert text == "".join(f"line {i} café\n" for i in range(2000))  # decoded and rejoined exactly
+    # a language model reads chunks that stay adjacent in a split as one document (one EOS after the
+    # run, not one per chunk: one file is not ~50 documents)
+    for split in SPLITS:
+        runs, chunks = corpus.lm_texts(split), corpus[split]
+        assert "".join(runs) == "".join(d.text for d in chunks) and all(r in text for r in runs)
+        breaks = sum(int(b.id[9:]) != int(a.id[9:]) + 1 for a, b in zip(chunks, chunks[1:]))
+        assert len(runs) == breaks + 1
+    assert len(corpus.lm_texts("train")) < len(corpus["train"])
+    first = corpus["train"][:3]
+    assert [int(d.id[9:]) for d in first] == [0, 1, 2] and len(corpus.lm_texts("train", limit=3)) == 1
+    for i in range(3):  # a folder's files stay documents of their own
+        (tmp_path / "folder").mkdir(exist_ok=True)
+        (tmp_path / "folder" / f"{i}.txt").write_text(f"file {i}\n")
+    folder = C.load_text(tmp_path / "folder")
+    assert [len(folder.lm_texts(s)) for s in SPLITS] == [len(folder[s]) for s in SPLITS] == [1, 1, 1]
 
 
 def test_text_too_small_or_missing(tmp_path):

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
         corpus = load_task_corpus(cfg.data, "lm")
         warn_if_split_changed(run_dir_of(run_.checkpoint), corpus, args.split)
-        texts = list(corpus.texts(args.split))
+        texts = corpus.lm_texts(args.split)
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"

@@ -67,6 +67,7 @@ class Corpus:
     source: str
     labels: tuple[str, ...] = ()
     direction: str = ""  # translation only: "<source>-<target>", e.g. "de-en", "en-zh"
+    pieces: bool = False  # LM: the documents are pieces of one text in order, ids "<name>:<index>"
 
     def __post_init__(self) -> None:  # loaders cache corpora: make the split table read-only
         object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
@@ -77,6 +78,24 @@ class Corpus:
     def texts(self, split: str) -> list[str]:
         """The documents' texts (LM / classification) or the sources (translation)."""
         return [item.src if isinstance(item, Pair) else item.text for item in self.splits[split]]
+
+    def lm_texts(self, split: str, limit: int | None = None) -> list[str]:
+        """The texts a language model reads as documents (each followed by EOS when packed): the first
+        `limit` documents' texts, where pieces of one text that are adjacent in the split are joined back
+        into one (one file cut into chunks for splitting is one document, not one per chunk)."""
+        items = self.splits[split][:limit]
+        if not self.pieces:
+            return [item.text for item in items]
+        out: list[str] = []
+        previous = None
+        for item in items:
+            index = int(item.id.rsplit(":", 1)[1])
+            if previous is not None and index == previous + 1:
+                out[-1] += item.text
+            else:
+                out.append(item.text)
+            previous = index
+        return out
 
     def label_ids(self, split: str) -> list[int]:
         """Class index of each document, in `labels` order (sorted)."""

@@ -60,7 +60,8 @@ def load_text(path: str | Path) -> Corpus:
         raise FileNotFoundError(f"text corpus path {str(path)!r} is neither a file nor a folder")
     n_val, n_test = fraction_counts(len(docs), 0.05, 0.05, 1)
     rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
-    return Corpus(f"text:{path}", "lm", split_by_hash(docs, lambda d: d.text, n_val, n_test), rule, str(path))
+    splits = split_by_hash(docs, lambda d: d.text, n_val, n_test)
+    return Corpus(f"text:{path}", "lm", splits, rule, str(path), pieces=path.is_file())
 
 
 def _folder_texts(path: Path) -> list[Path]:

@@ -50,7 +50,7 @@ class LMTask:
             check_data_unchanged(run_dir, corpus, cfg.data)
         else:
             write_manifest(run_dir, corpus)
-        train_texts = list(corpus.texts("train"))[: cfg.data.max_train_docs]
+        train_texts = corpus.lm_texts("train", cfg.data.max_train_docs)
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
         self.train_ds = PackedLMDataset.from_texts(
@@ -64,7 +64,7 @@ class LMTask:
                 warnings.warn(f"{err}: `tformer eval --split test` will not score this run", stacklevel=2)
 
     def split_dataset(self, split: str) -> tuple[PackedLMDataset, int]:
-        texts = list(self.corpus.texts(split))
+        texts = self.corpus.lm_texts(split)
         what = f"the {split} split of {self.cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(self.tokenizer, texts, self.cfg.data.seq_len, what)
         return ds, sum(len(t) + 1 for t in texts)
