@@ -318,8 +318,8 @@ def evaluate_run(
     corpus = load_translation_corpus(cfg.data)
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
     pairs = list(corpus[split])
-    if max_batches is not None:
-        pairs = pairs[: max_batches * search_cfg.batch_size]
+    if max_batches is not None:  # a sample of the whole split, as the LM and classification evaluations take
+        pairs = spread(pairs, max_batches * search_cfg.batch_size)
     sources, cut = translator.encode([p.src for p in pairs])
     t0 = time.perf_counter()
     hyps = [translator.text(h) for h in translator.hypotheses(sources, search_cfg)]

