@@ -439,7 +439,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.bullets(
         [
             f"Data: {s.corpus} language modelling, BPE vocabulary {s.vocab_size}, "
-            f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len}.",
+            f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len}; "
+            f"validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works.",
             f"Model: decoder, {s.n_layers} layers (every FFN slot MoE in the MoE arms), d_model {s.d_model}, "
             f"{s.n_heads} heads, SwiGLU experts, Pre-Norm RMSNorm, RoPE, no dropout; active FFN width {s.d_ff} in "
             f"every arm. DeepSeekMoE: granularity m = {s.granularity}, one shared expert, `fine_grained` from GShard.",

@@ -478,13 +478,14 @@ def data_line(s: NormSetting) -> str:
         pairs = "all" if s.max_train_pairs is None else s.max_train_pairs
         return (
             f"Data: {TRANSLATION_CORPUS} German -> English, {pairs} training pairs, joint BPE vocabulary "
-            f"{s.vocab_size}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on the "
-            "validation pairs; depth = layers in the encoder and in the decoder."
+            f"{s.vocab_size}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on "
+            f"{s.eval_batches * s.batch_size} validation pairs spread over the split; depth = layers in the "
+            "encoder and in the decoder."
         )
     return (
         f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {s.vocab_size}, "
         f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len} "
-        "tokens; validation on the held-out works."
+        f"tokens; validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works."
     )
 
 
