@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from tformer import RopeConfig
+from tformer.config import MoEConfig
+from tformer.model import build_model
 from tformer.model.positions import RotaryEmbedding
 from tformer.presets import tiny
 
@@ -220,3 +222,27 @@ def test_rope_not_applied_in_cross_attention_by_default() -> None:
         a = model.decode(tgt, memory)
         b = model.decode(tgt, memory, positions=torch.arange(6) + 17)
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) == same
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "rope"])
+def test_a_dtype_round_trip_keeps_the_position_tables_and_expert_biases_float32(positions: str) -> None:
+    """`.to(bfloat16)` had rounded the position tables for good (non-persistent: load_state_dict cannot
+    restore them; 6e-4 off the logits after `.to(bf16).to(fp32)` + reload) and put the expert biases in
+    bf16, where their +-1e-3 updates round one way. Both stay float32 now; the bf16 model computes in bf16."""
+    cfg = tiny().replace(positions=positions, moe=MoEConfig(n_experts=4, top_k=2, bias_update_rate=1e-3))
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    want = model(x)
+    model.to(torch.bfloat16)
+    floats = {n: b.dtype for n, b in model.named_buffers() if b.is_floating_point()}
+    assert floats and set(floats.values()) == {torch.float32}, floats
+    assert model(x).dtype == torch.bfloat16
+    router = next(m for m in model.modules() if hasattr(m, "expert_bias"))
+    router.expert_bias.fill_(0.5)
+    router.tokens_per_expert.copy_(torch.tensor([10, 0, 0, 0]))  # expert 0 above the mean: its bias falls
+    router.update_bias(lambda t: None)  # one process: nothing to sum
+    assert router.expert_bias.tolist() == pytest.approx([0.499, 0.501, 0.501, 0.501], abs=1e-7)
+    model.to(torch.float32).load_state_dict(state)
+    assert torch.equal(model(x), want)

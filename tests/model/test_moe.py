@@ -197,6 +197,17 @@ def test_flops_per_token_by_hand() -> None:
     assert flops_per_token(tiny(), 64) == 2 * matmul + 2 * 64 * 2 * 64 * 2
     assert flops_per_token(tiny(), 64, causal=True) == 2 * matmul + 64 * 2 * 64 * 2
     assert flops_per_token(make(tiny()), 64) == flops_per_token(tiny(), 64)
+    # an encoder-decoder: only the decoder's self-attention is causal (the encoder's and the
+    # cross-attention had been halved too)
+    ed = tiny("encoder_decoder")
+    attention = 2 * 64 * 2 * 64  # one attention layer, full
+    assert flops_per_token(ed, 64) - flops_per_token(ed, 64, causal=True) == 0.5 * attention * ed.n_layers
+    # biases are not products: one expert, top-1, equals the dense FFN whether or not layers have biases
+    for bias in (False, True):
+        dense = tiny().replace(bias=bias)
+        one = dense.replace(moe=MoEConfig(n_experts=1, top_k=1, aux_loss_coef=0.0))
+        router = 64 * 1 * dense.n_layers  # the router's d_model x n_experts product per layer
+        assert flops_per_token(one, 64) - flops_per_token(dense, 64) == 2 * router, bias
 
 
 @pytest.mark.parametrize("base", ["dense", "gshard"])

@@ -52,7 +52,9 @@ def rms_norms_as_layer_norm(model: nn.Module) -> Iterator[None]:
                 continue
             if m.weight is None or m.weight.device.type != "cpu" or type(m.weight) is not nn.Parameter:
                 continue  # (not a plain parameter: a sequence-parallel norm's replicated DTensor)
-            eps = m.eps if m.eps is not None else torch.finfo(m.weight.dtype).eps
+            if m.eps is None:  # torch's default eps depends on the input's dtype: the module knows it
+                continue
+            eps = m.eps
             weight2 = torch.cat((m.weight.detach(), m.weight.detach()))
             m.forward = partial(rms_norm_as_layer_norm, weight2=weight2, eps=eps)
             patched.append(m)

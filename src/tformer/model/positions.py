@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.config import ModelConfig, RopeConfig
+from tformer.model.buffers import Float32Buffers
 
 
 # --------------------------------------------------------------------------- input positions
@@ -38,8 +39,10 @@ class NoPositions(nn.Module):
         return x
 
 
-class SinusoidalPositions(nn.Module):
-    """x + PE[positions], a fixed table (not a parameter, not saved)."""
+class SinusoidalPositions(Float32Buffers):
+    """x + PE[positions], a fixed table (not a parameter, not saved; float32 whatever the model's dtype)."""
+
+    FLOAT32_BUFFERS = ("table",)
 
     def __init__(self, max_seq_len: int, d_model: int) -> None:
         super().__init__()
@@ -129,8 +132,10 @@ class NoRotary(nn.Module):
         return q, k
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Float32Buffers):
     """Rotate each pair of features of x (B, H, T, E) by angle p * theta_i (Su et al., 2021)."""
+
+    FLOAT32_BUFFERS = ("cos", "sin")
 
     def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -157,6 +162,8 @@ class HalfRotaryEmbedding(RotaryEmbedding):
     x * [cos, cos] + [x2, x1] * [-sin, sin], with both full-width tables precomputed for every position,
     one lookup per (q, k) pair, no torch.cat of halves (in a decoding step q and k are concatenated and
     rotated as one tensor). Bit-identical to the reference (a - b == a + (-b))."""
+
+    FLOAT32_BUFFERS = ("cos", "sin", "cos_sin")
 
     def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
         super().__init__(head_dim, max_seq_len, rope)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import MoEConfig
+from tformer.model.buffers import Float32Buffers
 
 
 class Routing(NamedTuple):
@@ -85,15 +86,17 @@ def keep_weights(w: Tensor) -> Tensor:
     return w
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(Float32Buffers):
     """Token-to-expert affinities and the top-K choice.
 
     Parameters and buffers (checkpoint keys): `weight` (E, D) the expert centroids; `expert_bias` (E,)
     the auxiliary-loss-free balancing bias; `tokens_per_expert` (E,) assignments seen by training
     forwards since the last bias update; `window_tokens` (E,) the same since the last statistics read.
     The two counters are each process's own (summed over processes when they are read;
-    `tformer.distributed.plans.RANK_LOCAL`).
+    `tformer.distributed.plans.RANK_LOCAL`). `expert_bias` stays float32 when the model is cast.
     """
+
+    FLOAT32_BUFFERS = ("expert_bias",)
 
     def __init__(self, d_model: int, moe: MoEConfig) -> None:
         super().__init__()

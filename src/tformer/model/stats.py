@@ -4,7 +4,8 @@ fine-grained expert segmentation as a compute-matched config transform.
 Counting rule (docs/performance.md, Method): matmul FLOPs only. Forward per token = 2 x active matmul
 weights (every linear layer, the output head included, the input embedding excluded; for MoE the
 router, the top_k selected experts and the shared experts) + attention 2 x T x (d_qk + d_v) per
-attention layer (full T x T; half of it with causal=True). Training = 3 x forward.
+attention layer (full T x T; with causal=True half of it for the self-attention of causal stacks: the
+decoder LM's, the encoder-decoder's decoder's). Training = 3 x forward.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ def _as_model(model_or_cfg: nn.Module | ModelConfig) -> nn.Module:
         return build_model(model_or_cfg)
 
 
-def _routed_experts(model: nn.Module) -> list[tuple[int, float]]:
-    """(routed expert parameters, share active per token) for every MoE layer."""
+def _routed_experts(model: nn.Module, weights_only: bool = False) -> list[tuple[int, float]]:
+    """(routed expert parameters, share active per token) for every MoE layer; weights_only: the weight
+    matrices alone (the products' FLOPs), not their biases."""
     from tformer.model.moe import moe_layers
 
     out = []
     for _, layer in moe_layers(model):
-        numel = sum(p.numel() for p in layer.experts.parameters())
+        params = layer.experts.named_parameters()
+        numel = sum(p.numel() for name, p in params if not (weights_only and name.endswith("_bias")))
         out.append((numel, layer.router.top_k / layer.experts.n_experts))
     return out
 
@@ -54,15 +57,19 @@ def flops_per_token(model_or_cfg: nn.Module | ModelConfig, seq_len: int, causal:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     from tformer.model.attention import CrossAttention, SelfAttention
     from tformer.model.moe import moe_layers
+    from tformer.model.transformer import Decoder, DecoderLM
 
     model = _as_model(model_or_cfg)
     cfg = model.cfg
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     moe = sum(layer.router.weight.numel() for _, layer in moe_layers(model))
-    experts = sum(numel * share for numel, share in _routed_experts(model))
+    experts = sum(numel * share for numel, share in _routed_experts(model, weights_only=True))
     n_attn = sum(isinstance(m, (SelfAttention, CrossAttention)) for m in model.modules())
+    # causal: a causal stack's self-attention (an encoder's and cross-attention stay full)
+    stacks = [m for m in model.modules() if isinstance(m, (DecoderLM, Decoder))] if causal else []
+    n_causal = sum(isinstance(m, SelfAttention) for stack in stacks for m in stack.modules())
     d_attn = cfg.n_heads * cfg.resolved_head_dim  # d_qk = d_v
-    attention = 2 * seq_len * 2 * d_attn * n_attn * (0.5 if causal else 1.0)
+    attention = 2 * seq_len * 2 * d_attn * (n_attn - 0.5 * n_causal)
     return 2.0 * (linear + moe + experts) + attention
 
 
