@@ -355,3 +355,37 @@ def test_equals_hugging_face_moe_blocks(peer: str, impl: str) -> None:
     copy_from_hf(ours, hf)
     x = torch.randn(2, 9, 16)
     torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_padding_is_left_out_of_moe_routing(arch: str) -> None:
+    """Padding had been routed like real tokens: it filled capacity slots ahead of later rows' real
+    tokens, counted in the loads that drive the bias update, and entered the balance losses. With the
+    same real tokens and 0, 8 or 24 padding positions after them, a training forward now gives the same
+    outputs, counts, drops and balance losses (capacity factor 1, every balance term on)."""
+    moe = MoEConfig(n_experts=8, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, seq_aux_loss_coef=0.01,
+                    z_loss_coef=0.001, bias_update_rate=1e-3)  # fmt: skip
+    kind = {"encoder": ("encoder", dict(n_classes=2)), "encoder_decoder": ("encoder_decoder", {})}[arch]
+    cfg = tiny(kind[0]).replace(moe=moe, dropout=0.0, max_seq_len=64, **kind[1])
+    torch.manual_seed(0)
+    model = make(cfg).train()
+    real = torch.randint(4, cfg.vocab_size, (2, 8))
+    results = []
+    for n_pad in (0, 8, 24):
+        ids = F.pad(real, (0, n_pad), value=0)
+        mask = ids != 0
+        for layer in model.modules():
+            if hasattr(layer, "tokens_per_expert"):
+                layer.tokens_per_expert.zero_()
+        # encoder: (B, classes), mean pooling over the real tokens; encoder-decoder: the real target positions
+        out = model(ids, mask) if arch == "encoder" else model(ids, ids, mask, mask)[:, :8]
+        layers = [m for m in model.modules() if hasattr(m, "last_stats") and m.last_stats]
+        results.append((out, [(m.last_stats["counts"].clone(), m.last_stats["dropped"].clone(), m.last_aux)
+                              for m in layers]))  # fmt: skip
+    (want, stats), others = results[0], results[1:]
+    assert stats and any(int(d) > 0 for _, d, _ in stats)  # capacity 1 drops some real assignments
+    for got, got_stats in others:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for (c, d, a), (c0, d0, a0) in zip(got_stats, stats):
+            assert torch.equal(c, c0) and torch.equal(d, d0)
+            torch.testing.assert_close(a, a0)

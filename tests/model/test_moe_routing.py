@@ -14,6 +14,7 @@ from tformer import MoEConfig
 from tformer.model.ffn import make_dense_ffn
 from tformer.model.moe import MoE, moe_aux_loss, moe_routing_stats, update_expert_biases
 from tformer.model.router import (
+    Segments,
     TopKRouter,
     device_balance_loss,
     load_balance_loss,
@@ -112,7 +113,14 @@ def test_balance_losses_equal_their_formulas() -> None:
     # per sequence (2 of 2 tokens): seq 0 is all on expert 0
     seq0 = 3 * (1.0 * 0.65)
     seq1 = 3 * (0.5 * 0.5 + 0.5 * 0.35)
-    torch.testing.assert_close(seq_balance_loss(probs, idx, batch=2), torch.tensor((seq0 + seq1) / 2))
+    torch.testing.assert_close(seq_balance_loss(probs, idx, groups=2), torch.tensor((seq0 + seq1) / 2))
+    # sequences of other lengths (padding left out): given as segment ids, the same formula per sequence
+    same = seq_balance_loss(probs, idx, Segments(torch.tensor([0, 0, 1, 1]), 2))
+    torch.testing.assert_close(same, torch.tensor((seq0 + seq1) / 2))
+    short = 3 * (1.0 * 0.7)  # token 0 alone
+    rest = 3 * (1 / 3 * 0.3 + 1 / 3 * (1.3 / 3) + 1 / 3 * (0.8 / 3))  # tokens 1-3: experts 0, 1, 2
+    uneven = seq_balance_loss(probs, idx, Segments(torch.tensor([0, 2, 2, 2]), 3))  # sequence 1 empty
+    torch.testing.assert_close(uneven, torch.tensor((short + rest) / 2))
     logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
     z = (math.log(math.exp(1) + math.exp(2) + math.exp(3)) ** 2 + math.log(3) ** 2) / 2
     torch.testing.assert_close(router_z_loss(logits), torch.tensor(z))

@@ -1,7 +1,8 @@
 """Transformer blocks: the same slots, wired Post-Norm or Pre-Norm.
 
 Shapes: x (B, T, D) -> (B, T, D). `positions` (B, T) or (T,), `mask` a `Mask`, `cache` a cache or
-NO_CACHE, `memory` the encoder `Memory` for cross-attention blocks. Which block class is used is
+NO_CACHE, `memory` the encoder `Memory` for cross-attention blocks. The FFN also gets `mask.tokens`
+(the real tokens, or None), which an MoE layer uses to leave padding out of its routing. Which block class is used is
 decided once in the spine's constructor (`BLOCKS[cfg.norm_placement]`); forwards never branch.
 """
 
@@ -39,7 +40,7 @@ class PreNormBlock(Block):
 
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache) -> Tensor:
         x = x + self.drop(self.attn(self.attn_norm(x), positions, mask, cache))
-        return x + self.drop(self.ffn(self.ffn_norm(x)))
+        return x + self.drop(self.ffn(self.ffn_norm(x), mask.tokens))
 
 
 class PostNormBlock(Block):
@@ -47,7 +48,7 @@ class PostNormBlock(Block):
 
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache) -> Tensor:
         x = self.attn_norm(x + self.drop(self.attn(x, positions, mask, cache)))
-        return self.ffn_norm(x + self.drop(self.ffn(x)))
+        return self.ffn_norm(x + self.drop(self.ffn(x, mask.tokens)))
 
 
 class CrossBlock(Block):
@@ -65,7 +66,7 @@ class PreNormCrossBlock(CrossBlock):
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache, memory: Memory) -> Tensor:
         x = x + self.drop(self.attn(self.attn_norm(x), positions, mask, cache))
         x = x + self.drop(self.cross_attn(self.cross_norm(x), positions, memory, cache))
-        return x + self.drop(self.ffn(self.ffn_norm(x)))
+        return x + self.drop(self.ffn(self.ffn_norm(x), mask.tokens))
 
 
 class PostNormCrossBlock(CrossBlock):
@@ -74,7 +75,7 @@ class PostNormCrossBlock(CrossBlock):
     def forward(self, x: Tensor, positions: Tensor, mask: Mask, cache: NoCache, memory: Memory) -> Tensor:
         x = self.attn_norm(x + self.drop(self.attn(x, positions, mask, cache)))
         x = self.cross_norm(x + self.drop(self.cross_attn(x, positions, memory, cache)))
-        return self.ffn_norm(x + self.drop(self.ffn(x)))
+        return self.ffn_norm(x + self.drop(self.ffn(x, mask.tokens)))
 
 
 BLOCKS: dict[str, type[Block]] = {"pre": PreNormBlock, "post": PostNormBlock}

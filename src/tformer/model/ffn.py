@@ -27,7 +27,7 @@ class ReluFFN(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:  # position-wise: tokens unused
         return self.down_proj(self.activation(self.up_proj(x)))
 
 
@@ -46,7 +46,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:  # position-wise: tokens unused
         gate, up = stacked_linear(x, (self.gate_proj, self.up_proj))  # 2 x (..., F)
         return self.down_proj(F.silu(gate) * up)
 

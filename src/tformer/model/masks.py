@@ -6,6 +6,8 @@ pattern with no padding, so a fused kernel may use its own causal path (SDPA's `
 top-left aligned and is only correct when Tq == Tk, which is why the hint is set only then).
 `is_full` is a hint that `allowed` is all True (no padding, and either a bidirectional mask or one
 new token over the cache, which attends to every cached key), so a fused kernel may skip the mask.
+`tokens` (B, Tq) bool, True for the real query tokens, is set where padding is known (None: every
+query is a real token); position-wise layers that pool statistics over tokens (MoE routing) read it.
 
 Every query row keeps at least one allowed key: a row with none (a fully padded sample) is opened to
 all its keys so the softmax stays finite; such rows are padding and their outputs are ignored.
@@ -24,6 +26,7 @@ class Mask:
     allowed: Tensor  # (B|1, 1, Tq, Tk) bool
     is_causal: bool = False
     is_full: bool = False
+    tokens: Tensor | None = None  # (B, Tq) bool: the real query tokens (None: all)
 
 
 def _finite_rows(allowed: Tensor) -> Tensor:
@@ -43,7 +46,7 @@ def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torc
     if key_padding is None:
         return Mask(allowed, is_causal=q_start == 0, is_full=t_q == 1)
     allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
-    return Mask(_finite_rows(allowed))
+    return Mask(_finite_rows(allowed), tokens=key_padding[:, q_start:])
 
 
 def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:
@@ -51,4 +54,4 @@ def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.d
     if key_padding is None:
         return Mask(torch.ones(1, 1, t_q, t_k, dtype=torch.bool, device=device), is_full=True)
     allowed = key_padding[:, None, None, :].expand(-1, 1, t_q, -1)  # (B, 1, Tq, Tk)
-    return Mask(_finite_rows(allowed))
+    return Mask(_finite_rows(allowed), tokens=key_padding if t_q == t_k else None)  # self-attention: its own

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from tformer.config import ModelConfig, MoEConfig
 from tformer.model.ffn import make_dense_ffn
 from tformer.model.linear import autocast_enabled, decoding_max_rows, decoding_row_blocks, row_blocked_linear
-from tformer.model.router import BalanceLoss, Routing, TopKRouter, probabilities
+from tformer.model.router import BalanceLoss, Routing, Segments, TopKRouter, probabilities
 
 
 # ----------------------------------------------------------------------------- grouped matmul kernels
@@ -310,19 +310,33 @@ class MoE(nn.Module):
         self.last_aux: Tensor = torch.zeros(())
         self.last_stats: dict[str, Tensor] = {}
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
+        """x (B, T, D); tokens (B, T) bool, True for real tokens (None: all are). Padding is left out of
+        the layer: no expert, capacity slot, load count, balance loss or statistic sees it, and its
+        output there is 0 (padding is masked out of attention, pooling and the loss)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)  # (N, D)
+        if tokens is None:
+            return self.mix(flat, b).view(b, t, d)
+        keep = tokens.reshape(-1).nonzero().squeeze(1)  # (N',) the real tokens, row-major
+        if keep.numel() == 0:
+            return torch.zeros_like(x)
+        out = self.mix(flat.index_select(0, keep), Segments(keep // t, b))
+        return torch.zeros_like(flat).index_copy(0, keep, out).view(b, t, d)
+
+    def mix(self, flat: Tensor, groups: int | Segments) -> Tensor:
+        """Routed experts + shared experts of N tokens (N, D); groups: the sequences they come from (an
+        int B: N / B tokens each, in order)."""
         route = self.router(flat)
         routed, dropped = self.dispatch(self.experts, flat, route)  # (N, D) fp32
         if self.training and torch.is_grad_enabled():
-            self.observe(route, dropped, b)
-        return (routed.to(x.dtype) + self.shared(flat)).view(b, t, d)
+            self.observe(route, dropped, groups)
+        return routed.to(flat.dtype) + self.shared(flat)
 
-    def observe(self, route: Routing, dropped: Tensor, batch: int) -> None:
+    def observe(self, route: Routing, dropped: Tensor, groups: int | Segments) -> None:
         """Training-forward bookkeeping: counters, this layer's balance losses, statistics."""
         counts = self.router.count(route.idx)
-        self.last_aux = self.balance(route, batch)
+        self.last_aux = self.balance(route, groups)
         with torch.no_grad():
             p = probabilities(route.scores)
             entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()

@@ -173,10 +173,32 @@ def load_balance_loss(probs: Tensor, idx: Tensor) -> Tensor:
     return _balance(probs[None], idx[None])
 
 
-def seq_balance_loss(probs: Tensor, idx: Tensor, batch: int) -> Tensor:
-    """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` within each sequence, averaged."""
+class Segments(NamedTuple):
+    """Which sequence each of N tokens comes from, when the sequences hold different numbers of them
+    (padding left out): `ids` (N,) in [0, count)."""
+
+    ids: Tensor
+    count: int
+
+
+def seq_balance_loss(probs: Tensor, idx: Tensor, groups: int | Segments) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` within each sequence, averaged over
+    the sequences (groups: B sequences of N / B tokens each, in order, or `Segments`; a sequence with
+    no token is left out)."""
     n, e = probs.shape
-    return _balance(probs.view(batch, n // batch, e), idx.view(batch, n // batch, -1))
+    if isinstance(groups, int):
+        return _balance(probs.view(groups, n // groups, e), idx.view(groups, n // groups, -1))
+    seg, g = groups
+    k = idx.shape[-1]
+    tokens = torch.bincount(seg, minlength=g).to(probs.dtype)  # (G,)
+    counts = torch.zeros(g * e, dtype=probs.dtype, device=probs.device)
+    counts.index_add_(0, (seg[:, None] * e + idx).flatten(), torch.ones(idx.numel(), dtype=probs.dtype,
+                                                                        device=probs.device))  # fmt: skip
+    p_sum = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).index_add_(0, seg, probs)
+    present = tokens > 0
+    f = counts.view(g, e)[present] / (tokens[present, None] * k)  # (G', E) share of the group's assignments
+    p = p_sum[present] / tokens[present, None]  # (G', E) mean router probability
+    return e * (f * p).sum(-1).mean()
 
 
 def device_balance_loss(probs: Tensor, idx: Tensor, n_devices: int) -> Tensor:
@@ -208,7 +230,8 @@ class BalanceLoss(nn.Module):
         }
         self.terms = [(getattr(moe, name), fn) for name, fn in terms.items() if getattr(moe, name) > 0]
 
-    def forward(self, route: Routing, batch: int) -> Tensor:
+    def forward(self, route: Routing, groups: int | Segments) -> Tensor:
+        """groups: the sequences the tokens come from (for the sequence-wise term), see seq_balance_loss."""
         probs = probabilities(route.scores)
         zero = torch.zeros((), device=route.logits.device)
-        return sum((coef * fn(route, probs, batch) for coef, fn in self.terms), zero)
+        return sum((coef * fn(route, probs, groups) for coef, fn in self.terms), zero)
