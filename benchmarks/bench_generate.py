@@ -1,7 +1,7 @@
 """Greedy decoding speed: tformer's `generate` vs Hugging Face `generate`, same weights, one process.
 
 The model is the dense LM of bench_lm.py (`llama_like(vocab 8192, d_model 512, 8 layers, 8 heads,
-d_ff 1376)`), built in tformer and copied into HF `LlamaForCausalLM` (sdpa attention). Each call
+d_ff 1376)`), built as HF `LlamaForCausalLM` (sdpa attention) and its weights copied into tformer. Each call
 decodes `--new` (256) tokens greedily after a `--prompt` (32) token prompt, at batch 1 and batch 8,
 with no EOS on either side (HF: eos_token_id None, min_new_tokens = max_new_tokens) so both produce
 exactly the same number of tokens; a call includes the prefill and its own KV cache. The generated
@@ -177,7 +177,7 @@ def moe_sections(args, s: dict, rounds: int) -> dict:
         for line in lines:
             print("  " + line)
         sections[title] = {"model": model.cfg.to_dict(), "prompt": s["prompt"], "new": new,
-                           "rows": {n: r.as_dict() for n, r in rows.items()}, "ids_identical": same,
+                           "rows": {n: r.as_dict() for n, r in rows.items()}, "times_s": times, "ids_identical": same,
                            "compile_s": round(compile_s, 1), "load": load.result, "table": text,
                            "notes": lines}  # fmt: skip
     return sections
@@ -273,6 +273,7 @@ def main() -> None:
         sections[f"batch_{batch}"] = {
             "batch": batch,
             "rows": {n: r.as_dict() for n, r in rows.items()},
+            "times_s": times,  # per round: the paired medians can be recomputed
             "ids_identical": same,
             "first_difference": {
                 name: first_difference(outputs[name], outputs["HF generate"]) for name in same

@@ -223,6 +223,7 @@ def summarize(times: dict[str, list[float]], tokens: int, flops_per_call: float,
             "tformer_speedup": round(statistics.median(t / o for t, o in zip(ts, ref)), 2),
             "share_of_dense": round(statistics.median(d / t for d, t in zip(dense, ts)), 2),
             "mfu": round(flops_per_call / min(ts) / 1e9 / peak, 3),
+            "times_ms": [round(t * 1e3, 3) for t in ts],  # per round: the paired medians can be recomputed
         }
     return rows
 

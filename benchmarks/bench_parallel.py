@@ -136,7 +136,7 @@ def main() -> None:
         )  # fmt: skip
         print(load.line(), f"(the machine's other {world - 1} rank(s) of this job count as foreign CPU)")
         write_json("parallel_quick.json" if args.quick else "parallel.json",
-                   {"shape": s, "world_size": world, "rows": table, "load": load.result})  # fmt: skip
+                   {"shape": s, "world_size": world, "rows": table, "times_s": times, "load": load.result})  # fmt: skip
     dist.barrier()
     env.shutdown()
 

@@ -17,8 +17,11 @@ sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout 
 tformer, so both are off), an output projection tied to the embedding, the same cross-entropy on fp32
 logits (outside both models), backward, one fused AdamW step (same settings, plain parameter list on
 both sides), zero_grad(set_to_none). No padding: the peer gets a causal target mask (tgt_is_causal).
-torch.nn.Transformer always ends both stacks with a LayerNorm, Post-Norm included (tformer's Post-Norm
-has none), so it does two extra LayerNorms per step.
+The two models hold the same weights (the peer's copied into tformer, as tests/model/test_parity.py
+does; both read tformer's sinusoid table), so their first losses agree (in the JSON). torch.nn.Transformer
+ends both stacks with a LayerNorm, Post-Norm included; the paper's Post-Norm (and tformer's) has none, so
+the peer's Post-Norm stacks end in an identity here (until 2026-12-01 they kept those two LayerNorms and
+the weights were not copied).
 FLOPs for MFU: 6 x matmul parameters (embedding lookup excluded, output projection included) per
 token of each side, plus attention 12 x d_model x keys per query per layer (encoder self over S,
 decoder self over the full T, not halved for causality, and cross over S).
@@ -60,6 +63,7 @@ from harness import (  # noqa: E402
 
 from tformer import ModelConfig, build_model  # noqa: E402
 from tformer.generate.beam import beam_search  # noqa: E402
+from tformer.model.positions import sinusoidal_table  # noqa: E402
 
 FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=5)
 QUICK = dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128, batch=4, src=16, tgt=16, rounds=2)
@@ -73,6 +77,7 @@ COLUMNS = [
     ("speedup_paired_median", "x torch (paired)", ".3f"),
     ("speedup_best", "x torch (best)", ".3f"),
     ("mfu", "MFU", ".1%"),
+    ("first_loss", "first loss", ".5f"),
 ]
 
 
@@ -98,12 +103,34 @@ def tformer_model(s: dict, placement: str) -> nn.Module:
     return build_model(cfg)
 
 
-def sinusoids(length: int, d: int) -> torch.Tensor:
-    pos = torch.arange(length, dtype=torch.float32)[:, None]  # (T, 1)
-    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))  # (D/2,)
-    table = torch.zeros(length, d)
-    table[:, 0::2], table[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
-    return table  # (T, D)
+@torch.no_grad()
+def copy_peer_weights(peer: TorchSeq2Seq, ours: nn.Module) -> None:
+    """The peer's weights into tformer's model (tests/model/test_parity.py maps them the same way)."""
+
+    def attention(mine, mha: nn.MultiheadAttention) -> None:
+        for proj, w, b in zip((mine.q_proj, mine.k_proj, mine.v_proj), mha.in_proj_weight.chunk(3),
+                              mha.in_proj_bias.chunk(3)):  # fmt: skip
+            proj.weight.copy_(w)
+            proj.bias.copy_(b)
+        mine.o_proj.load_state_dict(mha.out_proj.state_dict())
+
+    def ffn_norms(block, layer, norms: tuple[str, ...]) -> None:
+        block.ffn.up_proj.load_state_dict(layer.linear1.state_dict())
+        block.ffn.down_proj.load_state_dict(layer.linear2.state_dict())
+        for mine, theirs in zip(norms, ("norm1", "norm2", "norm3")):
+            getattr(block, mine).load_state_dict(getattr(layer, theirs).state_dict())
+
+    ours.tok_embed.weight.copy_(peer.embed.weight)  # shared source / target embedding, tied head
+    for block, layer in zip(ours.encoder.blocks, peer.core.encoder.layers):
+        attention(block.attn, layer.self_attn)
+        ffn_norms(block, layer, ("attn_norm", "ffn_norm"))
+    for block, layer in zip(ours.decoder.blocks, peer.core.decoder.layers):
+        attention(block.attn, layer.self_attn)
+        attention(block.cross_attn, layer.multihead_attn)
+        ffn_norms(block, layer, ("attn_norm", "cross_norm", "ffn_norm"))
+    for stack, theirs in ((ours.encoder, peer.core.encoder), (ours.decoder, peer.core.decoder)):
+        if not isinstance(theirs.norm, nn.Identity):  # Pre-Norm's final norms
+            stack.final_norm.load_state_dict(theirs.norm.state_dict())
 
 
 class TorchSeq2Seq(nn.Module):
@@ -130,7 +157,9 @@ class TorchSeq2Seq(nn.Module):
         # projection's logits ~22 wide: the softmax gradients underflow to subnormal floats, which cost
         # a CPU microcode assist each (mm ran 4x slower on an Intel Xeon), a handicap that is not the peer's
         nn.init.normal_(self.embed.weight, 0.0, d**-0.5)
-        self.register_buffer("pe", sinusoids(max(s["src"], s["tgt"]), d), persistent=False)
+        if placement == "post":  # the paper's Post-Norm stacks end in their last block's norm
+            self.core.encoder.norm, self.core.decoder.norm = nn.Identity(), nn.Identity()
+        self.register_buffer("pe", sinusoidal_table(max(s["src"], s["tgt"]), d), persistent=False)
         self.scale = math.sqrt(d)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -150,7 +179,7 @@ def train_step(model: nn.Module, batch, optimizer, autocast) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_variants(s: dict, dtype: str) -> tuple[dict, dict]:
+def train_variants(s: dict, dtype: str) -> tuple[dict, dict, tuple]:
     g = torch.Generator().manual_seed(0)
     batch = (
         torch.randint(4, s["vocab"], (s["batch"], s["src"]), generator=g),
@@ -162,21 +191,27 @@ def train_variants(s: dict, dtype: str) -> tuple[dict, dict]:
     )
     variants, models = {}, {}
     for placement in ("post", "pre"):
-        for name, model in (
-            (f"torch nn.Transformer {placement}", TorchSeq2Seq(s, placement)),
-            (f"tformer {placement}", tformer_model(s, placement)),
-        ):
+        peer, ours = TorchSeq2Seq(s, placement), tformer_model(s, placement)
+        copy_peer_weights(peer, ours)
+        for name, model in ((f"torch nn.Transformer {placement}", peer), (f"tformer {placement}", ours)):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             models[name] = model
             variants[name] = lambda m=model, o=opt: train_step(m, batch, o, autocast)
-    return variants, models
+    return variants, models, batch
+
+
+def first_loss(model: nn.Module, batch, autocast) -> float:
+    """The loss of the batch before any step (the same weights give the same loss on both sides)."""
+    src, tgt_in, tgt_out = batch
+    with torch.no_grad(), autocast():
+        return F.cross_entropy(model(src, tgt_in).float().flatten(0, 1), tgt_out.flatten()).item()
 
 
 # ----------------------------------------------------------------------------- FLOPs and peak
 def train_flops(s: dict) -> float:
     d, f, L, v = s["d_model"], s["d_ff"], s["layers"], s["vocab"]
-    enc = L * (4 * d * d + 2 * d * f)  # per source token
-    dec = L * (8 * d * d + 2 * d * f) + d * v  # per target token, output projection included
+    enc = L * (4 * d * d + 2 * d * f) + L * 2 * d * d  # per source token: + the decoder's cross K/V of it
+    dec = L * (6 * d * d + 2 * d * f) + d * v  # per target token: self q k v o, cross q o, FFN, projection
     tokens_s, tokens_t = s["batch"] * s["src"], s["batch"] * s["tgt"]
     attn = 12 * d * L * (tokens_s * s["src"] + tokens_t * (s["tgt"] + s["src"]))
     return 6 * (enc * tokens_s + dec * tokens_t) + attn
@@ -198,7 +233,11 @@ def peak_shapes(s: dict) -> list:
 
 
 def train_section(s: dict, dtype: str, note: str) -> dict:
-    variants, _ = train_variants(s, dtype)
+    variants, models, batch = train_variants(s, dtype)
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    )
+    losses = {name: first_loss(model, batch, autocast) for name, model in models.items()}
     peak = MatmulPeak(peak_shapes(s), torch.bfloat16 if dtype == "bf16" else torch.float32)
     variants["matmul peak"] = peak
     print(f"\n[{dtype}] {note}", file=sys.stderr)
@@ -213,6 +252,7 @@ def train_section(s: dict, dtype: str, note: str) -> dict:
         for row in summarize(sub, ref, s["batch"] * s["tgt"]).values():
             d = row.as_dict()
             d["mfu"] = flops / row.best_s / 1e9 / peak_gflops
+            d["first_loss"] = losses[row.name]
             rows.append(d)
     print_table(f"training step, {dtype} ({note}); {meter.line()}", rows, COLUMNS)
     return {
