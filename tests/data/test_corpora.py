@@ -169,6 +169,12 @@ def test_read_text_handles_bad_utf8(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9 \xe9 end")
     with pytest.warns(UserWarning, match=r"x.txt is not UTF-8 \(byte 0xe9 at offset 9\); read as cp1252"):
         assert C.read_text(path, warn=True) == "caf\u00c3\u00a9 \u00e9 end"
+    # mostly UTF-8 with a stray byte: its characters kept, the byte U+FFFD (cp1252 had garbled them all)
+    path.write_bytes("caf\u00e9 na\u00efve \u00fcber ".encode() + b"\xe9 end")
+    with pytest.warns(
+        UserWarning, match=r"x.txt is UTF-8 but for 1 invalid byte\(s\) \(the first 0xe9 at offset 19\)"
+    ):
+        assert C.read_text(path, warn=True) == "caf\u00e9 na\u00efve \u00fcber \ufffd end"
 
 
 @pytest.mark.parametrize(

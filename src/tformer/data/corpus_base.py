@@ -257,9 +257,9 @@ def fraction_counts(n: int, val_frac: float, test_frac: float, min_each: int) ->
 
 
 def read_text(path: Path, warn: bool = False) -> str:
-    """Decode a text file: UTF-8 (BOM allowed), else cp1252, else latin-1 (`warn`: with a warning naming
-    the file, for a user's files: one stray byte decodes the whole file the other way; the installed BBC
-    articles are cp1252 by design); newlines normalised. A file holding NUL bytes is not text (a binary,
+    """Decode a text file: UTF-8 (BOM allowed); UTF-8 with its few invalid bytes as U+FFFD where its valid
+    multi-byte characters outnumber them; else cp1252, else latin-1 (`warn`: with a warning naming the
+    file, for a user's files; the installed BBC articles are cp1252 by design); newlines normalised. A file holding NUL bytes is not text (a binary,
     or UTF-16 / UTF-32): an error naming it."""
     return decode_text(Path(path).read_bytes(), str(path), warn)
 
@@ -278,6 +278,19 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
     try:
         text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
+        utf8 = raw[bom:].decode("utf-8", errors="replace")
+        bad = utf8.count("\ufffd")
+        if sum(ord(c) > 127 for c in utf8) - bad > bad:  # more valid multi-byte characters than bad bytes
+            # UTF-8 with a few stray bytes (cp1252 text hardly ever forms valid UTF-8 sequences): keep its
+            # characters, each stray byte U+FFFD, rather than garble every one of them as cp1252
+            if warn:
+                warnings.warn(
+                    f"{name} is UTF-8 but for {bad} invalid byte(s) (the first {raw[bom + e.start]:#04x} at "
+                    f"offset {bom + e.start}), read as U+FFFD",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return _clean(utf8, warn)
         encoding = "cp1252"
         try:
             text = raw[bom:].decode(encoding)
@@ -296,7 +309,13 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
                 UserWarning,
                 stacklevel=3,
             )
-    if warn:  # a user's file: byte-order marks inside it (files joined together) are not text either
+    return _clean(text, warn)
+
+
+def _clean(text: str, warn: bool) -> str:
+    """Newlines normalised; in a user's file (`warn`) byte-order marks inside it (files joined together)
+    dropped too: they are not text either."""
+    if warn:
         text = text.replace("\ufeff", "")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
