@@ -576,3 +576,25 @@ def test_an_unknown_direction_is_named_as_the_config_key(tmp_path) -> None:
         ValueError, match=r"direction \(data.direction in a run's config\) must be 'en-de' or"
     ):
         load_trans_de_en(path=tmp_path, direction="fr-en")
+
+
+def test_a_run_recorded_before_chunks_were_joined_keeps_packing_a_document_per_chunk(tmp_path):
+    """Adjacent chunks of one file are packed as one document since 2026-12-01; a run whose data.json
+    predates that (no `lm_pieces_joined`) goes on reading a document per chunk, so its resume continues
+    on the data it started with; a new run records the flag and joins them."""
+    from tformer.tasks.corpus import JOINED, joins_pieces, write_manifest
+
+    path = tmp_path / "book.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(3000)))
+    corpus = C.load_text(path)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert joins_pieces(run, corpus)  # nothing recorded yet: a new run
+    write_manifest(run, corpus, **{JOINED: True})
+    assert joins_pieces(run, corpus)
+    write_manifest(run, corpus)  # as before 2026-12-01
+    assert not joins_pieces(run, corpus)
+    assert corpus.lm_texts("train", join=False) == [d.text for d in corpus["train"]]
+    assert len(corpus.lm_texts("train")) < len(corpus["train"])
+    folder_like = C.Corpus("x", "lm", {s: corpus[s] for s in SPLITS}, "r", "s")  # not pieces
+    assert joins_pieces(run, folder_like)

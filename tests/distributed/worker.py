@@ -598,7 +598,8 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         q = model.blocks[0].attn.q_proj.weight
         d |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
               "data_rank": tp_env.data_rank, "rows": sorted(set(rows)),
-              "head_split": isinstance(model.lm_head.weight, DTensor)}  # fmt: skip
+              # split by vocabulary on the tensor dimension too (FSDP2 alone shards it on the data one)
+              "head_split": isinstance(model.lm_head.weight, DTensor) and model.lm_head.weight.device_mesh.ndim == 2}  # fmt: skip
         out["fsdp_tp_sp" if sequence else "fsdp_tp"] = d
         del par, model, ref
         gc.collect()

@@ -362,7 +362,7 @@ def test_padding_is_left_out_of_moe_routing(arch: str) -> None:
     """Padding had been routed like real tokens: it filled capacity slots ahead of later rows' real
     tokens, counted in the loads that drive the bias update, and entered the balance losses. With the
     same real tokens and 0, 8 or 24 padding positions after them, a training forward now gives the same
-    outputs, counts, drops and balance losses (capacity factor 1, every balance term on)."""
+    outputs, counts, drops and balance losses (capacity factor 1; the Switch, sequence-wise and z terms on)."""
     moe = MoEConfig(n_experts=8, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, seq_aux_loss_coef=0.01,
                     z_loss_coef=0.001, bias_update_rate=1e-3)  # fmt: skip
     kind = {"encoder": ("encoder", dict(n_classes=2)), "encoder_decoder": ("encoder_decoder", {})}[arch]
@@ -389,3 +389,17 @@ def test_padding_is_left_out_of_moe_routing(arch: str) -> None:
         for (c, d, a), (c0, d0, a0) in zip(got_stats, stats):
             assert torch.equal(c, c0) and torch.equal(d, d0)
             torch.testing.assert_close(a, a0)
+
+
+def test_a_forward_of_padding_alone_runs_the_moe_layer_on_no_token() -> None:
+    """Every token padding: the layer still runs (on 0 tokens: an expert-parallel dispatch's collectives
+    must run on every rank), outputs 0, and its balance loss and statistics are this forward's (0, no
+    counts) instead of the last forward's, whose graph was gone."""
+    cfg = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01, seq_aux_loss_coef=0.01))
+    layer = MoE(cfg, 0).train()
+    x = torch.randn(2, 5, cfg.d_model, requires_grad=True)
+    layer(x).sum().backward()  # a forward with tokens: its aux loss's graph is freed by this backward
+    out = layer(x, torch.zeros(2, 5, dtype=torch.bool))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert float(layer.last_aux) == 0.0 and int(layer.last_stats["counts"].sum()) == 0
+    (out.sum() + layer.last_aux).backward()  # no stale graph

@@ -40,12 +40,12 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, [text], seq_len, f"text file {path}", score_tail=True)
         chars, what = len(text) + 1, str(path)
     else:
-        from tformer.tasks.corpus import load_task_corpus, warn_if_split_changed
+        from tformer.tasks.corpus import joins_pieces, load_task_corpus, warn_if_split_changed
         from tformer.tasks.translation import run_dir_of
 
         corpus = load_task_corpus(cfg.data, "lm")
         warn_if_split_changed(run_dir_of(run_.checkpoint), corpus, args.split)
-        texts = corpus.lm_texts(args.split)
+        texts = corpus.lm_texts(args.split, join=joins_pieces(run_dir_of(run_.checkpoint), corpus))
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"

@@ -79,12 +79,13 @@ class Corpus:
         """The documents' texts (LM / classification) or the sources (translation)."""
         return [item.src if isinstance(item, Pair) else item.text for item in self.splits[split]]
 
-    def lm_texts(self, split: str, limit: int | None = None) -> list[str]:
+    def lm_texts(self, split: str, limit: int | None = None, join: bool = True) -> list[str]:
         """The texts a language model reads as documents (each followed by EOS when packed): the first
         `limit` documents' texts, where pieces of one text that are adjacent in the split are joined back
-        into one (one file cut into chunks for splitting is one document, not one per chunk)."""
+        into one (one file cut into chunks for splitting is one document, not one per chunk; join=False:
+        one per chunk, as runs recorded before 2026-12-01 read them)."""
         items = self.splits[split][:limit]
-        if not self.pieces:
+        if not (self.pieces and join):
             return [item.text for item in items]
         out: list[str] = []
         previous = None

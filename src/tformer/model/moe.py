@@ -319,8 +319,8 @@ class MoE(nn.Module):
         if tokens is None:
             return self.mix(flat, b).view(b, t, d)
         keep = tokens.reshape(-1).nonzero().squeeze(1)  # (N',) the real tokens, row-major
-        if keep.numel() == 0:
-            return torch.zeros_like(x)
+        # (none at all still runs the layer, on 0 tokens: an expert-parallel dispatch's collectives must run
+        # on every rank, and the layer's balance loss and statistics must be this forward's)
         out = self.mix(flat.index_select(0, keep), Segments(keep // t, b))
         return torch.zeros_like(flat).index_copy(0, keep, out).view(b, t, d)
 
@@ -336,6 +336,11 @@ class MoE(nn.Module):
     def observe(self, route: Routing, dropped: Tensor, groups: int | Segments) -> None:
         """Training-forward bookkeeping: counters, this layer's balance losses, statistics."""
         counts = self.router.count(route.idx)
+        if route.idx.shape[0] == 0:  # no token (a forward of padding alone): nothing to balance
+            self.last_aux = route.logits.sum() * 0.0  # 0, in the graph like the losses it stands for
+            entropy = torch.zeros((), device=route.logits.device)
+            self.last_stats = {"counts": counts, "dropped": dropped, "entropy": entropy}
+            return
         self.last_aux = self.balance(route, groups)
         with torch.no_grad():
             p = probabilities(route.scores)

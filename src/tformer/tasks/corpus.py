@@ -84,13 +84,27 @@ def write_manifest(run_dir: Path, corpus: Corpus, **extra) -> None:
     (Path(run_dir) / MANIFEST).write_text(json.dumps({**corpus.manifest(), **extra}, indent=2))
 
 
+JOINED = "lm_pieces_joined"  # data.json: the run packs adjacent chunks of one file as one document
+
+
+def joins_pieces(run_dir: Path, corpus: Corpus) -> bool:
+    """Whether a language-model run packs adjacent chunks of one text file as one document: runs
+    recorded since 2026-12-01 say so in data.json; one recorded before packed a document per chunk
+    and keeps doing so (its resume goes on with the data it started with); a new run joins them."""
+    path = Path(run_dir) / MANIFEST
+    if not corpus.pieces or not path.is_file():
+        return True
+    return bool(read_json(path).get(JOINED, False))
+
+
 def warn_if_split_changed(run_dir: Path, corpus: Corpus, split: str) -> None:
     """A warning when the split an evaluation scores is not the one the run recorded (its score then
     does not compare with the run's, and documents may have moved in from its training split)."""
     if split in split_changes(run_dir, corpus):
         warnings.warn(
             f"the {split} split differs from the one this run recorded (data.json): documents, pairs or "
-            "articles were added, removed, renamed or edited since it trained",
+            "articles were added, removed, renamed or edited since it trained, or a split or decoding rule "
+            "of tformer changed (docs/data.md, 'Changes that move data')",
             UserWarning,
             stacklevel=3,
         )
@@ -127,7 +141,8 @@ def check_data_unchanged(run_dir: Path, corpus: Corpus, data: DataConfig) -> Non
         where = data.corpus if data.path is None else data.path
         raise ConfigError(
             f"the {', '.join(changed)} split(s) of {where!r} differ from those this run recorded in "
-            f"{Path(run_dir) / MANIFEST} (documents or pairs added, removed, renamed or edited since): the run "
+            f"{Path(run_dir) / MANIFEST} (documents or pairs added, removed, renamed or edited since, or a "
+            "split or decoding rule of tformer changed: docs/data.md, 'Changes that move data'): the run "
             "would go on with other data; restore the data or start a new run"
         )
     if not (Path(run_dir) / MANIFEST).is_file():

@@ -19,7 +19,14 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.schema import ConfigError
-from tformer.tasks.corpus import check_data_unchanged, load_task_corpus, train_tokenizer, write_manifest
+from tformer.tasks.corpus import (
+    JOINED,
+    check_data_unchanged,
+    joins_pieces,
+    load_task_corpus,
+    train_tokenizer,
+    write_manifest,
+)
 from tformer.tasks.losses import cross_entropy_sum
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import TrainConfig
@@ -49,8 +56,9 @@ class LMTask:
         ):  # a run going on (a fresh one deleted its tokenizer)
             check_data_unchanged(run_dir, corpus, cfg.data)
         else:
-            write_manifest(run_dir, corpus)
-        train_texts = corpus.lm_texts("train", cfg.data.max_train_docs)
+            write_manifest(run_dir, corpus, **({JOINED: True} if corpus.pieces else {}))
+        self.join = joins_pieces(run_dir, corpus)  # how this run packs one file's chunks, from its start
+        train_texts = corpus.lm_texts("train", cfg.data.max_train_docs, self.join)
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
         self.train_ds = PackedLMDataset.from_texts(
@@ -64,7 +72,7 @@ class LMTask:
                 warnings.warn(f"{err}: `tformer eval --split test` will not score this run", stacklevel=2)
 
     def split_dataset(self, split: str) -> tuple[PackedLMDataset, int]:
-        texts = self.corpus.lm_texts(split)
+        texts = self.corpus.lm_texts(split, join=self.join)
         what = f"the {split} split of {self.cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(self.tokenizer, texts, self.cfg.data.seq_len, what)
         return ds, sum(len(t) + 1 for t in texts)
