@@ -22,8 +22,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from tests.tasks.conftest import write_bbc, write_dictionary
 from tests.words import write_word_corpus
 from tformer.cli.main import main
-from tformer.distributed.checkpoint import export_single_process, is_dcp_checkpoint
+from tformer.distributed.checkpoint import DCPCheckpointer, export_single_process, is_dcp_checkpoint
+from tformer.distributed.env import Local
 from tformer.distributed.plans import is_rank_local
+from tformer.model import build_model
+from tformer.presets import tiny
 from tformer.runs import load_run
 
 pytestmark = pytest.mark.distributed
@@ -138,6 +141,7 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             [7],
         ]
         assert r["sequence_decoder"]["saved_bytes"] < r["decoder"]["saved_bytes"]
+        assert r["sequence_decoder"]["checkpoint"]["reloaded_equal"]  # DCP round trip on 2 ranks
         for key, rows in (("dropout", [7, 8]), ("sequence_dropout", [4, 7])):  # residual dropout 0.1, seeded
             d = r[key]
             assert d["dropped"] and d["rows"] == rows, (key, d)
@@ -147,6 +151,15 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             e = r[key]
             assert e["sharded"] and e["head_tied"] and e["grads_placed"] and e["grad_diff"] <= 1e-6, (key, e)
             assert [e["rows"]["encoder"], e["rows"]["decoder"]] == [[rows[0]], [rows[1]]], (key, e)
+    # the same checkpoint (replicated-DTensor norms, a vocabulary-split head) opened in one process
+    one = build_model(tiny().replace(bias=True, d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                     tie_embeddings=False))  # fmt: skip
+    opt = torch.optim.AdamW(one.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    DCPCheckpointer(Local(), 0).load(Path(r["sequence_decoder"]["checkpoint"]["path"]), one, opt, sched)
+    assert_same_state(
+        {k: v.detach() for k, v in one.named_parameters()}, load_file(tmp_path / "tp_sp_head.safetensors")
+    )
 
 
 def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> None:

@@ -503,12 +503,42 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             )
             d["rows"] = sorted(set(rows))
             d["saved_bytes"] = saved_bytes(model, batch(0))
+            if sequence and name == "decoder":  # norms as replicated DTensors, the head split by vocabulary
+                d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir)
             out[key + name] = d
             del par, model, ref
         out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
         out[key + "dropout"] = tensor_dropout(plan, tp_env)
     linear.FUSE_MIN_ROWS = 1024
     gc.collect()
+
+
+def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
+    """The trained model through tformer's DCP checkpointer: loaded into a fresh parallel twin (weights equal
+    to the saved ones), and its whole weights dumped for the one-process load on the pytest side."""
+    from safetensors.torch import save_file
+
+    from tformer.distributed.checkpoint import DCPCheckpointer
+
+    run_dir = out_dir / "tp_sp_head"
+
+    def optimizer_and_schedule(m):
+        opt = torch.optim.AdamW(m.parameters())
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    path = DCPCheckpointer(tp_env, 0).save(
+        run_dir, 2, par.model, *optimizer_and_schedule(model), {}, {}, None
+    )
+    _, fresh = twins(model.cfg)
+    fresh_par = parallelize(fresh, plan, tp_env, torch.device("cpu"))
+    DCPCheckpointer(tp_env, 0).load(path, fresh_par.model, *optimizer_and_schedule(fresh))
+    saved = {name: full(p.detach(), False) for name, p in model.named_parameters()}
+    loaded = dict(fresh.named_parameters())
+    equal = all(torch.equal(full(loaded[name].detach(), False), w) for name, w in saved.items())
+    if env.rank == 0:
+        save_file({k: v.contiguous() for k, v in saved.items()}, out_dir / "tp_sp_head.safetensors")
+    env.barrier()
+    return {"path": str(path), "reloaded_equal": equal}
 
 
 def tensor_dropout(plan, tp_env) -> dict:
