@@ -267,7 +267,10 @@ def bench_config(cname: str, spec: dict, args) -> dict:
     for b in blocks.values():
         b.eval()
     reps = args.decode_reps
-    decode, decode_peak = measure(blocks, lambda b: decode_step(b, xd, reps), args.rounds, reps, peak)
+    # the decode MFU's peak: the active width as one product of the decoding step's few rows (a 2048-row
+    # peak, as until 2026-12-01, made every decode MFU look tiny)
+    decode_probe = matmul_peak(DECODE_BATCH, D, spec["F"] * (spec["K"] + spec["shared"]))
+    decode, decode_peak = measure(blocks, lambda b: decode_step(b, xd, reps), args.rounds, reps, decode_probe)
     dflops = 2 * DECODE_BATCH * active_matmul_params(spec)
     return {
         f"{cname} | train fwd+bwd": summarize(train, BATCH * seq, flops, train_peak),
