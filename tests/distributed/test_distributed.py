@@ -142,6 +142,11 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         ]
         assert r["sequence_decoder"]["saved_bytes"] < r["decoder"]["saved_bytes"]
         assert r["sequence_decoder"]["checkpoint"]["reloaded_equal"]  # DCP round trip on 2 ranks
+        for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE layers whole in every rank of the group
+            m = r[key]
+            assert (
+                m["loss_diff"] <= 1e-6 and m["grad_diff"] <= 1e-6 and m["stats_equal"] and m["rows"] == rows
+            ), (key, m)
         for key, rows in (("dropout", [7, 8]), ("sequence_dropout", [4, 7])):  # residual dropout 0.1, seeded
             d = r[key]
             assert d["dropped"] and d["rows"] == rows, (key, d)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from worker_common import full, moe_model_cfg
 from worker_resume import resume1, resume2
 
+from tformer.config import MoEConfig
 from tformer.distributed.env import init_distributed
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.parallelize import global_routing_stats, parallelize
@@ -509,6 +510,7 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             del par, model, ref
         out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
         out[key + "dropout"] = tensor_dropout(plan, tp_env)
+        out[key + "moe"] = tensor_moe(plan, tp_env)
     linear.FUSE_MIN_ROWS = 1024
     gc.collect()
 
@@ -539,6 +541,39 @@ def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
         save_file({k: v.contiguous() for k, v in saved.items()}, out_dir / "tp_sp_head.safetensors")
     env.barrier()
     return {"path": str(path), "reloaded_equal": equal}
+
+
+def tensor_moe(plan, tp_env) -> dict:
+    """A decoder with MoE layers (first layer dense, a shared expert, balance losses on): attention and the
+    dense FFN split, the MoE layers run whole by every rank of the group. Loss with the balance loss,
+    gradients, and the routing statistics (counted once, not once per rank of the group) vs one process."""
+    from tformer.distributed.parallelize import global_routing_stats
+    from tformer.model.moe import moe_aux_loss, moe_routing_stats
+
+    moe = MoEConfig(
+        n_experts=4, top_k=2, n_shared=1, first_dense=1, aux_loss_coef=0.01, seq_aux_loss_coef=0.01
+    )
+    ref, model = twins(tiny().replace(n_layers=2, moe=moe, **TP_CFG))
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    rows = sublayer_rows(model.blocks[1])
+    batch = global_batch(1, 0)
+    losses = []
+    for m in (ref, par.model):
+        loss, n = lm_loss_sum(m, batch)
+        total = loss / n + moe_aux_loss(m)
+        total.backward()
+        losses.append(total.item())
+    want = moe_routing_stats(ref)
+    got = global_routing_stats(model, tp_env)  # the trainer's env: it knows the tensor-parallel degree
+    return {
+        "loss_diff": abs(losses[0] - losses[1]),
+        "grad_diff": max_diff(model, ref, set(), "grad"),
+        "stats_equal": all(
+            got[k]["load"] == want[k]["load"] and got[k]["assignments"] == want[k]["assignments"]
+            for k in want
+        ),  # fmt: skip
+        "rows": sorted(set(rows)),
+    }
 
 
 def tensor_dropout(plan, tp_env) -> dict:

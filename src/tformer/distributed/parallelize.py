@@ -169,9 +169,8 @@ def parallelize_tensor(
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
-    """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split (yet)."""
-    if any(True for _ in moe_layers(model)):
-        raise ConfigError(f"parallel.tensor={degree}: MoE layers are not split by tensor parallelism yet")
+    """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split: every rank of a
+    group runs them whole (on the whole sequence, also under sequence parallelism)."""
     cfg = model.cfg
     if cfg.attn_dropout > 0:  # the ranks of a group share one RNG stream: their heads would drop alike
         raise ConfigError(
@@ -261,11 +260,17 @@ def global_routing_stats(model: nn.Module, env: Local) -> dict[str, dict]:
     averaged (every rank must call it; only rank 0 writes the result)."""
     if env.world_size == 1:
         return moe_routing_stats(model)
+    copies = env.world_size // env.data_world_size  # a tensor-parallel group's ranks route the same tokens
+
+    def all_reduce(t: Tensor) -> None:
+        env.all_reduce(t)
+        t.div_(copies, rounding_mode="floor") if not t.is_floating_point() else t.div_(copies)
+
     for _, layer in moe_layers(model):
         if layer.last_stats:
             stats = {k: v.detach().clone() for k, v in layer.last_stats.items()}
             for value in stats.values():
-                env.all_reduce(value)
-            stats["entropy"] /= env.world_size
+                all_reduce(value)
+            stats["entropy"] /= env.data_world_size
             layer.last_stats = stats
-    return moe_routing_stats(model, all_reduce=env.all_reduce)
+    return moe_routing_stats(model, all_reduce=all_reduce)

@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
+from tformer.model.moe import MoE
+
 SEQ = Shard(1)  # hidden states are (B, T, D)
 SUBLAYERS = ("attn", "cross_attn", "ffn")  # each ends in a row-split layer whose output is left Partial
 NORMS = ("attn_norm", "cross_norm", "ffn_norm")
@@ -75,6 +77,20 @@ class SequenceSplit:
     def reduce_output(self, module: nn.Module, args: tuple, out: DTensor) -> Tensor:
         """The row-split layer's partial sums: reduce-scattered over T (split) or all-reduced."""
         return out.redistribute(self.mesh, [SEQ if self.active else Replicate()]).to_local()
+
+    # ---- MoE layers: not split by tensor parallelism, every rank of the group runs them whole
+    def gather_tokens(self, module: nn.Module, args: tuple) -> tuple | None:
+        """The whole sequence as a plain tensor: the layer runs on every token on every rank, so its
+        input gradient is whole on each (Replicate) and its parameters' gradients are equal."""
+        if not self.active:
+            return None
+        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]).to_local(), *args[1:])
+
+    def split_tokens(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
+        """This rank's positions of the layer's output (their gradients all-gathered in backward)."""
+        if not self.active:
+            return None
+        return self.from_local(out, False).redistribute(self.mesh, [SEQ]).to_local()
 
     # ---- norms: replicated weights, sharded or replicated inputs
     def norm_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -121,7 +137,12 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             if isinstance(block.drop, nn.Dropout):
                 block.drop = SplitDropout(block.drop.p, switch)
             for name in SUBLAYERS:
-                if (sub := getattr(block, name, None)) is not None:
+                if (sub := getattr(block, name, None)) is None:
+                    continue
+                if isinstance(sub, MoE):  # replicated in the group: whole tokens in, this rank's out
+                    sub.register_forward_pre_hook(switch.gather_tokens)
+                    sub.register_forward_hook(switch.split_tokens)
+                else:
                     sub.register_forward_pre_hook(switch.gather_input)
                     sub.register_forward_hook(switch.reduce_output)
             for name in NORMS:
