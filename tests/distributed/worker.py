@@ -12,6 +12,7 @@ Each scenario runs several checks and writes `OUT_DIR/<scenario>.rank<r>.json`; 
            resumed by 2 ranks (1 -> 2)
   resume2  the step-4 saves resumed in new processes and a new process group, to step 8; a 2-rank
            checkpoint and its full state left for the 1-process load on the pytest side (2 -> 1)
+  tensor, tensor2d  tensor (and sequence) parallelism vs one process (worker_tensor.py)
 """
 
 from __future__ import annotations
@@ -21,66 +22,25 @@ import gc
 import json
 import math
 import sys
-from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.tensor import DTensor
-from worker_common import full, moe_model_cfg
+from worker_common import B, Batch, T, full, global_batch, max_diff, moe_model_cfg, rank_part, step_args
 from worker_resume import resume1, resume2
+from worker_tensor import tensor, tensor2d
 
-from tformer.config import MoEConfig
 from tformer.distributed.env import init_distributed
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
 from tformer.model.moe import MoE
-from tformer.presets import tiny
 from tformer.tasks.lm import lm_loss_sum
 from tformer.train.config import OptimConfig, ParallelConfig
 from tformer.train.optim import make_optimizer
 from tformer.train.step import train_step
-
-B, T = 2, 8  # per-rank batch
-
-
-class Batch:
-    def __init__(self, ids, targets):
-        self.ids, self.targets = ids, targets
-
-
-def global_batch(world: int, step: int) -> Batch:
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 64, (world * B, T + 1), generator=g)
-    return Batch(ids[:, :-1], ids[:, 1:])
-
-
-def rank_part(batch: Batch, rank: int) -> Batch:
-    return Batch(batch.ids[rank * B : (rank + 1) * B], batch.targets[rank * B : (rank + 1) * B])
-
-
-def max_diff(model, ref, sliced: set[str], what: str) -> float:
-    worst = 0.0
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        mine = p.grad if what == "grad" else p.detach()
-        want = ref_params[name].grad if what == "grad" else ref_params[name].detach()
-        if mine is None:
-            mine = torch.zeros_like(p)
-        worst = max(worst, float((full(mine, name in sliced) - want).abs().max()))
-    return worst
-
-
-def step_args(model, optimizer, comm=None) -> list:
-    """train_step's arguments; [2] (the micro-batches) is filled in per step. Clipping at 0.05 is active."""
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = [model, lm_loss_sum, None, lambda b: int(b.targets.numel()), optimizer, sched, 0.05, nullcontext()]
-    return args + ([comm] if comm is not None else [])
 
 
 def parity(env, out_dir: Path, out: dict) -> None:
@@ -395,279 +355,6 @@ def nan_agreement(env, cfg, ocfg) -> dict:
     del par, model, opt, args
     return {"skipped_everywhere": int(flags) == env.world_size, "unchanged": unchanged,
             "global_window_tokens": window, "nonfinite_ranks": list(r.nonfinite_ranks)}  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------- tensor parallel
-def twins(cfg) -> list:
-    """Two models from the same seed: the one-process reference and the one to parallelize."""
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(build_model(cfg))
-    return models
-
-
-def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> dict:
-    """Gradients on batch 0, then two clipped AdamW steps, parallel vs reference. ref_batch(step): the
-    whole batch; own_batch(step): this rank's part, whose summed loss times own_scale is the gradient
-    of the whole batch's mean loss."""
-    ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
-    ref_args = step_args(ref, make_optimizer(ref, ocfg))
-    args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
-    loss, n = lm_loss_sum(ref, ref_batch(0))
-    (loss / n).backward()
-    loss, _ = lm_loss_sum(par.model, own_batch(0))
-    (loss * own_scale).backward()
-    grad_diff = max_diff(model, ref, set(), "grad")
-    # a DTensor gradient placed like its parameter (a Partial one would read whole in max_diff, but clip
-    # and step as this rank's partial sum)
-    placed = all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
-    ref.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    results = []
-    for step in range(2):
-        ref_args[2], args[2] = [ref_batch(step)], [own_batch(step)]
-        results.append((train_step(*ref_args), train_step(*args)))
-    return {
-        "grad_diff": grad_diff,
-        "grads_placed": placed,
-        "param_diff": max_diff(model, ref, set(), "param"),
-        "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
-        "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
-        "clipped": results[0][0].grad_norm > 0.05,
-        "targets": [b.targets for _, b in results],
-    }
-
-
-TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, tie_embeddings=False)  # head split
-
-
-def saved_bytes(model, batch) -> int:
-    """Bytes one forward keeps alive for backward on this rank: the storages of the saved tensors (a
-    DTensor's local piece), each counted once."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lm_loss_sum(model, batch)
-    return sum(seen.values())
-
-
-def sublayer_rows(block) -> list[int]:
-    """The sequence lengths the block's FFN hands back to the residual stream, one per forward."""
-    rows = []
-    block.ffn.register_forward_hook(lambda m, args, out: rows.append(out.shape[1]))
-    return rows
-
-
-def tensor(env, out_dir: Path, out: dict) -> None:
-    """Tensor parallelism over all ranks (data size 1: every rank sees the whole batch) vs one process,
-    without and with sequence parallelism: a decoder LM (with the trainer's step: clipping, AdamW; with
-    sequence parallelism also a length the group does not divide) and an encoder-decoder (gradients).
-    Every stacked q/k/v and gate/up GEMM is asked for (FUSE_MIN_ROWS 0, also under autograd): the
-    sharded layers must refuse it."""
-    from tformer.distributed.env import ProcessGroup
-    from tformer.generate import SamplingConfig
-    from tformer.generate.engine import generate
-    from tformer.model import linear
-
-    linear.FUSE_MIN_ROWS = 0
-    linear.FUSE_UNDER_AUTOGRAD = True
-    tp_env = ProcessGroup(owns_group=False, tensor=env.world_size)
-    whole = partial(global_batch, 1)
-    for sequence in (False, True):
-        key = "sequence_" if sequence else ""
-        plan = make_plan(ParallelConfig(tensor=env.world_size, sequence=sequence), env.world_size)
-        lengths = {"decoder": T, "decoder_odd": T - 1} if sequence else {"decoder": T}
-        for name, t in lengths.items():
-            ref, model = twins(tiny().replace(bias=True, **TP_CFG))
-            par = parallelize(model, plan, tp_env, torch.device("cpu"))
-            # greedy tokens (left-padded prompts, prefill lengths 4 and 5, 1-token steps), fast decoding paths
-            prompts, greedy = [[5, 6, 7, 8], [9, 10, 11]], SamplingConfig(temperature=0.0, max_new_tokens=4)
-            generated = [
-                generate(m, p, greedy) for m in (ref, par.model) for p in (prompts, [[5, 6, 7, 8, 9]])
-            ]
-            rows = sublayer_rows(model.blocks[0])
-            batch = lambda step, t=t: Batch(whole(step).ids[:, :t], whole(step).targets[:, :t])  # noqa: E731
-            d = compare_steps(ref, model, par, batch, batch, 1 / batch(0).targets.numel())
-            d["generated_same"] = generated[:2] == generated[2:]
-            q = model.blocks[0].attn.q_proj.weight
-            d["sharded"] = isinstance(q, DTensor) and tuple(q.to_local().shape) == (32 // env.world_size, 32)
-            head = model.lm_head.weight  # untied: split by vocabulary
-            d["head_split"] = isinstance(head, DTensor) and tuple(head.to_local().shape) == (
-                64 // env.world_size,
-                32,
-            )
-            d["rows"] = sorted(set(rows))
-            d["saved_bytes"] = saved_bytes(model, batch(0))
-            if sequence and name == "decoder":  # norms as replicated DTensors, the head split by vocabulary
-                d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir)
-            out[key + name] = d
-            del par, model, ref
-        out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
-        out[key + "dropout"] = tensor_dropout(plan, tp_env)
-        out[key + "moe"] = tensor_moe(plan, tp_env)
-    linear.FUSE_MIN_ROWS = 1024
-    gc.collect()
-
-
-def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
-    """The trained model through tformer's DCP checkpointer: loaded into a fresh parallel twin (weights equal
-    to the saved ones), and its whole weights dumped for the one-process load on the pytest side."""
-    from safetensors.torch import save_file
-
-    from tformer.distributed.checkpoint import DCPCheckpointer
-
-    run_dir = out_dir / "tp_sp_head"
-
-    def optimizer_and_schedule(m):
-        opt = torch.optim.AdamW(m.parameters())
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-
-    path = DCPCheckpointer(tp_env, 0).save(
-        run_dir, 2, par.model, *optimizer_and_schedule(model), {}, {}, None
-    )
-    _, fresh = twins(model.cfg)
-    fresh_par = parallelize(fresh, plan, tp_env, torch.device("cpu"))
-    DCPCheckpointer(tp_env, 0).load(path, fresh_par.model, *optimizer_and_schedule(fresh))
-    saved = {name: full(p.detach(), False) for name, p in model.named_parameters()}
-    loaded = dict(fresh.named_parameters())
-    equal = all(torch.equal(full(loaded[name].detach(), False), w) for name, w in saved.items())
-    if env.rank == 0:
-        save_file({k: v.contiguous() for k, v in saved.items()}, out_dir / "tp_sp_head.safetensors")
-    env.barrier()
-    return {"path": str(path), "reloaded_equal": equal}
-
-
-def tensor_moe(plan, tp_env) -> dict:
-    """A decoder with MoE layers (first layer dense, a shared expert, balance losses on): attention and the
-    dense FFN split, the MoE layers run whole by every rank of the group. Loss with the balance loss,
-    gradients, and the routing statistics (counted once, not once per rank of the group) vs one process."""
-    from tformer.distributed.parallelize import global_routing_stats
-    from tformer.model.moe import moe_aux_loss, moe_routing_stats
-
-    moe = MoEConfig(
-        n_experts=4, top_k=2, n_shared=1, first_dense=1, aux_loss_coef=0.01, seq_aux_loss_coef=0.01
-    )
-    ref, model = twins(tiny().replace(n_layers=2, moe=moe, **TP_CFG))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    rows = sublayer_rows(model.blocks[1])
-    batch = global_batch(1, 0)
-    losses = []
-    for m in (ref, par.model):
-        loss, n = lm_loss_sum(m, batch)
-        total = loss / n + moe_aux_loss(m)
-        total.backward()
-        losses.append(total.item())
-    want = moe_routing_stats(ref)
-    got = global_routing_stats(model, tp_env)  # the trainer's env: it knows the tensor-parallel degree
-    return {
-        "loss_diff": abs(losses[0] - losses[1]),
-        "grad_diff": max_diff(model, ref, set(), "grad"),
-        "stats_equal": all(
-            got[k]["load"] == want[k]["load"] and got[k]["assignments"] == want[k]["assignments"]
-            for k in want
-        ),  # fmt: skip
-        "rows": sorted(set(rows)),
-    }
-
-
-def tensor_dropout(plan, tp_env) -> dict:
-    """Residual dropout 0.1: losses and gradients vs one process drawing from the same seed, at a length
-    the group divides (a split sequence draws the whole mask, applies its part) and at one it does not."""
-    ref, model = twins(tiny().replace(dropout=0.1, **TP_CFG))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    rows = sublayer_rows(model.blocks[0])
-    out = {}
-    for t in (T, T - 1):
-        batch = global_batch(1, 0)
-        batch = Batch(batch.ids[:, :t], batch.targets[:, :t])
-        losses = []
-        for m in (ref, par.model):
-            torch.manual_seed(11)
-            loss, n = lm_loss_sum(m, batch)
-            (loss / n).backward()
-            losses.append((loss / n).item())
-        out[f"length_{t}"] = {
-            "loss_diff": abs(losses[0] - losses[1]),
-            "grad_diff": max_diff(model, ref, set(), "grad"),
-        }
-        ref.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-    ref.eval()  # the dropout is on: without it the loss differs
-    with torch.no_grad():
-        loss, n = lm_loss_sum(ref, batch)
-    out["dropped"] = abs(float(loss / n) - losses[0]) > 1e-4
-    out["rows"] = sorted(set(rows))
-    return out
-
-
-def tensor_encoder_decoder(plan, tp_env) -> dict:
-    """An encoder-decoder's gradients (source 10 tokens, one row padded; target 6) vs one process."""
-    from tformer.data.datasets import Seq2SeqBatch
-    from tformer.tasks.translation import seq2seq_loss_sum
-
-    ref, model = twins(tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
-    rows = {
-        "encoder": sublayer_rows(model.encoder.blocks[0]),
-        "decoder": sublayer_rows(model.decoder.blocks[0]),
-    }
-    g = torch.Generator().manual_seed(7)
-    src, tgt = torch.randint(3, 64, (4, 10), generator=g), torch.randint(3, 64, (4, 7), generator=g)
-    src_mask = torch.ones_like(src, dtype=torch.bool)
-    src_mask[1, 6:] = False
-    batch = Seq2SeqBatch(
-        src, src_mask, tgt[:, :-1], tgt[:, 1:], torch.ones_like(tgt[:, 1:], dtype=torch.bool)
-    )
-    for m in (ref, par.model):
-        loss, n = seq2seq_loss_sum(m, batch)
-        (loss / n).backward()
-    return {
-        "sharded": isinstance(model.decoder.blocks[0].cross_attn.k_proj.weight, DTensor),
-        "head_tied": model.lm_head.weight is model.tok_embed.weight
-        and type(model.lm_head.weight) is nn.Parameter,
-        "grad_diff": max_diff(model, ref, set(), "grad"),
-        "grads_placed": all(
-            p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor)
-        ),
-        "rows": {name: sorted(set(r)) for name, r in rows.items()},
-    }
-
-
-def tensor2d(env, out_dir: Path, out: dict) -> None:
-    """4 ranks as a (2 data x 2 tensor) mesh, FSDP2 over the data dimension: each data rank takes its
-    part of the batch; gradients, two clipped AdamW steps and the weights vs one process on the union."""
-    from tformer.distributed.env import ProcessGroup
-
-    tp_env = ProcessGroup(owns_group=False, tensor=2)
-    for sequence in (False, True):
-        plan = make_plan(ParallelConfig(tensor=2, data="fsdp", sequence=sequence), env.world_size)
-        ref, model = twins(tiny().replace(**TP_CFG))
-        par = parallelize(model, plan, tp_env, torch.device("cpu"))
-        rows = sublayer_rows(model.blocks[0])
-        dp = tp_env.data_world_size
-        whole = partial(global_batch, dp)
-        d = compare_steps(
-            ref,
-            model,
-            par,
-            whole,
-            lambda step, whole=whole: rank_part(whole(step), tp_env.data_rank),
-            dp / whole(0).targets.numel(),
-        )
-        q = model.blocks[0].attn.q_proj.weight
-        d |= {"mesh": list(q.device_mesh.shape) if isinstance(q, DTensor) else None,
-              "data_rank": tp_env.data_rank, "rows": sorted(set(rows)),
-              # split by vocabulary on the tensor dimension too (FSDP2 alone shards it on the data one)
-              "head_split": isinstance(model.lm_head.weight, DTensor) and model.lm_head.weight.device_mesh.ndim == 2}  # fmt: skip
-        out["fsdp_tp_sp" if sequence else "fsdp_tp"] = d
-        del par, model, ref
-        gc.collect()
 
 
 def main() -> int:
