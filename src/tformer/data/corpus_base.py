@@ -281,7 +281,8 @@ def decode_text(raw: bytes, name: str, warn: bool = False) -> str:
     except UnicodeDecodeError as e:
         utf8 = raw[bom:].decode("utf-8", errors="replace")
         bad = utf8.count("\ufffd")
-        if sum(ord(c) > 127 for c in utf8) - bad > bad:  # more valid multi-byte characters than bad bytes
+        non_ascii = len(utf8) - len(utf8.encode("ascii", "ignore"))
+        if non_ascii - bad > bad:  # more valid multi-byte characters than bad bytes
             # UTF-8 with a few stray bytes (cp1252 text hardly ever forms valid UTF-8 sequences): keep its
             # characters, each stray byte U+FFFD, rather than garble every one of them as cp1252
             if warn:

@@ -262,9 +262,9 @@ def global_routing_stats(model: nn.Module, env: Local) -> dict[str, dict]:
         return moe_routing_stats(model)
     copies = env.world_size // env.data_world_size  # a tensor-parallel group's ranks route the same tokens
 
-    def all_reduce(t: Tensor) -> None:
+    def all_reduce(t: Tensor) -> None:  # summed over the world, each token counted once
         env.all_reduce(t)
-        t.div_(copies, rounding_mode="floor") if not t.is_floating_point() else t.div_(copies)
+        t.div_(copies, rounding_mode=None if t.is_floating_point() else "floor")
 
     for _, layer in moe_layers(model):
         if layer.last_stats:

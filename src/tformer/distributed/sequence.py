@@ -51,20 +51,30 @@ class SequenceSplit:
     def from_local(self, x: Tensor, split: bool) -> DTensor:
         return DTensor.from_local(x, self.mesh, [SEQ if split else Replicate()], run_check=False)
 
-    # ---- stack boundaries: plain tensors in and out
+    def shard(self, x: Tensor) -> Tensor:
+        """This rank's positions of a whole (replicated) sequence; in backward, the gradients gathered."""
+        return self.from_local(x, False).redistribute(self.mesh, [SEQ]).to_local()
+
+    def whole(self, x: Tensor) -> Tensor:
+        """The whole sequence from this rank's positions, as a plain (replicated) tensor."""
+        return self.from_local(x, True).redistribute(self.mesh, [Replicate()]).to_local()
+
+    # ---- stack boundaries, and MoE layers (not split by tensor parallelism: every rank of the group
+    # runs them whole, so their input gradient is whole on each and their parameters' gradients equal)
     def split(self, module: nn.Module, args: tuple) -> tuple | None:
         """Forward pre-hook of the stack's first block: keep this rank's T / P positions."""
         x = args[0]
         self.active = x.shape[1] % self.mesh.size() == 0
-        if not self.active:
-            return None
-        return (self.from_local(x, False).redistribute(self.mesh, [SEQ]).to_local(), *args[1:])
+        return (self.shard(x), *args[1:]) if self.active else None
 
     def gather(self, module: nn.Module, args: tuple) -> tuple | None:
-        """Forward pre-hook of the stack's final norm (or its identity, Post-Norm): the whole sequence."""
-        if not self.active:
-            return None
-        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]).to_local(), *args[1:])
+        """Forward pre-hook of the stack's final norm (or its identity, Post-Norm) and of an MoE layer:
+        the whole sequence."""
+        return (self.whole(args[0]), *args[1:]) if self.active else None
+
+    def split_output(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
+        """Forward hook of an MoE layer: this rank's positions of its output."""
+        return self.shard(out) if self.active else None
 
     # ---- sublayers: attention, cross-attention, FFN
     def gather_input(self, module: nn.Module, args: tuple) -> tuple | None:
@@ -77,20 +87,6 @@ class SequenceSplit:
     def reduce_output(self, module: nn.Module, args: tuple, out: DTensor) -> Tensor:
         """The row-split layer's partial sums: reduce-scattered over T (split) or all-reduced."""
         return out.redistribute(self.mesh, [SEQ if self.active else Replicate()]).to_local()
-
-    # ---- MoE layers: not split by tensor parallelism, every rank of the group runs them whole
-    def gather_tokens(self, module: nn.Module, args: tuple) -> tuple | None:
-        """The whole sequence as a plain tensor: the layer runs on every token on every rank, so its
-        input gradient is whole on each (Replicate) and its parameters' gradients are equal."""
-        if not self.active:
-            return None
-        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]).to_local(), *args[1:])
-
-    def split_tokens(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
-        """This rank's positions of the layer's output (their gradients all-gathered in backward)."""
-        if not self.active:
-            return None
-        return self.from_local(out, False).redistribute(self.mesh, [SEQ]).to_local()
 
     # ---- norms: replicated weights, sharded or replicated inputs
     def norm_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -140,8 +136,8 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
                 if (sub := getattr(block, name, None)) is None:
                     continue
                 if isinstance(sub, MoE):  # replicated in the group: whole tokens in, this rank's out
-                    sub.register_forward_pre_hook(switch.gather_tokens)
-                    sub.register_forward_hook(switch.split_tokens)
+                    sub.register_forward_pre_hook(switch.gather)
+                    sub.register_forward_hook(switch.split_output)
                 else:
                     sub.register_forward_pre_hook(switch.gather_input)
                     sub.register_forward_hook(switch.reduce_output)

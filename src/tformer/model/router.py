@@ -150,16 +150,26 @@ def probabilities(scores: Tensor) -> Tensor:
     return scores / scores.sum(-1, keepdim=True)
 
 
-def _balance(probs: Tensor, idx: Tensor) -> Tensor:
-    """E * sum_i f_i P_i in each of G groups of tokens, averaged. probs (G, T, E), idx (G, T, K)."""
-    g, t, k = idx.shape
-    e = probs.shape[-1]
-    ones = torch.ones(g, t * k, dtype=probs.dtype, device=probs.device)
-    counts = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).scatter_add_(
-        1, idx.view(g, t * k), ones
-    )
-    f = counts / (t * k)  # (G, E) share of the group's assignments
-    p = probs.mean(1)  # (G, E) mean router probability
+class Segments(NamedTuple):
+    """Which sequence each of N tokens comes from, when the sequences hold different numbers of them
+    (padding left out): `ids` (N,) in [0, count)."""
+
+    ids: Tensor
+    count: int
+
+
+def _balance(probs: Tensor, idx: Tensor, groups: Segments) -> Tensor:
+    """E * sum_i f_i P_i within each group of tokens, averaged over the groups that hold a token.
+    probs (N, E), idx (N, K); f_i: the group's share of assignments to i, P_i: its mean probability."""
+    (seg, g), e, k = groups, probs.shape[-1], idx.shape[-1]
+    tokens = torch.bincount(seg, minlength=g).to(probs.dtype)  # (G,)
+    ones = torch.ones(idx.numel(), dtype=probs.dtype, device=probs.device)
+    counts = torch.zeros(g * e, dtype=probs.dtype, device=probs.device)
+    counts.index_add_(0, (seg[:, None] * e + idx).flatten(), ones)  # (G * E,) assignments per group, expert
+    p_sum = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).index_add_(0, seg, probs)
+    present = tokens > 0
+    f = counts.view(g, e)[present] / (tokens[present, None] * k)  # (G', E) share of the group's assignments
+    p = p_sum[present] / tokens[present, None]  # (G', E) mean router probability
     return e * (f * p).sum(-1).mean()
 
 
@@ -170,35 +180,17 @@ def load_balance_loss(probs: Tensor, idx: Tensor) -> Tensor:
     Switch's N * sum f_i P_i with f counted per assignment, so it is 1 at uniform routing and E / K
     when every token goes to the same K experts; DeepSeekMoE's f'_i = E f_i gives the same value.
     """
-    return _balance(probs[None], idx[None])
-
-
-class Segments(NamedTuple):
-    """Which sequence each of N tokens comes from, when the sequences hold different numbers of them
-    (padding left out): `ids` (N,) in [0, count)."""
-
-    ids: Tensor
-    count: int
+    return _balance(probs, idx, Segments(torch.zeros(len(probs), dtype=torch.long, device=probs.device), 1))
 
 
 def seq_balance_loss(probs: Tensor, idx: Tensor, groups: int | Segments) -> Tensor:
     """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` within each sequence, averaged over
     the sequences (groups: B sequences of N / B tokens each, in order, or `Segments`; a sequence with
     no token is left out)."""
-    n, e = probs.shape
     if isinstance(groups, int):
-        return _balance(probs.view(groups, n // groups, e), idx.view(groups, n // groups, -1))
-    seg, g = groups
-    k = idx.shape[-1]
-    tokens = torch.bincount(seg, minlength=g).to(probs.dtype)  # (G,)
-    counts = torch.zeros(g * e, dtype=probs.dtype, device=probs.device)
-    counts.index_add_(0, (seg[:, None] * e + idx).flatten(), torch.ones(idx.numel(), dtype=probs.dtype,
-                                                                        device=probs.device))  # fmt: skip
-    p_sum = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).index_add_(0, seg, probs)
-    present = tokens > 0
-    f = counts.view(g, e)[present] / (tokens[present, None] * k)  # (G', E) share of the group's assignments
-    p = p_sum[present] / tokens[present, None]  # (G', E) mean router probability
-    return e * (f * p).sum(-1).mean()
+        n = len(probs)
+        groups = Segments(torch.arange(n, device=probs.device) // (n // groups), groups)
+    return _balance(probs, idx, groups)
 
 
 def device_balance_loss(probs: Tensor, idx: Tensor, n_devices: int) -> Tensor:
