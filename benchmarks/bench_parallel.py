@@ -7,14 +7,17 @@ Run under torchrun (each rank one thread: 2 ranks fill a 2-core machine):
 
 Every variant is the same dense Pre-Norm RoPE SwiGLU decoder LM (`llama_like`, the shape of
 bench_lm.py's dense model unless --quick), built from one seed and split over all ranks as one
-tensor-parallel group (`parallel.tensor=W`); the second adds `parallel.sequence=true`; the third is the
-first with the LM head left whole on every rank (the plan without its "gather" style), as it was
-before the head was split by vocabulary. Measured on each rank, in one process group, round-robin
-(harness.py):
+tensor-parallel group (`parallel.tensor=W`), its LM head split by vocabulary and the loss computed
+from the split logits inside the trainer's micro-batch context, as `tformer train` does; the second
+adds `parallel.sequence=true`; the third computes the loss from whole logits (the head's output
+all-gathered, as outside a training step and as the trainer did before 2026-12-01 afternoon); the
+fourth leaves the head whole on every rank (the plan without its "vocab" style), as it was before the
+head was split. The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
+target count. Measured on each rank, in one process group, round-robin (harness.py):
 
-  saved bytes   what one forward keeps for backward on this rank (`saved_tensors_hooks`; a DTensor
-                counts its local piece), split into parameters and everything else (activations)
-  step time     forward, cross-entropy, backward, AdamW, zero_grad; paired median ratio to plain TP
+  saved bytes   what one forward and its loss keep for backward on this rank (`saved_tensors_hooks`; a
+                DTensor counts its local piece), split into parameters and everything else (activations)
+  step time     forward, loss, backward, AdamW, zero_grad; paired median ratio to plain TP
 
 The first loss of every variant is printed: they compute the same model. Time over gloo on a CPU says
 little about NCCL on GPUs; the activation bytes are what sequence parallelism is for and carry over.
@@ -24,14 +27,15 @@ The load line counts this job's other ranks as foreign CPU (2 ranks on 2 cores: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +46,7 @@ from tformer.distributed.parallelize import parallelize  # noqa: E402
 from tformer.distributed.plans import make_plan  # noqa: E402
 from tformer.model import build_model  # noqa: E402
 from tformer.presets import llama_like  # noqa: E402
+from tformer.tasks.losses import cross_entropy_sum  # noqa: E402
 from tformer.train.config import OptimConfig, ParallelConfig  # noqa: E402
 from tformer.train.optim import make_optimizer  # noqa: E402
 
@@ -53,9 +58,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def saved_bytes(model, ids, targets) -> dict[str, int]:
-    """Bytes one forward keeps alive for backward on this rank: the storages of the saved tensors, each
-    counted once (q/k/v save one input), split into parameters and the rest."""
+SMOOTHING = 0.1
+
+
+def loss(model, ids, targets):
+    total, count = cross_entropy_sum(model(ids), targets, SMOOTHING)
+    return total / count
+
+
+def saved_bytes(model, ids, targets, context) -> dict[str, int]:
+    """Bytes one forward and its loss keep alive for backward on this rank: the storages of the saved
+    tensors, each counted once (q/k/v save one input), split into parameters and the rest."""
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
     total = {"parameters": 0, "activations": 0}
@@ -67,9 +80,8 @@ def saved_bytes(model, ids, targets) -> dict[str, int]:
             total["parameters" if storage.data_ptr() in params else "activations"] += storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(ids)
-        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
+        loss(model, ids, targets)
     return total
 
 
@@ -91,24 +103,27 @@ def main() -> None:
     ids, targets = ids[:, :-1], ids[:, 1:]
     steps, memory, first_loss = {}, {}, {}
     plain = make_plan(ParallelConfig(tensor=world), world)
-    whole_head = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if s[1] != "gather"))
-    plans = {
-        "tensor parallel": plain,
-        "+ sequence parallel": make_plan(ParallelConfig(tensor=world, sequence=True), world),
-        "TP, head not split": whole_head,
+    whole_head = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if s[1] != "vocab"))
+    variants = {  # name: (plan, the loss reads split logits)
+        "tensor parallel": (plain, True),
+        "+ sequence parallel": (make_plan(ParallelConfig(tensor=world, sequence=True), world), True),
+        "TP, loss from whole logits": (plain, False),
+        "TP, head not split": (whole_head, False),
     }
-    for name, plan in plans.items():
+    for name, (plan, split) in variants.items():
         torch.manual_seed(0)
         model = build_model(cfg)
         par = parallelize(model, plan, env, torch.device("cpu"))
         optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
-        memory[name] = saved_bytes(par.model, ids, targets)
-        with torch.no_grad():
-            first_loss[name] = float(F.cross_entropy(par.model(ids).flatten(0, 1), targets.flatten()))
+        # the trainer's micro-batch context: a vocabulary-split head keeps its logits split within
+        context = partial(par.comm.micro_batch, par.model, True) if split else contextlib.nullcontext
+        memory[name] = saved_bytes(par.model, ids, targets, context)
+        with torch.no_grad(), context():
+            first_loss[name] = float(loss(par.model, ids, targets))
 
-        def step(model=par.model, optimizer=optimizer) -> None:
-            loss = F.cross_entropy(model(ids).flatten(0, 1).float(), targets.flatten())
-            loss.backward()
+        def step(model=par.model, optimizer=optimizer, context=context) -> None:
+            with context():
+                loss(model, ids, targets).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -83,7 +83,7 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         "blocks.2.ffn.gate_proj": "colwise",
         "blocks.2.ffn.up_proj": "colwise",
         "blocks.2.ffn.down_proj": "rowwise",
-        "lm_head": "gather",  # split by vocabulary, logits gathered (left whole where tied)
+        "lm_head": "vocab",  # split by vocabulary (left whole where tied)
         "decoder.lm_head": None,
         "blocks.2.ffn.experts": None,
         "blocks.0.attn": None,

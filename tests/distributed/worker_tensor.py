@@ -3,6 +3,7 @@ decoder LM, encoder-decoder, dropout, MoE, a DCP round trip) and `tensor2d` (4 r
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from functools import partial
 from pathlib import Path
@@ -40,21 +41,28 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
     ref_args = step_args(ref, make_optimizer(ref, ocfg))
     args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
-    loss, n = lm_loss_sum(ref, ref_batch(0))
+    ref_args[1] = args[1] = partial(lm_loss_sum, label_smoothing=0.1)  # the steps train with smoothing
+    loss, n = lm_loss_sum(ref, ref_batch(0), label_smoothing=0.1)
     (loss / n).backward()
-    loss, _ = lm_loss_sum(par.model, own_batch(0))
-    (loss * own_scale).backward()
-    grad_diff = max_diff(model, ref, set(), "grad")
-    # a DTensor gradient placed like its parameter (a Partial one would read whole in max_diff, but clip
-    # and step as this rank's partial sum)
-    placed = all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
+    grad_diff, placed = [], True  # from the gathered logits (a forward outside the trainer), then split
+    for context in (contextlib.nullcontext(), par.comm.micro_batch(par.model, last=True)):
+        with context:
+            loss, _ = lm_loss_sum(par.model, own_batch(0), label_smoothing=0.1)
+        (loss * own_scale).backward()
+        grad_diff.append(max_diff(model, ref, set(), "grad"))
+        # a DTensor gradient placed like its parameter (a Partial one would read whole in max_diff, but
+        # clip and step as this rank's partial sum)
+        placed &= all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
+        model.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    results = []
+    results, logits = [], set()  # the logits the loss read inside the steps: split by vocabulary
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: logits.add(type(out).__name__))
     for step in range(2):
         ref_args[2], args[2] = [ref_batch(step)], [own_batch(step)]
         results.append((train_step(*ref_args), train_step(*args)))
+    hook.remove()
     return {
+        "step_logits": sorted(logits),
         "grad_diff": grad_diff,
         "grads_placed": placed,
         "param_diff": max_diff(model, ref, set(), "param"),
@@ -68,9 +76,9 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
 TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, tie_embeddings=False)  # head split
 
 
-def saved_bytes(model, batch) -> int:
-    """Bytes one forward keeps alive for backward on this rank: the storages of the saved tensors (a
-    DTensor's local piece), each counted once."""
+def saved_bytes(model, batch, context=contextlib.nullcontext) -> int:
+    """Bytes one forward and its loss keep alive for backward on this rank (within `context`): the
+    storages of the saved tensors (a DTensor's local piece), each counted once."""
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -78,7 +86,7 @@ def saved_bytes(model, batch) -> int:
         seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
         lm_loss_sum(model, batch)
     return sum(seen.values())
 
@@ -130,15 +138,56 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             )
             d["rows"] = sorted(set(rows))
             d["saved_bytes"] = saved_bytes(model, batch(0))
+            # a training micro-batch: the loss reads the logits split, each rank keeps its softmax part
+            d["saved_bytes_step"] = saved_bytes(model, batch(0), partial(par.comm.micro_batch, model, True))
             if sequence and name == "decoder":  # norms as replicated DTensors, the head split by vocabulary
                 d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir)
             out[key + name] = d
             del par, model, ref
         out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
+        out[key + "encoder_decoder_untied"] = tensor_encoder_decoder(plan, tp_env, tie_embeddings=False)
         out[key + "dropout"] = tensor_dropout(plan, tp_env)
         out[key + "moe"] = tensor_moe(plan, tp_env)
+    out["vocab_loss"] = vocab_loss(env)
     linear.FUSE_MIN_ROWS = 1024
     gc.collect()
+
+
+def vocab_loss(env) -> dict:
+    """The vocabulary-parallel cross-entropy vs F.cross_entropy (summed) on the whole logits: 63 entries
+    (pieces of 32 and 31 on 2 ranks), targets in both pieces and ignored ones, with and without label
+    smoothing, fp32 and bf16 logits: the loss and the gradient of the logits; and every target ignored."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tformer.data.datasets import IGNORE_INDEX
+    from tformer.distributed.vocab import vocab_parallel_cross_entropy
+
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randn(2, 9, 63, generator=g) * 3  # the same on every rank
+    targets = torch.randint(0, 63, (2, 9), generator=g)
+    targets[0, :3] = IGNORE_INDEX
+    out = {"loss_diff": 0.0, "grad_diff": 0.0}
+    for dtype in (torch.float32, torch.bfloat16):
+        for eps in (0.0, 0.1):
+            ref = whole.to(dtype).clone().requires_grad_()
+            want = F.cross_entropy(ref.float().flatten(0, 1), targets.flatten(), reduction="sum",
+                                   ignore_index=IGNORE_INDEX, label_smoothing=eps)  # fmt: skip
+            want.backward()
+            split = distribute_tensor(whole.to(dtype), mesh, [Shard(-1)]).requires_grad_()
+            got = vocab_parallel_cross_entropy(split, targets, eps, IGNORE_INDEX)
+            got.backward()
+            out["loss_diff"] = max(out["loss_diff"], abs(float(got) - float(want)) / float(want))
+            grad = split.grad.full_tensor().float() - ref.grad.float()
+            out["grad_diff"] = max(out["grad_diff"], float(grad.abs().max()))
+    split = distribute_tensor(whole, mesh, [Shard(-1)]).requires_grad_()
+    nothing = vocab_parallel_cross_entropy(split, torch.full_like(targets, IGNORE_INDEX), 0.1, IGNORE_INDEX)
+    nothing.backward()
+    out["all_ignored"] = [float(nothing), float(split.grad.full_tensor().abs().max())]
+    out["pieces"] = [split.to_local().shape[-1]]
+    return out
 
 
 def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
@@ -232,12 +281,14 @@ def tensor_dropout(plan, tp_env) -> dict:
     return out
 
 
-def tensor_encoder_decoder(plan, tp_env) -> dict:
-    """An encoder-decoder's gradients (source 10 tokens, one row padded; target 6) vs one process."""
+def tensor_encoder_decoder(plan, tp_env, tie_embeddings: bool = True) -> dict:
+    """An encoder-decoder's gradients (source 10 tokens, one row padded; target 6) vs one process; untied,
+    its head split by vocabulary and the loss computed from the split logits, with label smoothing."""
     from tformer.data.datasets import Seq2SeqBatch
     from tformer.tasks.translation import seq2seq_loss_sum
 
-    ref, model = twins(tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64))
+    cfg = tiny("encoder_decoder").replace(d_model=32, d_ff=64, n_heads=2, vocab_size=64)
+    ref, model = twins(cfg.replace(tie_embeddings=tie_embeddings))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
     rows = {
         "encoder": sublayer_rows(model.encoder.blocks[0]),
@@ -250,10 +301,12 @@ def tensor_encoder_decoder(plan, tp_env) -> dict:
     batch = Seq2SeqBatch(
         src, src_mask, tgt[:, :-1], tgt[:, 1:], torch.ones_like(tgt[:, 1:], dtype=torch.bool)
     )
-    for m in (ref, par.model):
-        loss, n = seq2seq_loss_sum(m, batch)
+    for m, context in ((ref, contextlib.nullcontext()), (par.model, par.comm.micro_batch(par.model, True))):
+        with context:
+            loss, n = seq2seq_loss_sum(m, batch, label_smoothing=0.1)
         (loss / n).backward()
     return {
+        "head_split": isinstance(model.lm_head.weight, DTensor),
         "sharded": isinstance(model.decoder.blocks[0].cross_attn.k_proj.weight, DTensor),
         "head_tied": model.lm_head.weight is model.tok_embed.weight
         and type(model.lm_head.weight) is nn.Parameter,

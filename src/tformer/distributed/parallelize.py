@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
 from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.distributed.sequence import apply_sequence_parallel
+from tformer.distributed.vocab import LogitSplit, split_head
 from tformer.model.moe import moe_layers, moe_routing_stats
 from tformer.schema import ConfigError
 from tformer.train.step import LOCAL, Collectives
@@ -38,9 +39,17 @@ from tformer.train.step import LOCAL, Collectives
 class ProcessCollectives:
     """Collectives of one step over the default process group."""
 
-    def __init__(self, env: Local, device: torch.device, rank_local: set[int], data_group=None) -> None:
+    def __init__(
+        self,
+        env: Local,
+        device: torch.device,
+        rank_local: set[int],
+        data_group=None,
+        logits: LogitSplit | None = None,
+    ) -> None:
         self.env, self.device, self.rank_local = env, device, rank_local
         self.data_group = data_group  # sums over the data-parallel ranks (None: all ranks)
+        self.logits = logits  # the LM head split by vocabulary (tensor parallelism), or None
         self.loss_scale = float(env.data_world_size)
 
     def sum(self, value: float) -> float:
@@ -65,11 +74,11 @@ class ProcessCollectives:
         """DDP all-reduces the gradients once per step, after the last micro-batch's backward (the
         earlier ones accumulate locally). FSDP2 reduce-scatters after every micro-batch on purpose: its
         gradients then stay sharded, where deferring would hold whole unsharded gradients between
-        micro-batches."""
+        micro-batches. A head split by vocabulary keeps its logits split for the loss within."""
         ddp = getattr(model, "_orig_mod", model)  # under torch.compile: the module it compiled
         if not last and isinstance(ddp, DistributedDataParallel):
             return ddp.no_sync()
-        return contextlib.nullcontext()
+        return self.logits.keep() if self.logits is not None else contextlib.nullcontext()
 
     def grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         """Global L2 norm over replicated (DDP, tensor-parallel groups), sharded (FSDP2 / tensor-parallel
@@ -160,12 +169,12 @@ def parallelize_tensor(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
     set_mesh_timeout(mesh, env)
-    apply_tensor_parallel(model, plan, mesh["tensor"])
+    logits = apply_tensor_parallel(model, plan, mesh["tensor"])
     data_group = None
     if plan.data == "fsdp":
         apply_fsdp(model, plan, mesh["data"], set())
         data_group = mesh["data"].get_group()
-    return Parallelized(model, ProcessCollectives(env, device, set(), data_group), mesh)
+    return Parallelized(model, ProcessCollectives(env, device, set(), data_group, logits), mesh)
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
@@ -186,30 +195,31 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
             raise ConfigError(f"parallel.tensor={degree} must divide {name}={value}")
 
 
-def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> LogitSplit | None:
     """Column-split q/k/v and the FFN's input layers, row-split o and the FFN's output layer (activations
-    between them stay local to each rank; one all-reduce after each pair). With plan.sequence the
+    between them stay local to each rank; one all-reduce after each pair), and the LM head by vocabulary
+    (tformer.distributed.vocab: returns its switch, None where no head is split). With plan.sequence the
     residual stream between them is split over the sequence as well (tformer.distributed.sequence)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        "gather": partial(ColwiseParallel, output_layouts=Replicate()),  # vocabulary split, logits gathered
-    }
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if plan.sequence:  # row-split outputs stay partial sums: sequence.py reduce-scatters or all-reduces them
         styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
     tied = shared_weights(model)  # splitting one user of a shared weight would untie it: both stay whole
-    layout = {
-        name: styles[style]()
+    chosen = {
+        name: (style, module)
         for name, module in model.named_modules()
         if (style := plan.tp_style(name)) and id(getattr(module, "weight", None)) not in tied
     }
-    if not layout:
+    if not chosen:
         raise ConfigError("parallel.tensor > 1, but the model has no layer that tensor parallelism splits")
-    parallelize_module(model, mesh, layout)
+    parallelize_module(
+        model, mesh, {name: styles[style]() for name, (style, _) in chosen.items() if style in styles}
+    )
+    heads = [split_head(module, mesh) for style, module in chosen.values() if style == "vocab"]
     if plan.sequence:
         apply_sequence_parallel(model, mesh)
+    return heads[0] if heads else None
 
 
 def shared_weights(model: nn.Module) -> set[int]:

@@ -6,10 +6,11 @@ The model code stays single-device. A plan names module paths and buffers; `para
                 unit (`fully_shard`), the root takes what is left (embeddings, final norm, head)
   expert_parallel  split every MoE layer's experts over all ranks (tformer.distributed.expert_parallel)
   param_dtype   FSDP2 mixed precision: the dtype units compute in (None: the parameters' own)
-  tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" / "gather"
+  tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" / "vocab"
                 (Megatron: q/k/v and the FFN's input layers split by output features, o and the FFN's
                 output layer by input features, so a block needs one all-reduce after attention and one
-                after the FFN; the LM head split by vocabulary, its logits all-gathered)
+                after the FFN; the LM head split by vocabulary: its logits all-gathered, except for a training
+                step's loss, which reads them split, tformer.distributed.vocab)
   sequence      sequence parallelism inside each tensor-parallel group: the residual stream, norms and
                 dropout between those layers split over the sequence (tformer.distributed.sequence)
 Rank-local state (never averaged, never broadcast, saved per rank): buffers named by RANK_LOCAL.
@@ -34,14 +35,14 @@ RANK_LOCAL: tuple[str, ...] = ("router.tokens_per_expert", "router.window_tokens
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 # tensor parallelism: which linear layers are split, and how (self- and cross-attention, dense FFNs, the
-# LM head: "gather" splits the vocabulary and all-gathers the logits; a head tied to the embedding stays
+# LM head: "vocab" splits the vocabulary, tformer.distributed.vocab; a head tied to the embedding stays
 # whole)
 TP_STYLES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)(attn|cross_attn)\.(q_proj|k_proj|v_proj)$", "colwise"),
     (r"(^|\.)(attn|cross_attn)\.o_proj$", "rowwise"),
     (r"(^|\.)ffn\.(gate_proj|up_proj)$", "colwise"),
     (r"(^|\.)ffn\.down_proj$", "rowwise"),
-    (r"^lm_head$", "gather"),
+    (r"^lm_head$", "vocab"),
 )
 
 

@@ -4,9 +4,13 @@ Targets are checked on the host first (`check_targets`): an id outside the model
 ValueError naming it, where torch's cross-entropy says only "Target 64 is out of bounds" on the CPU
 and asserts on a GPU. Positions holding IGNORE_INDEX add nothing; a batch where every target is
 ignored sums to 0 over 0 targets (the trainer divides by max(1, count), so its loss is 0, not NaN).
+Under tensor parallelism a training step hands over logits split by vocabulary (a DTensor), and the
+loss is computed from the pieces (tformer.distributed.vocab).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,6 +26,11 @@ def cross_entropy_sum(
 
     logits (..., C) and targets (...) of the same leading shape; computed in fp32."""
     check_targets(targets, logits.shape[-1], name, ignore_index=IGNORE_INDEX)
+    count = int((targets != IGNORE_INDEX).sum())
+    if vocab_split(logits):  # a training step under tensor parallelism: logits split by vocabulary
+        from tformer.distributed.vocab import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets, label_smoothing, IGNORE_INDEX), count
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         targets.reshape(-1),
@@ -29,4 +38,11 @@ def cross_entropy_sum(
         ignore_index=IGNORE_INDEX,
         label_smoothing=label_smoothing,
     )
-    return loss, int((targets != IGNORE_INDEX).sum())
+    return loss, count
+
+
+def vocab_split(logits: Tensor) -> bool:
+    """A DTensor (only possible once torch.distributed.tensor is imported): the logits of a head split by
+    vocabulary, kept split for the loss (tformer.distributed.vocab)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(logits, dtensor.DTensor)
