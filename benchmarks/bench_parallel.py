@@ -9,9 +9,11 @@ Every variant is the same dense Pre-Norm RoPE SwiGLU decoder LM (`llama_like`, t
 bench_lm.py's dense model unless --quick), built from one seed and split over all ranks as one
 tensor-parallel group (`parallel.tensor=W`), its LM head split by vocabulary and the loss computed
 from the split logits inside the trainer's micro-batch context, as `tformer train` does; the second
-adds `parallel.sequence=true`; the third computes the loss from whole logits (the head's output
+adds `parallel.sequence=true`; the third is the second with the sublayers' gathered inputs kept whole
+for backward (`sequence.KEEP_GATHERED`, as before 2026-12-01 afternoon; by default each rank keeps its
+positions and gathers them again in backward); the fourth computes the loss from whole logits (the head's output
 all-gathered, as outside a training step and as the trainer did before 2026-12-01 afternoon); the
-fourth leaves the head whole on every rank (the plan without its "vocab" style), as it was before the
+fifth leaves the head whole on every rank (the plan without its "vocab" style), as it was before the
 head was split. The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
 target count. Measured on each rank, in one process group, round-robin (harness.py):
 
@@ -41,6 +43,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
 
+from tformer.distributed import sequence  # noqa: E402
 from tformer.distributed.env import init_distributed  # noqa: E402
 from tformer.distributed.parallelize import parallelize  # noqa: E402
 from tformer.distributed.plans import make_plan  # noqa: E402
@@ -104,16 +107,20 @@ def main() -> None:
     steps, memory, first_loss = {}, {}, {}
     plain = make_plan(ParallelConfig(tensor=world), world)
     whole_head = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if s[1] != "vocab"))
-    variants = {  # name: (plan, the loss reads split logits)
-        "tensor parallel": (plain, True),
-        "+ sequence parallel": (make_plan(ParallelConfig(tensor=world, sequence=True), world), True),
-        "TP, loss from whole logits": (plain, False),
-        "TP, head not split": (whole_head, False),
+    sp = make_plan(ParallelConfig(tensor=world, sequence=True), world)
+    variants = {  # name: (plan, the loss reads split logits, sequence.KEEP_GATHERED)
+        "tensor parallel": (plain, True, False),
+        "+ sequence parallel": (sp, True, False),
+        "SP, gathered inputs kept": (sp, True, True),
+        "TP, loss from whole logits": (plain, False, False),
+        "TP, head not split": (whole_head, False, False),
     }
-    for name, (plan, split) in variants.items():
+    for name, (plan, split, keep) in variants.items():
         torch.manual_seed(0)
         model = build_model(cfg)
+        sequence.KEEP_GATHERED = keep
         par = parallelize(model, plan, env, torch.device("cpu"))
+        sequence.KEEP_GATHERED = False
         optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
         # the trainer's micro-batch context: a vocabulary-split head keeps its logits split within
         context = partial(par.comm.micro_batch, par.model, True) if split else contextlib.nullcontext

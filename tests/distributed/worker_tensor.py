@@ -142,11 +142,18 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             d["saved_bytes_step"] = saved_bytes(model, batch(0), partial(par.comm.micro_batch, model, True))
             if sequence and name == "decoder":  # norms as replicated DTensors, the head split by vocabulary
                 d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir)
+                d["saved_bytes_kept"] = kept_gathered_bytes(plan, tp_env, batch(0))
+                # two gathered inputs per block (attention's, the FFN's), (B, T, D) fp32, each kept as a half
+                gathered = batch(0).ids.numel() * model.cfg.d_model * 4
+                d["regathered_saving"] = (
+                    model.cfg.n_layers * 2 * gathered * (env.world_size - 1) // env.world_size
+                )
             out[key + name] = d
             del par, model, ref
         out[key + "encoder_decoder"] = tensor_encoder_decoder(plan, tp_env)
         out[key + "encoder_decoder_untied"] = tensor_encoder_decoder(plan, tp_env, tie_embeddings=False)
         out[key + "dropout"] = tensor_dropout(plan, tp_env)
+        out[key + "autocast"] = tensor_autocast(plan, tp_env)
         out[key + "moe"] = tensor_moe(plan, tp_env)
     out["vocab_loss"] = vocab_loss(env)
     linear.FUSE_MIN_ROWS = 1024
@@ -188,6 +195,20 @@ def vocab_loss(env) -> dict:
     out["all_ignored"] = [float(nothing), float(split.grad.full_tensor().abs().max())]
     out["pieces"] = [split.to_local().shape[-1]]
     return out
+
+
+def kept_gathered_bytes(plan, tp_env, batch) -> int:
+    """saved_bytes of the sequence-parallel decoder whose sublayers keep their gathered inputs whole
+    (the slow twin of gathering them again in backward)."""
+    from tformer.distributed import sequence
+
+    sequence.KEEP_GATHERED = True
+    try:
+        _, model = twins(tiny().replace(bias=True, **TP_CFG))
+        parallelize(model, plan, tp_env, torch.device("cpu"))
+    finally:
+        sequence.KEEP_GATHERED = False
+    return saved_bytes(model, batch)
 
 
 def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
@@ -249,6 +270,21 @@ def tensor_moe(plan, tp_env) -> dict:
         ),  # fmt: skip
         "rows": sorted(set(rows)),
     }
+
+
+def tensor_autocast(plan, tp_env) -> dict:
+    """Under bf16 autocast (with sequence parallelism each sublayer's input is cast before its gather):
+    loss and gradients vs one process under autocast, relative to the largest gradient."""
+    ref, model = twins(tiny().replace(**TP_CFG))
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    batch, losses = global_batch(1, 0), []
+    for m in (ref, par.model):
+        with torch.autocast("cpu", torch.bfloat16):
+            loss, n = lm_loss_sum(m, batch)
+        (loss / n).backward()
+        losses.append(float(loss / n))
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+    return {"loss_diff": abs(losses[0] - losses[1]), "grad_diff": max_diff(model, ref, set(), "grad") / scale}
 
 
 def tensor_dropout(plan, tp_env) -> dict:

@@ -18,6 +18,14 @@ reduce-scatter) and the norms' weights are replicated DTensors whose gradients, 
 sums, are summed over the group once backward has accumulated them (by `replicate_grad`; under FSDP2,
 which replaces the parameters, by FSDP2 when it reduces them).
 
+The column-split layers' weight gradients need their gathered input in backward. Kept whole, it would
+cost every rank the (B, T, D) that sequence parallelism set out to split; instead (as Megatron-LM does)
+backward keeps this rank's T / P positions of it and all-gathers them again when the first of the
+layers reading it runs its backward (`Regathered`, through saved-tensor hooks active during each
+sublayer's forward): one more all-gather per sublayer in backward for (P - 1) / P of that memory.
+`KEEP_GATHERED = True` keeps them whole (the slow twin the tests compare against). Under autocast a
+sublayer's input is cast before the gather, so the gathered tensor is the one the layers read and save.
+
 The split is decided per forward and per stack from the sequence length: a length the group size does
 not divide (a translation batch of odd length, a decoding step of one token) runs that forward as plain
 tensor parallelism, with the same result. Residual dropout draws the whole sequence's mask and applies
@@ -27,26 +35,65 @@ without dropout, are tested against one process on the CPU (tests/distributed/wo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
+from tformer.model.linear import autocast_enabled
 from tformer.model.moe import MoE
 
 SEQ = Shard(1)  # hidden states are (B, T, D)
+KEEP_GATHERED = False  # the slow twin, read when a model is split: sublayers keep gathered inputs whole
 SUBLAYERS = ("attn", "cross_attn", "ffn")  # each ends in a row-split layer whose output is left Partial
 NORMS = ("attn_norm", "cross_norm", "ffn_norm")
 
 
+def outer_saved_tensors_hooks() -> tuple | None:
+    """The (pack, unpack) saved-tensor hooks active now, if any (torch keeps only the innermost pair
+    active; the sublayers' hooks hand on what they do not keep). None where torch does not tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A saved view of a gathered input: the shard it is gathered again from and the view's layout."""
+
+    source: Regathered
+    view: tuple
+    meta: tuple | None  # (mesh, placements, shape, stride) of a DTensor view; None: a plain tensor
+
+
+class Regathered:
+    """A sublayer's all-gathered input, kept for backward as this rank's positions: gathered again the
+    first time backward reads it (by the column-split layers' weight gradients), then shared by the
+    layers that read the same input (q/k/v, gate/up) until the last of them has run."""
+
+    def __init__(self, shard: Tensor, switch: SequenceSplit) -> None:
+        self.shard, self.switch, self.whole = shard, switch, None
+
+    def local(self) -> Tensor:
+        if self.whole is None:
+            with torch.no_grad():
+                self.whole = self.switch.whole(self.shard).contiguous()
+        return self.whole
+
+
 @dataclass
 class SequenceSplit:
-    """One stack's switch: whether the forward running now holds its residual stream split over T."""
+    """One stack's switch: whether the forward running now holds its residual stream split over T.
+    keep_gathered: the slow twin of `Regathered` (the sublayers' gathered inputs kept whole for backward)."""
 
     mesh: DeviceMesh
     active: bool = False
+    keep_gathered: bool = field(default_factory=lambda: KEEP_GATHERED)
+    gathered: dict[int, Regathered] = field(default_factory=dict)  # storage address -> its shard
+    saving: list = field(default_factory=list)  # the saved-tensor hooks of the sublayer running now
 
     def from_local(self, x: Tensor, split: bool) -> DTensor:
         return DTensor.from_local(x, self.mesh, [SEQ if split else Replicate()], run_check=False)
@@ -79,14 +126,60 @@ class SequenceSplit:
     # ---- sublayers: attention, cross-attention, FFN
     def gather_input(self, module: nn.Module, args: tuple) -> tuple | None:
         """The whole sequence for the column-split layers, as a replicated DTensor: their input
-        gradients (partial sums over the group) then reduce-scatter back to the shards."""
+        gradients (partial sums over the group) then reduce-scatter back to the shards. Under autocast
+        the positions are cast before the gather (half the bytes, and the gathered tensor is what the
+        layers save). Backward keeps this rank's positions of it, not the whole (`Regathered`)."""
         if not self.active:
             return None
-        return (self.from_local(args[0], True).redistribute(self.mesh, [Replicate()]), *args[1:])
+        x = args[0]
+        if autocast_enabled(x.device.type) and x.is_floating_point():
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        whole = self.from_local(x, True).redistribute(self.mesh, [Replicate()])
+        local = whole.to_local()
+        if not self.keep_gathered and torch.is_grad_enabled() and local.is_contiguous():
+            self.gathered[local.untyped_storage().data_ptr()] = Regathered(x.detach(), self)
+            outer = outer_saved_tensors_hooks()
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                partial(self.pack, outer=outer), partial(self.unpack, outer=outer)
+            )
+            hooks.__enter__()  # left by `end_sublayer`, which runs even when the forward raises
+            self.saving.append(hooks)
+        return (whole, *args[1:])
 
     def reduce_output(self, module: nn.Module, args: tuple, out: DTensor) -> Tensor:
         """The row-split layer's partial sums: reduce-scattered over T (split) or all-reduced."""
         return out.redistribute(self.mesh, [SEQ if self.active else Replicate()]).to_local()
+
+    def end_sublayer(self, module: nn.Module, args: tuple, out: object) -> None:
+        while self.saving:
+            self.saving.pop().__exit__(None, None, None)
+        self.gathered.clear()
+
+    def pack(self, t: Tensor, outer: tuple | None) -> object:
+        """A tensor backward keeps: a view of a gathered input becomes its shard and the view's layout;
+        anything else goes to the saved-tensor hooks that were active outside (if any), as without these.
+        Those are shown the shard kept in place of a gathered input (what they return for it is unused:
+        this is for hooks that measure; an offloading hook leaves the shard where it is)."""
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        source = self.gathered.get(storage.data_ptr())
+        if source is None or storage.nbytes() != source.shard.nbytes * self.mesh.size():
+            return outer[0](t) if outer else t
+        if outer:
+            outer[0](source.shard)
+        view = (local.shape, local.stride(), local.storage_offset())
+        meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return Packed(source, view, meta)
+
+    @staticmethod
+    def unpack(packed: object, outer: tuple | None) -> Tensor:
+        if not isinstance(packed, Packed):
+            return outer[1](packed) if outer else packed
+        local = packed.source.local().as_strided(*packed.view)
+        if packed.meta is None:
+            return local
+        mesh, placements, shape, stride = packed.meta
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     # ---- norms: replicated weights, sharded or replicated inputs
     def norm_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -141,6 +234,7 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
                 else:
                     sub.register_forward_pre_hook(switch.gather_input)
                     sub.register_forward_hook(switch.reduce_output)
+                    sub.register_forward_hook(switch.end_sublayer, always_call=True)
             for name in NORMS:
                 if (norm := getattr(block, name, None)) is not None:
                     distribute_module(norm, mesh, input_fn=switch.norm_input, output_fn=switch.norm_output)
