@@ -6,6 +6,7 @@ between world sizes, fail-fast and the torchrun CLI. Each test is one `torchrun`
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -160,6 +161,10 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         v = r["vocab_loss"]
         assert v["loss_diff"] < 1e-5 and v["grad_diff"] < 1e-5 and v["all_ignored"] == [0.0, 0.0], v
         assert v["pieces"] == [[32], [31]][rank], v
+        loss, want, grad, held = v["masked"]  # -inf logits in both pieces
+        assert math.isfinite(loss) and abs(loss - want) < 1e-5 * want and grad < 1e-6 and held == 32 - rank, v
+        loss, want, grad, held = v["one_entry"]  # a vocabulary of 1: rank 1 holds no entry
+        assert loss == want == 0.0 and grad == 0.0 and held == 1 - rank, v
         assert r["sequence_decoder"]["checkpoint"]["reloaded_equal"]  # DCP round trip on 2 ranks
         for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE layers whole in every rank of the group
             m = r[key]
@@ -168,6 +173,8 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             ), (key, m)
         for key in ("autocast", "sequence_autocast"):  # bf16 products split differently: bf16 rounding
             assert r[key]["loss_diff"] < 1e-2 and r[key]["grad_diff"] < 2e-2, (key, r[key])
+        a = r["sequence_autocast"]  # the gathered inputs are the bf16 tensors the layers save: kept as halves
+        assert a["saved_bytes_kept"] - a["saved_bytes"] == a["regathered_saving"] > 0, a
         for key, rows in (("dropout", [7, 8]), ("sequence_dropout", [4, 7])):  # residual dropout 0.1, seeded
             d = r[key]
             assert d["dropped"] and d["rows"] == rows, (key, d)

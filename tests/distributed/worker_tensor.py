@@ -194,21 +194,35 @@ def vocab_loss(env) -> dict:
     nothing.backward()
     out["all_ignored"] = [float(nothing), float(split.grad.full_tensor().abs().max())]
     out["pieces"] = [split.to_local().shape[-1]]
+    # -inf logits (the first of each piece, never a target): finite as F.cross_entropy without smoothing;
+    # and one entry over 2 ranks (one rank holds none)
+    masked = whole.clone()
+    masked[..., [0, 32]] = -torch.inf
+    cases = {"masked": (masked, targets.masked_fill(targets == 0, 1).masked_fill(targets == 32, 33)), "one_entry": (whole[..., :1], targets.clamp(max=0))}  # fmt: skip
+    for name, (logits, tgt) in cases.items():
+        ref = logits.clone().requires_grad_()
+        want = F.cross_entropy(ref.flatten(0, 1), tgt.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+        want.backward()
+        split = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
+        got = vocab_parallel_cross_entropy(split, tgt, 0.0, IGNORE_INDEX)
+        got.backward()
+        grad = float((split.grad.full_tensor() - ref.grad).abs().max())
+        out[name] = [float(got), float(want), grad, split.to_local().shape[-1]]
     return out
 
 
-def kept_gathered_bytes(plan, tp_env, batch) -> int:
+def kept_gathered_bytes(plan, tp_env, batch, context=contextlib.nullcontext, cfg=None) -> int:
     """saved_bytes of the sequence-parallel decoder whose sublayers keep their gathered inputs whole
     (the slow twin of gathering them again in backward)."""
     from tformer.distributed import sequence
 
     sequence.KEEP_GATHERED = True
     try:
-        _, model = twins(tiny().replace(bias=True, **TP_CFG))
+        _, model = twins(tiny().replace(**(cfg or dict(bias=True, **TP_CFG))))
         parallelize(model, plan, tp_env, torch.device("cpu"))
     finally:
         sequence.KEEP_GATHERED = False
-    return saved_bytes(model, batch)
+    return saved_bytes(model, batch, context)
 
 
 def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
@@ -273,18 +287,27 @@ def tensor_moe(plan, tp_env) -> dict:
 
 
 def tensor_autocast(plan, tp_env) -> dict:
-    """Under bf16 autocast (with sequence parallelism each sublayer's input is cast before its gather):
-    loss and gradients vs one process under autocast, relative to the largest gradient."""
+    """Under bf16 autocast (with sequence parallelism each sublayer's input is cast for its gather), the
+    loss from split logits inside the trainer's micro-batch context: loss and gradients vs one process
+    under autocast, relative to the largest gradient; with sequence parallelism, the bytes kept for
+    backward vs the twin that keeps the gathered inputs whole."""
     ref, model = twins(tiny().replace(**TP_CFG))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
     batch, losses = global_batch(1, 0), []
-    for m in (ref, par.model):
-        with torch.autocast("cpu", torch.bfloat16):
+    for m, step in ((ref, contextlib.nullcontext()), (par.model, par.comm.micro_batch(par.model, True))):
+        with torch.autocast("cpu", torch.bfloat16), step:
             loss, n = lm_loss_sum(m, batch)
         (loss / n).backward()
         losses.append(float(loss / n))
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
-    return {"loss_diff": abs(losses[0] - losses[1]), "grad_diff": max_diff(model, ref, set(), "grad") / scale}
+    out = {"loss_diff": abs(losses[0] - losses[1]), "grad_diff": max_diff(model, ref, set(), "grad") / scale}
+    if plan.sequence:
+        bf16 = partial(torch.autocast, "cpu", torch.bfloat16)
+        out["saved_bytes"] = saved_bytes(model, batch, bf16)
+        out["saved_bytes_kept"] = kept_gathered_bytes(plan, tp_env, batch, bf16, TP_CFG)
+        gathered = batch.ids.numel() * model.cfg.d_model * 2  # (B, T, D) in bf16, half of it kept
+        out["regathered_saving"] = model.cfg.n_layers * 2 * gathered // 2
+    return out
 
 
 def tensor_dropout(plan, tp_env) -> dict:

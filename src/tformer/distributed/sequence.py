@@ -24,17 +24,21 @@ backward keeps this rank's T / P positions of it and all-gathers them again when
 layers reading it runs its backward (`Regathered`, through saved-tensor hooks active during each
 sublayer's forward): one more all-gather per sublayer in backward for (P - 1) / P of that memory.
 `KEEP_GATHERED = True` keeps them whole (the slow twin the tests compare against). Under autocast a
-sublayer's input is cast before the gather, so the gathered tensor is the one the layers read and save.
+sublayer's input is cast for the gather (half the bytes, and the gathered tensor is the one the layers
+read and save); its gradient is still reduce-scattered in the input's dtype (where torch's DTensor
+takes a backward dtype), but the q/k/v (gate/up) gradients of the gathered input add up in the
+autocast dtype, where plain tensor parallelism casts each to fp32 first.
 
 The split is decided per forward and per stack from the sequence length: a length the group size does
 not divide (a translation batch of odd length, a decoding step of one token) runs that forward as plain
 tensor parallelism, with the same result. Residual dropout draws the whole sequence's mask and applies
 each rank's part (`SplitDropout`; on the CPU the same mask one process draws). Both routes, with and
-without dropout, are tested against one process on the CPU (tests/distributed/worker.py, `tensor`).
+without dropout, are tested against one process on the CPU (tests/distributed/worker_tensor.py, `tensor`).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -53,11 +57,18 @@ SUBLAYERS = ("attn", "cross_attn", "ffn")  # each ends in a row-split layer whos
 NORMS = ("attn_norm", "cross_norm", "ffn_norm")
 
 
+# torch's own saved-tensor hooks stack keeps only the innermost pair active: the sublayers' hooks hand
+# what they do not keep to the pair active outside (a memory meter, an offloading hook), which torch
+# tells through a private function; where it does not, gathered inputs are kept whole (no hooks)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+CHAINED_HOOKS = _TOP_HOOKS is not None
+# DTensor.redistribute(forward_dtype=, backward_dtype=) (newer torch): cast for the gather only
+CASTING_REDISTRIBUTE = "forward_dtype" in inspect.signature(DTensor.redistribute).parameters
+
+
 def outer_saved_tensors_hooks() -> tuple | None:
-    """The (pack, unpack) saved-tensor hooks active now, if any (torch keeps only the innermost pair
-    active; the sublayers' hooks hand on what they do not keep). None where torch does not tell."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
+    """The (pack, unpack) saved-tensor hooks active now, if any."""
+    return _TOP_HOOKS(False)
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class Regathered:
 
     def __init__(self, shard: Tensor, switch: SequenceSplit) -> None:
         self.shard, self.switch, self.whole = shard, switch, None
+        self.shown = False  # to saved-tensor hooks active outside (once)
 
     def local(self) -> Tensor:
         if self.whole is None:
@@ -131,13 +143,19 @@ class SequenceSplit:
         layers save). Backward keeps this rank's positions of it, not the whole (`Regathered`)."""
         if not self.active:
             return None
-        x = args[0]
-        if autocast_enabled(x.device.type) and x.is_floating_point():
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        whole = self.from_local(x, True).redistribute(self.mesh, [Replicate()])
+        self.end_sublayer(module, args, None)  # hooks a forward interrupted by Ctrl-C may have left pushed
+        x, casts = args[0], {}
+        kind = x.device.type
+        if autocast_enabled(kind) and x.is_floating_point() and x.dtype != torch.get_autocast_dtype(kind):
+            if CASTING_REDISTRIBUTE:  # the input gradient is still reduce-scattered in x's dtype
+                casts = {"forward_dtype": torch.get_autocast_dtype(kind), "backward_dtype": x.dtype}
+            else:
+                x = x.to(torch.get_autocast_dtype(kind))
+        whole = self.from_local(x, True).redistribute(self.mesh, [Replicate()], **casts)
         local = whole.to_local()
-        if not self.keep_gathered and torch.is_grad_enabled() and local.is_contiguous():
-            self.gathered[local.untyped_storage().data_ptr()] = Regathered(x.detach(), self)
+        if not self.keep_gathered and torch.is_grad_enabled() and local.is_contiguous() and CHAINED_HOOKS:
+            shard = x.detach().to(local.dtype)  # what is gathered again: a copy only if cast
+            self.gathered[local.untyped_storage().data_ptr()] = Regathered(shard, self)
             outer = outer_saved_tensors_hooks()
             hooks = torch.autograd.graph.saved_tensors_hooks(
                 partial(self.pack, outer=outer), partial(self.unpack, outer=outer)
@@ -165,8 +183,9 @@ class SequenceSplit:
         source = self.gathered.get(storage.data_ptr())
         if source is None or storage.nbytes() != source.shard.nbytes * self.mesh.size():
             return outer[0](t) if outer else t
-        if outer:
+        if outer and not source.shown:
             outer[0](source.shard)
+            source.shown = True
         view = (local.shape, local.stride(), local.storage_offset())
         meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return Packed(source, view, meta)

@@ -82,22 +82,27 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, targets, start, vocab, smoothing, ignore_index, group):  # noqa: PLR0913
-        # local (N, V_r) fp32: this rank's logits of ids [start, start + V_r); targets (N,)
-        m = local.amax(dim=-1) if local.shape[1] else local.new_full(local.shape[:1], -torch.inf)
+        # local (N, V_r) fp32: this rank's logits of ids [start, start + V_r) (V_r may be 0); targets (N,)
+        n, count = local.shape
+        m = local.amax(dim=-1) if count else local.new_full((n,), -torch.inf)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         shifted = local - m.unsqueeze(1)  # (N, V_r)
-        own = (targets >= start) & (targets < start + local.shape[1])  # (N,) the target is in this piece
+        own = (targets >= start) & (targets < start + count)  # (N,) the target is in this piece
         idx = torch.where(own, targets - start, 0)
+        picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1) if count else shifted.new_zeros(n)
+        zeros = shifted.new_zeros(n)
         sums = torch.stack(
             [
                 shifted.exp().sum(dim=-1),  # sum of exp
-                shifted.gather(1, idx.unsqueeze(1)).squeeze(1) * own,  # the target's (shifted) logit
-                shifted.sum(dim=-1),  # sum of (shifted) logits, for smoothing
+                torch.where(own, picked, zeros),  # the target's (shifted) logit (a -inf elsewhere stays out)
+                shifted.sum(dim=-1) if smoothing else zeros,  # sum of (shifted) logits, for smoothing
             ]
         )  # (3, N)
         dist.all_reduce(sums, group=group)
         lse = sums[0].log()  # relative to m
-        per_row = (1 - smoothing) * (lse - sums[1]) + smoothing * (lse - sums[2] / vocab)
+        per_row = lse - sums[1]
+        if smoothing:  # (without it a -inf logit would give 0 * inf)
+            per_row = (1 - smoothing) * per_row + smoothing * (lse - sums[2] / vocab)
         valid = targets != ignore_index
         softmax = (shifted - lse.unsqueeze(1)).exp_()  # (N, V_r)
         ctx.save_for_backward(softmax, idx, own, valid)
@@ -106,9 +111,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        """In place on the saved softmax: a second backward through the same graph (retain_graph) is
+        refused by autograd's in-place check instead of computing from a changed tensor."""
         softmax, idx, own, valid = ctx.saved_tensors
-        d = softmax.sub_(ctx.smoothing / ctx.vocab)  # backward runs once: the saved softmax is reused
-        d.scatter_add_(1, idx.unsqueeze(1), (-(1 - ctx.smoothing) * own).to(d.dtype).unsqueeze(1))
+        d = softmax.sub_(ctx.smoothing / ctx.vocab)
+        if d.shape[1]:
+            d.scatter_add_(1, idx.unsqueeze(1), (-(1 - ctx.smoothing) * own).to(d.dtype).unsqueeze(1))
         d.mul_((grad * valid).unsqueeze(1))
         return d, None, None, None, None, None, None
 
@@ -119,7 +127,7 @@ def vocab_parallel_cross_entropy(
     """sum over rows of cross-entropy(logits[row], targets[row]) for logits (..., V) split by vocabulary
     (Shard(-1) DTensor) and targets (...); the same plain scalar on every rank of the group. fp32."""
     start, count = vocab_range(logits)
-    local = logits.to_local().float().reshape(-1, count)  # to_local passes the gradient back as a DTensor
+    local = logits.to_local().float().reshape(targets.numel(), count)  # the gradient goes back as a DTensor
     group = logits.device_mesh.get_group()
     return VocabParallelCrossEntropy.apply(
         local, targets.reshape(-1), start, logits.shape[-1], label_smoothing, ignore_index, group
