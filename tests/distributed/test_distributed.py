@@ -128,8 +128,8 @@ STEP_PARAM_TOL = 1e-4
 def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     """F1, C4 for tensor parallelism (2 ranks, one group), without and with sequence parallelism: a GQA
     decoder LM's gradients (its untied head split by vocabulary) from whole logits and from split ones,
-    two clipped AdamW steps with label smoothing whose loss reads the logits split (losses, pre-clip
-    norms, weights), and an encoder-decoder's gradients (its head tied to the embedding, left whole; and
+    three clipped AdamW steps with label smoothing whose loss reads the logits split, the third
+    accumulating two micro-batches (losses, pre-clip norms, weights), and an encoder-decoder's gradients (its head tied to the embedding, left whole; and
     untied, split, with the loss from split logits) vs one process; with residual dropout, losses and
     gradients vs one process drawing from the same seed. With sequence parallelism the blocks hand back
     half of the positions (a length of 7 runs as plain tensor parallelism), every gradient is placed
@@ -143,8 +143,8 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             assert d["sharded"] and d["head_split"] and d["clipped"] and d["grads_placed"], (key, d)
             assert d["generated_same"] and d["step_logits"] == ["DTensor"], (key, d)
             assert d["targets"] == (
-                [14, 14] if key.endswith("odd") else [16, 16]
-            )  # not doubled: one data rank
+                [14] * 3 if key.endswith("odd") else [16] * 3
+            )  # not doubled: one data rank; the third step in two micro-batches
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
         assert [r[k]["rows"] for k in ("decoder", "sequence_decoder", "sequence_decoder_odd")] == [

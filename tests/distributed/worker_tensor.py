@@ -35,7 +35,8 @@ def twins(cfg) -> list:
 
 
 def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> dict:
-    """Gradients on batch 0, then two clipped AdamW steps, parallel vs reference. ref_batch(step): the
+    """Gradients on batch 0, then three clipped AdamW steps (the last of two micro-batches on the
+    parallel side), parallel vs reference. ref_batch(step): the
     whole batch; own_batch(step): this rank's part, whose summed loss times own_scale is the gradient
     of the whole batch's mean loss."""
     ocfg = OptimConfig(lr=1e-2, fused=False, warmup_steps=0)
@@ -57,8 +58,10 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     ref.zero_grad(set_to_none=True)
     results, logits = [], set()  # the logits the loss read inside the steps: split by vocabulary
     hook = model.lm_head.register_forward_hook(lambda m, args, out: logits.add(type(out).__name__))
-    for step in range(2):
-        ref_args[2], args[2] = [ref_batch(step)], [own_batch(step)]
+    for step in range(3):  # the third step accumulates two micro-batches (this rank's rows in halves)
+        own = own_batch(step)
+        halves = [Batch(own.ids[rows], own.targets[rows]) for rows in (slice(0, 1), slice(1, None))]
+        ref_args[2], args[2] = [ref_batch(step)], halves if step == 2 else [own]
         results.append((train_step(*ref_args), train_step(*args)))
     hook.remove()
     return {
