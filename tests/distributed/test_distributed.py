@@ -130,7 +130,7 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     decoder LM's gradients (its untied head split by vocabulary) from whole logits and from split ones,
     three clipped AdamW steps with label smoothing whose loss reads the logits split, the third
     accumulating two micro-batches (losses, pre-clip norms, weights), and an encoder-decoder's gradients (its head tied to the embedding, left whole; and
-    untied, split, with the loss from split logits) vs one process; with residual dropout, losses and
+    untied, split, with the loss from split logits) vs one process; with residual and attention dropout, losses and
     gradients vs one process drawing from the same seed. With sequence parallelism the blocks hand back
     half of the positions (a length of 7 runs as plain tensor parallelism), every gradient is placed
     like its parameter (the norms' are summed over the group) and a forward keeps fewer bytes for
@@ -175,7 +175,10 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             assert r[key]["loss_diff"] < 1e-2 and r[key]["grad_diff"] < 2e-2, (key, r[key])
         a = r["sequence_autocast"]  # the gathered inputs are the bf16 tensors the layers save: kept as halves
         assert a["saved_bytes_kept"] - a["saved_bytes"] == a["regathered_saving"] > 0, a
-        for key, rows in (("dropout", [7, 8]), ("sequence_dropout", [4, 7])):  # residual dropout 0.1, seeded
+        for key, rows in (
+            ("dropout", [7, 8]),
+            ("sequence_dropout", [4, 7]),
+        ):  # residual + attention dropout 0.1
             d = r[key]
             assert d["dropped"] and d["rows"] == rows, (key, d)
             for length in ("length_8", "length_7"):

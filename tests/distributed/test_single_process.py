@@ -100,10 +100,7 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         ParallelConfig(tensor=0)
     with pytest.raises(ConfigError, match="param_dtype=bfloat16 is FSDP2 mixed precision"):
         make_plan(ParallelConfig(tensor=2, data="fsdp", param_dtype="bfloat16"), 2)
-    with pytest.raises(ConfigError, match="attention dropout is not supported"):
-        check_tensor_parallel(
-            build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64, attn_dropout=0.1)), 2
-        )
+    check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64, attn_dropout=0.1)), 2)
     check_tensor_parallel(moe_model(), 2)  # MoE layers run whole in every rank of a group
     with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):
         check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=2, d_ff=64)), 4)
@@ -341,3 +338,60 @@ def test_split_dropout_applies_its_part_of_the_whole_mask_and_keeps_only_that_pa
     torch.manual_seed(5)
     assert torch.equal(plain, F.dropout(whole, 0.3, True))
     assert torch.equal(drop.eval()(whole), whole)
+
+
+class StubMesh:
+    """What HeadSplitDropout reads of a device mesh: this rank's place in a group of `size`."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.n = rank, size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_head_split_attention_dropout_drops_what_one_process_drops(n_kv_heads: int) -> None:
+    """Attention dropout under tensor parallelism: each of 2 ranks, from the same RNG state, computes its
+    half of the heads (its K/V heads' share under GQA) and drops them as one process with the fused
+    kernel drops those heads (causal and padded masks); in eval the fused kernel runs without dropout."""
+    from tformer.distributed.heads import HeadSplitDropout
+    from tformer.model.attention import ATTENTION_KERNELS
+    from tformer.model.masks import causal_mask, padding_mask
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = (torch.randn(2, n_kv_heads, 6, 8, generator=g) for _ in range(2))
+    n_rep = 4 // n_kv_heads
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, 4:] = False
+    for mask in (causal_mask(0, 6, None, q.device), padding_mask(6, real, 6, q.device)):
+        fused = ATTENTION_KERNELS["sdpa"](0.3, n_rep).train()
+        torch.manual_seed(7)
+        want = fused(q, k, v, mask)
+        halves = []
+        for rank in range(2):
+            kernel = HeadSplitDropout(
+                ATTENTION_KERNELS["sdpa"](0.3, n_rep), 0.3, n_rep, StubMesh(rank, 2)
+            ).train()
+            torch.manual_seed(7)
+            heads, kv = (
+                slice(2 * rank, 2 * rank + 2),
+                slice(rank * n_kv_heads // 2, (rank + 1) * n_kv_heads // 2),
+            )
+            halves.append(kernel(q[:, heads], k[:, kv], v[:, kv], mask))
+        torch.testing.assert_close(torch.cat(halves, dim=1), want, rtol=0, atol=1e-6)
+        assert not torch.allclose(
+            halves[0],
+            ATTENTION_KERNELS["sdpa"](0.0, n_rep)(
+                q[:, :2], k[:, : n_kv_heads // 2], v[:, : n_kv_heads // 2], mask
+            ),
+        )  # it dropped
+        kernel.eval()
+        torch.testing.assert_close(
+            kernel(q[:, 2:], k[:, n_kv_heads // 2 :], v[:, n_kv_heads // 2 :], mask),
+            fused.eval()(q, k, v, mask)[:, 2:],
+        )

@@ -314,9 +314,11 @@ def tensor_autocast(plan, tp_env) -> dict:
 
 
 def tensor_dropout(plan, tp_env) -> dict:
-    """Residual dropout 0.1: losses and gradients vs one process drawing from the same seed, at a length
-    the group divides (a split sequence draws the whole mask, applies its part) and at one it does not."""
-    ref, model = twins(tiny().replace(dropout=0.1, **TP_CFG))
+    """Residual and attention dropout 0.1: losses and gradients vs one process (its fused attention
+    kernel) drawing from the same seed, at a length the group divides (a split sequence draws the whole
+    mask, applies its part; each rank's heads draw every head's mask, apply theirs) and at one it does
+    not."""
+    ref, model = twins(tiny().replace(dropout=0.1, attn_dropout=0.1, **TP_CFG))
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
     rows = sublayer_rows(model.blocks[0])
     out = {}

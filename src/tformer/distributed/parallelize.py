@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
+from tformer.distributed.heads import split_attention_dropout
 from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.distributed.sequence import apply_sequence_parallel
 from tformer.distributed.vocab import LogitSplit, split_head
@@ -181,11 +182,6 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split: every rank of a
     group runs them whole (on the whole sequence, also under sequence parallelism)."""
     cfg = model.cfg
-    if cfg.attn_dropout > 0:  # the ranks of a group share one RNG stream: their heads would drop alike
-        raise ConfigError(
-            f"parallel.tensor={degree} with model.attn_dropout={cfg.attn_dropout}: attention dropout is not "
-            "supported with tensor parallelism yet (set model.attn_dropout=0; residual dropout is fine)"
-        )
     for name, value in (
         ("model.n_heads", cfg.n_heads),
         ("model.n_kv_heads", cfg.resolved_n_kv_heads),
@@ -217,6 +213,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
         model, mesh, {name: styles[style]() for name, (style, _) in chosen.items() if style in styles}
     )
     heads = [split_head(module, mesh) for style, module in chosen.values() if style == "vocab"]
+    if model.cfg.attn_dropout > 0:  # each rank drops its own heads' weights (a group shares one RNG stream)
+        split_attention_dropout(model, mesh)
     if plan.sequence:
         apply_sequence_parallel(model, mesh)
     return heads[0] if heads else None

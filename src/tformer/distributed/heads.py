@@ -1,0 +1,55 @@
+"""Attention dropout under tensor parallelism: each rank drops its own heads' weights, as one process would.
+
+The ranks of a tensor-parallel group draw from one RNG stream (they must: the replicated parts of the
+model, residual dropout included, have to drop alike). Attention dropout inside each rank's fused kernel
+would then drop the same positions in every rank's heads: rank 1's heads would copy rank 0's mask. Here
+each attention's kernel is wrapped (`HeadSplitDropout`): in training it computes the rank's heads'
+attention weights, draws the mask of *all* heads from the shared stream, and applies the rank's part,
+as `SplitDropout` does for the residual stream over the sequence. On the CPU, where torch's attention
+dropout (fused or not) is probs * (bernoulli(1 - p) / (1 - p)) over (B, H, Tq, Tk), every rank drops
+exactly the positions one process drops in those heads. The price: the weights are materialised (the
+eager kernel) and each rank draws the whole mask; outside training the wrapped fused kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tformer.model.attention import Attention, repeat_kv
+from tformer.model.masks import Mask
+
+
+class HeadSplitDropout(nn.Module):
+    """A tensor-parallel rank's attention kernel with dropout p over its n_heads / P heads."""
+
+    def __init__(self, kernel: nn.Module, p: float, n_rep: int, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.kernel, self.p, self.n_rep, self.mesh = kernel, p, n_rep, mesh
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        if not self.training:
+            return self.kernel(q, k, v, mask)
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, H/P, S, E)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H/P, Tq, Tk)
+        scores = scores.masked_fill(~mask.allowed, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        b, h, tq, tk = probs.shape
+        rank = self.mesh.get_local_rank()
+        whole = probs.new_empty(b, h * self.mesh.size(), tq, tk).bernoulli_(1 - self.p)  # every head's draw
+        keep = whole[:, rank * h : (rank + 1) * h].div(1 - self.p)  # a copy: only it is kept for backward
+        return (probs * keep) @ v  # (B, H/P, Tq, E)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def split_attention_dropout(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Wrap every attention kernel of a tensor-parallel model with attention dropout > 0."""
+    p = model.cfg.attn_dropout
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kernel = HeadSplitDropout(module.kernel, p, module.n_heads // module.n_kv_heads, mesh)
