@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from tests.tasks.conftest import write_bbc, write_dictionary
 from tests.words import write_word_corpus
 from tformer.cli.main import main
+from tformer.config import MoEConfig
 from tformer.distributed.checkpoint import DCPCheckpointer, export_single_process, is_dcp_checkpoint
 from tformer.distributed.env import Local
 from tformer.distributed.plans import is_rank_local
@@ -202,8 +203,9 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
 
 def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> None:
     """F1 on a 2-D mesh: 4 ranks, tensor parallel in pairs (without and with sequence parallelism),
-    FSDP2 over the two pairs, each pair on its part of the batch: gradients, two clipped steps and
-    weights vs one process on the whole batch."""
+    FSDP2 over the two pairs, each pair on its part of the batch: gradients, three clipped steps and
+    weights vs one process on the whole batch; the same with expert parallelism over the two pairs (an
+    MoE decoder, bias updates too), whose checkpoint reloads on the 4 ranks and opens in one process."""
     results = launch("tensor2d", tmp_path, nproc=4)
     assert [r["fsdp_tp"]["data_rank"] for r in results] == [0, 0, 1, 1]
     for r in results:
@@ -213,6 +215,23 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
             assert d["head_split"] and d["step_logits"] == ["DTensor"], (key, d)
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
+        for key in ("ep_tp", "ep_tp_sp"):  # experts split over the data dimension, 2 of 4 on each rank
+            d = r[key]
+            assert d["experts_held"] == [2, "Parameter"] and d["clipped"] and d["grads_placed"], (key, d)
+            assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
+            assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
+            assert d["bias_moved"] and d["bias_diff"] <= 1e-6, (key, d)
+        assert r["ep_tp_sp"]["checkpoint"]["reloaded_equal"], r["ep_tp_sp"]["checkpoint"]
+    # that checkpoint (experts split over the data ranks, the rest FSDP2 x TP) opened in one process
+    moe = MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01)
+    one = build_model(tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                     tie_embeddings=False, moe=moe))  # fmt: skip
+    opt = torch.optim.AdamW(one.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    DCPCheckpointer(Local(), 0).load(Path(results[0]["ep_tp_sp"]["checkpoint"]["path"]), one, opt, sched)
+    assert_same_state(
+        {k: v.detach() for k, v in one.named_parameters()}, load_file(tmp_path / "ep_tp_sp.safetensors")
+    )
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:

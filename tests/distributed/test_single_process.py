@@ -94,8 +94,10 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         make_plan(ParallelConfig(tensor=2, data="ddp"), 4)
     with pytest.raises(ConfigError, match="must divide the world size 3"):
         make_plan(ParallelConfig(tensor=2), 3)
-    with pytest.raises(ConfigError, match="does not combine with experts='shard'"):
-        ParallelConfig(tensor=2, experts="shard")
+    # expert parallelism over the data dimension: needs more than one tensor-parallel group
+    assert make_plan(ParallelConfig(tensor=2, data="fsdp", experts="shard"), 4).expert_parallel
+    with pytest.raises(ConfigError, match="experts=shard with parallel.tensor=2 on 2 processes"):
+        make_plan(ParallelConfig(tensor=2, experts="shard"), 2)
     with pytest.raises(ConfigError, match="tensor"):
         ParallelConfig(tensor=0)
     with pytest.raises(ConfigError, match="param_dtype=bfloat16 is FSDP2 mixed precision"):

@@ -19,13 +19,14 @@ def moe_model_cfg(**moe):
     return tiny().replace(d_model=32, d_ff=32, n_heads=2, vocab_size=64, moe=MoEConfig(**moe))
 
 
-def full(t: torch.Tensor, sliced: bool) -> torch.Tensor:
-    """The whole tensor on every rank: DTensors gathered, expert-parallel slices concatenated."""
+def full(t: torch.Tensor, sliced: bool, group=None) -> torch.Tensor:
+    """The whole tensor on every rank: DTensors gathered, expert-parallel slices concatenated over
+    `group` (the ranks the experts are split over; None: all)."""
     if isinstance(t, DTensor):
         return t.full_tensor()
     if sliced:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts)
     return t
 
@@ -48,7 +49,7 @@ def rank_part(batch: Batch, rank: int) -> Batch:
     return Batch(batch.ids[rank * B : (rank + 1) * B], batch.targets[rank * B : (rank + 1) * B])
 
 
-def max_diff(model, ref, sliced: set[str], what: str) -> float:
+def max_diff(model, ref, sliced: set[str], what: str, group=None) -> float:
     worst = 0.0
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -56,7 +57,7 @@ def max_diff(model, ref, sliced: set[str], what: str) -> float:
         want = ref_params[name].grad if what == "grad" else ref_params[name].detach()
         if mine is None:
             mine = torch.zeros_like(p)
-        worst = max(worst, float((full(mine, name in sliced) - want).abs().max()))
+        worst = max(worst, float((full(mine, name in sliced, group) - want).abs().max()))
     return worst
 
 

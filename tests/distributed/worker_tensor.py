@@ -43,6 +43,9 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     ref_args = step_args(ref, make_optimizer(ref, ocfg))
     args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
     ref_args[1] = args[1] = partial(lm_loss_sum, label_smoothing=0.1)  # the steps train with smoothing
+    # expert-parallel slices, split over the data dimension's ranks
+    sliced, group = set(par.rank_local), par.mesh["data"].get_group() if par.rank_local else None
+    diff = partial(max_diff, model, ref, sliced, group=group)
     loss, n = lm_loss_sum(ref, ref_batch(0), label_smoothing=0.1)
     (loss / n).backward()
     grad_diff, placed = [], True  # from the gathered logits (a forward outside the trainer), then split
@@ -50,7 +53,7 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
         with context:
             loss, _ = lm_loss_sum(par.model, own_batch(0), label_smoothing=0.1)
         (loss * own_scale).backward()
-        grad_diff.append(max_diff(model, ref, set(), "grad"))
+        grad_diff.append(diff("grad"))
         # a DTensor gradient placed like its parameter (a Partial one would read whole in max_diff, but
         # clip and step as this rank's partial sum)
         placed &= all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
@@ -68,12 +71,25 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
         "step_logits": sorted(logits),
         "grad_diff": grad_diff,
         "grads_placed": placed,
-        "param_diff": max_diff(model, ref, set(), "param"),
+        "param_diff": diff("param"),
+        "bias_diff": max(
+            [
+                float((a.router.expert_bias - b.router.expert_bias).abs().max())
+                for a, b in moe_pairs(model, ref)
+            ]
+            + [0.0]
+        ),  # fmt: skip
         "loss_diff": max(abs(a.loss - b.loss) for a, b in results),
         "grad_norm_diff": max(abs(a.grad_norm - b.grad_norm) for a, b in results),
         "clipped": results[0][0].grad_norm > 0.05,
         "targets": [b.targets for _, b in results],
     }
+
+
+def moe_pairs(model, ref) -> list:
+    from tformer.model.moe import MoE
+
+    return list(zip(*([m for m in x.modules() if isinstance(m, MoE)] for x in (model, ref))))
 
 
 TP_CFG = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64, tie_embeddings=False)  # head split
@@ -228,14 +244,16 @@ def kept_gathered_bytes(plan, tp_env, batch, context=contextlib.nullcontext, cfg
     return saved_bytes(model, batch, context)
 
 
-def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
+def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path, name: str = "tp_sp_head") -> dict:
     """The trained model through tformer's DCP checkpointer: loaded into a fresh parallel twin (weights equal
     to the saved ones), and its whole weights dumped for the one-process load on the pytest side."""
     from safetensors.torch import save_file
 
     from tformer.distributed.checkpoint import DCPCheckpointer
 
-    run_dir = out_dir / "tp_sp_head"
+    run_dir = out_dir / name
+    group = par.mesh["data"].get_group() if par.rank_local else None  # expert slices: over the data ranks
+    whole = {n: partial(full, sliced=n in par.rank_local, group=group) for n, _ in model.named_parameters()}
 
     def optimizer_and_schedule(m):
         opt = torch.optim.AdamW(m.parameters())
@@ -247,11 +265,11 @@ def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path) -> dict:
     _, fresh = twins(model.cfg)
     fresh_par = parallelize(fresh, plan, tp_env, torch.device("cpu"))
     DCPCheckpointer(tp_env, 0).load(path, fresh_par.model, *optimizer_and_schedule(fresh))
-    saved = {name: full(p.detach(), False) for name, p in model.named_parameters()}
+    saved = {n: whole[n](p.detach()) for n, p in model.named_parameters()}
     loaded = dict(fresh.named_parameters())
-    equal = all(torch.equal(full(loaded[name].detach(), False), w) for name, w in saved.items())
+    equal = all(torch.equal(whole[n](loaded[n].detach()), w) for n, w in saved.items())
     if env.rank == 0:
-        save_file({k: v.contiguous() for k, v in saved.items()}, out_dir / "tp_sp_head.safetensors")
+        save_file({k: v.contiguous() for k, v in saved.items()}, out_dir / f"{name}.safetensors")
     env.barrier()
     return {"path": str(path), "reloaded_equal": equal}
 
@@ -411,3 +429,28 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         out["fsdp_tp_sp" if sequence else "fsdp_tp"] = d
         del par, model, ref
         gc.collect()
+        out["ep_tp_sp" if sequence else "ep_tp"] = tensor2d_experts(env, tp_env, sequence, out_dir)
+
+
+def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path) -> dict:
+    """Expert parallelism over the data dimension with tensor parallelism in pairs (FSDP2 over the data
+    dimension for the rest): an MoE decoder (bias updates, a shared expert; no balance loss, which each
+    data rank computes on its own tokens) vs one process on the whole batch, as `tensor2d`; each rank
+    holds half the experts, its pair partner the same half. With sequence parallelism also a DCP round
+    trip, and the weights dumped for opening the checkpoint in one process."""
+    cfg = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01), **TP_CFG)  # fmt: skip
+    plan = make_plan(
+        ParallelConfig(tensor=2, data="fsdp", experts="shard", sequence=sequence), env.world_size
+    )
+    ref, model = twins(cfg)
+    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    dp = tp_env.data_world_size
+    whole = partial(global_batch, dp)
+    d = compare_steps(ref, model, par, whole, lambda step: rank_part(whole(step), tp_env.data_rank),
+                      dp / whole(0).targets.numel())  # fmt: skip
+    experts = model.blocks[0].ffn.experts.up_proj
+    d["experts_held"] = [experts.shape[0], type(experts).__name__]
+    d["bias_moved"] = any(float(m.router.expert_bias.abs().max()) > 0 for m, _ in moe_pairs(model, ref))
+    if sequence:  # the experts' slices saved as one (data-sharded, tensor-replicated) tensor each
+        d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir, "ep_tp_sp")
+    return d

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tformer.config import ModelConfig
 from tformer.distributed.env import Local, new_group, rank_seed
@@ -217,7 +217,8 @@ class DCPCheckpointer:
 
     def _as_shards(self, model: nn.Module, state: dict) -> dict:
         """The same state with every expert-parallel slice (E / W, ...) wrapped as a DTensor sharded on
-        dim 0 over all ranks, sharing storage, so that DCP saves and reshards it like an FSDP2 shard."""
+        dim 0 over the data-parallel ranks (all ranks without tensor parallelism), sharing storage, so
+        that DCP saves and reshards it like an FSDP2 shard."""
         sliced = expert_slices(model)
         if not sliced:
             return state
@@ -235,11 +236,15 @@ class DCPCheckpointer:
         return out
 
     def _shard(self, t: torch.Tensor) -> DTensor:
+        """Experts are split over the data-parallel ranks; the ranks of a tensor-parallel group (the
+        mesh's second dimension) hold the same slice."""
+        data, tensor = self.env.data_world_size, self.env.world_size // self.env.data_world_size
         if self._mesh is None:
-            self._mesh = init_device_mesh(t.device.type, (self.env.world_size,))
-        shape = (t.shape[0] * self.env.world_size, *t.shape[1:])
+            self._mesh = init_device_mesh(t.device.type, (data, tensor), mesh_dim_names=("data", "tensor"))
+        shape = (t.shape[0] * data, *t.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(t, self._mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+        placements = [Shard(0), Replicate()]
+        return DTensor.from_local(t, self._mesh, placements, run_check=False, shape=shape, stride=stride)
 
     # ------------------------------------------------------------------ save
     def save(self, run_dir: Path, step: int, model, optimizer, scheduler, trainer_state, meta, keep_last):

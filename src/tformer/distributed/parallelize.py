@@ -7,7 +7,8 @@ of all ranks' targets over their count, the gradient a single process would get 
 ranks' batches. Expert-parallel weights get their gradient summed over ranks by the all-to-all's
 backward, so a hook divides it by W. With tensor parallelism of degree T the ranks form a
 (W / T, T) mesh: the T ranks of a group see the same batch and compute one model between them, so W
-above becomes the data-parallel size W / T (targets and losses are summed over the data dimension).
+above becomes the data-parallel size W / T (targets and losses are summed over the data dimension, and
+expert parallelism splits the experts over it: a group's ranks hold the same experts).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class ProcessCollectives:
                 sharded += g.to_local().detach().double().square().sum() / copies
                 continue
             sq = g.detach().double().square().sum()
-            if id(p) in self.rank_local:
-                sharded += sq
+            if id(p) in self.rank_local:  # an expert slice: the same on the ranks of a tensor-parallel group
+                sharded += sq / (self.env.world_size // self.env.data_world_size)
             else:
                 replicated += sq
         dist.all_reduce(sharded)
@@ -134,15 +135,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
         return parallelize_tensor(model, plan, env, device)
     if plan.data == "none":
         return Parallelized(model)
-    rank_local: dict[str, nn.Parameter] = {}
-    if plan.expert_parallel:
-        if not moe_layers(model):
-            raise ConfigError(
-                "parallel.experts=shard, but the model has no MoE layer to split (set model.moe)"
-            )
-        rank_local = apply_expert_parallel(model, env.rank, env.world_size)
-        for p in rank_local.values():
-            p.register_hook(lambda g: g / env.world_size)  # summed over ranks by the all-to-all backward
+    rank_local = shard_experts_over(model, plan, env.rank, env.world_size)
     comm = ProcessCollectives(env, device, {id(p) for p in rank_local.values()})
     if plan.data == "ddp":
         # MoE token counters are rank-local buffers: DDP leaves them out of the broadcast it makes when it
@@ -170,12 +163,30 @@ def parallelize_tensor(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
     set_mesh_timeout(mesh, env)
+    # expert parallelism over the data dimension: the ranks of a tensor-parallel group hold the same
+    # experts and exchange tokens with the other groups' ranks at their place
+    rank_local = shard_experts_over(model, plan, env.data_rank, env.data_world_size, mesh["data"].get_group())
     logits = apply_tensor_parallel(model, plan, mesh["tensor"])
     data_group = None
     if plan.data == "fsdp":
-        apply_fsdp(model, plan, mesh["data"], set())
+        apply_fsdp(model, plan, mesh["data"], set(rank_local.values()))
         data_group = mesh["data"].get_group()
-    return Parallelized(model, ProcessCollectives(env, device, set(), data_group, logits), mesh)
+    comm = ProcessCollectives(env, device, {id(p) for p in rank_local.values()}, data_group, logits)
+    return Parallelized(model, comm, mesh, rank_local)
+
+
+def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: int, group=None) -> dict:
+    """Expert parallelism over `size` ranks (when the plan asks for it): the rank's slices of the
+    experts, by name. Their gradients, summed over those ranks by the all-to-all's backward, are
+    divided by `size` (the data-parallel averaging that DDP / FSDP2 apply to the other parameters)."""
+    if not plan.expert_parallel:
+        return {}
+    if not moe_layers(model):
+        raise ConfigError("parallel.experts=shard, but the model has no MoE layer to split (set model.moe)")
+    rank_local = apply_expert_parallel(model, rank, size, group)
+    for p in rank_local.values():
+        p.register_hook(lambda g: g / size)
+    return rank_local
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:

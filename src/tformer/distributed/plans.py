@@ -4,7 +4,8 @@ The model code stays single-device. A plan names module paths and buffers; `para
   data          "none" (one process), "ddp" or "fsdp"
   fsdp_units    regexes over module names (`model.named_modules()`): each match becomes one FSDP2
                 unit (`fully_shard`), the root takes what is left (embeddings, final norm, head)
-  expert_parallel  split every MoE layer's experts over all ranks (tformer.distributed.expert_parallel)
+  expert_parallel  split every MoE layer's experts over the data-parallel ranks (all ranks without
+                tensor parallelism; tformer.distributed.expert_parallel)
   param_dtype   FSDP2 mixed precision: the dtype units compute in (None: the parameters' own)
   tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" / "vocab"
                 (Megatron: q/k/v and the FFN's input layers split by output features, o and the FFN's
@@ -72,6 +73,12 @@ def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
         raise ConfigError(f"parallel.tensor={cfg.tensor} must divide the world size {world_size}")
     data = cfg.data
     if cfg.tensor > 1:
+        if world_size // cfg.tensor == 1 and cfg.experts == "shard":
+            raise ConfigError(
+                f"parallel.experts=shard with parallel.tensor={cfg.tensor} on {world_size} processes: the experts "
+                "are split over the data-parallel ranks, and one tensor-parallel group spanning every process "
+                "leaves one (use more processes, or experts=replicate)"
+            )
         if world_size // cfg.tensor == 1:
             if cfg.param_dtype != "float32":
                 raise ConfigError(

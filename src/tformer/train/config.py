@@ -114,7 +114,8 @@ class ParallelConfig(Config):
     data: "ddp" (DistributedDataParallel: full replicas, gradients all-reduced) or "fsdp" (FSDP2
         `fully_shard` on every block and the root: parameters, gradients, optimizer state sharded).
     experts: "replicate" (every rank holds every expert) or "shard" (expert parallelism: the MoE
-        experts split evenly over all ranks, tokens exchanged with all-to-all; composes with both).
+        experts split evenly over the data-parallel ranks, tokens exchanged with all-to-all; composes
+        with both, and with `tensor`, whose groups' ranks then hold the same experts).
     param_dtype: FSDP2 mixed precision, the dtype blocks compute in ("bfloat16"); gradients are reduced
         and the optimizer steps in float32.
     checkpoint: "auto" (single-process safetensors format at world size 1, DCP above), "safetensors"
@@ -123,7 +124,8 @@ class ParallelConfig(Config):
     tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
         `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism
         (FSDP2 when world / T > 1) runs over the first dimension. MoE layers are not split: every rank of
-        a group runs them whole (experts="shard" does not combine with it yet). 1 = off.
+        a group runs them whole (with experts="shard", its share of the experts: they are split over the
+        first dimension). 1 = off.
     sequence: sequence parallelism inside each tensor-parallel group (needs tensor > 1): between the
         split layers each rank holds T / tensor of the positions (norms, residuals), with a
         reduce-scatter and an all-gather in place of each all-reduce. A forward whose length the group
@@ -146,8 +148,6 @@ class ParallelConfig(Config):
     def check(self) -> None:
         self._require(self.timeout_s >= 1, "timeout_s", "must be >= 1")
         self._require(self.tensor >= 1, "tensor", "must be >= 1 (1 = no tensor parallelism)")
-        if self.tensor > 1:
-            self._require(self.experts == "replicate", "tensor", "does not combine with experts='shard' yet")
         self._require(
             not self.sequence or self.tensor > 1,
             "sequence",
