@@ -456,11 +456,15 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r for r in again if r["kind"] == "eval"] == [r for r in records if r["kind"] == "eval"]
 
 
-def test_torchrun_cli_tensor_and_data_parallel(tmp_path: Path, corpus: Path, capsys) -> None:
+@pytest.mark.parametrize("experts", ["replicate", "shard"])
+def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, corpus: Path, capsys) -> None:
     """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with sequence parallelism and
-    FSDP2 over the pairs: exit 0, metrics once, a DCP checkpoint that `tformer eval` opens in one process."""
+    FSDP2 over the pairs (and an MoE model with its experts split over the pairs): exit 0, metrics once,
+    a DCP checkpoint that `tformer eval` opens in one process."""
     out = tmp_path / "run"
     sets = ("parallel.data=fsdp", "parallel.tensor=2", "parallel.sequence=true")
+    if experts == "shard":
+        sets += ("parallel.experts=shard", "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")
     proc = torchrun_train(out, corpus, *sets, nproc=4)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert json.loads((out / "config.json").read_text())["parallel"]["sequence"] is True
