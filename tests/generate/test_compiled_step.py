@@ -15,6 +15,7 @@ from tformer import MoEConfig, build_model
 from tformer.generate.engine import _left_pad, generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import compiled_step as compiled_step_module
+from tformer.model import linear as linear_module
 from tformer.model.cache import KVCache
 from tformer.model.compiled_step import CompiledDecodeStep, why_not_compiled
 from tformer.presets import llama_like, tiny
@@ -94,16 +95,27 @@ def run_steps(model, prompts, step: CompiledDecodeStep, steps: int = 6):
     return pairs, caches, length + steps
 
 
+def block_every_layer(monkeypatch, blocked: bool) -> None:
+    """Where `blocked`: the products as row-blocked batched products, for the tiny test models too."""
+    monkeypatch.setattr(linear_module, "DECODE_ROW_BLOCKED", blocked)
+    if blocked:
+        monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("prompts", sorted(PROMPTS))
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_program_equals_the_model_forward(name: str, prompts: str) -> None:
+def test_program_equals_the_model_forward(name: str, prompts: str, blocked: bool, monkeypatch) -> None:
     """The program, run eagerly: logits and caches equal the model's to 1e-5 (the products and the
     attention are written differently, so not bit for bit) for Pre/Post-Norm, LayerNorm/RMSNorm,
     RoPE/sinusoidal/learned/no positions, SwiGLU/ReLU/GELU, GQA, biases, a tied head, MoE layers
-    (softmax / sigmoid routing, group limits, shared experts), padded rows."""
+    (softmax / sigmoid routing, group limits, shared experts), padded rows; with its products as F.linear
+    and as row-blocked batched products (as where `row_blocking_pays`)."""
+    block_every_layer(monkeypatch, blocked)
     model = make(name)
     with torch.inference_mode():
         step = CompiledDecodeStep.build(model, len(PROMPTS[prompts]), compiled=False)
+    assert step.program.row_blocks is blocked
     pairs, (a, c), n = run_steps(model, PROMPTS[prompts], step)
     for got, want in pairs:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -239,10 +251,14 @@ def test_the_step_refuses_another_batch_size_and_a_full_cache() -> None:
 
 
 @pytest.mark.slow
-def test_compiled_generate_equals_the_eager_one_and_compiles_once() -> None:
+@pytest.mark.parametrize("blocked", [False, True])
+def test_compiled_generate_equals_the_eager_one_and_compiles_once(blocked: bool, monkeypatch) -> None:
     """torch.compile of the step (tens of seconds on 2 cores): the same greedy tokens as the flat step and logits
     equal to the eager program to 1e-5, for one row and two padded rows; another prompt length and
-    another run of new tokens reuse the graph (the sizes that change per call and per step are symbolic)."""
+    another run of new tokens reuse the graph (the sizes that change per call and per step are symbolic).
+    With the products as F.linear and as row-blocked batched products (the flat step then blocks too)."""
+    block_every_layer(monkeypatch, blocked)
+    torch._dynamo.reset()  # each variant counts its own graphs
     torch.manual_seed(0)
     model = build_model(llama_like(97, 64, 2, 4, 2, 128, 128)).eval()
     with torch.inference_mode():

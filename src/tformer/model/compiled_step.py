@@ -40,6 +40,7 @@ from tformer.model.blocks import PreNormBlock
 from tformer.model.cache import KVCache
 from tformer.model.decode_step import DecodeStep, unsupported
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
+from tformer.model.linear import DECODE_MAX_ROWS, row_blocking_pays, row_blocks
 from tformer.model.moe import Dropless, GeluExperts, MoE, NoShared, ReluExperts, SwiGLUExperts
 from tformer.model.positions import HalfRotaryEmbedding, LearnedPositions, NoPositions, SinusoidalPositions
 from tformer.model.router import SCORE_FUNCS, limit_groups, renormalize
@@ -93,6 +94,7 @@ class Program:
     final_norm: Norm
     embed_scale: float
     rope: bool
+    row_blocks: bool = False  # products as row-blocked batched products (`_linear`), where they pay here
 
 
 def _norm_spec(norm: nn.Module) -> tuple[Norm, dict[str, Tensor | None]] | None:
@@ -233,14 +235,29 @@ def _self_attention(
     """q/k/v as one product, q and k rotated together, k and v written into the cache slot, attention
     over the cache, the output product. x (B, D) -> (B, D)."""
     b, h, hkv, e = x.shape[0], p.heads, p.kv_heads, p.head_dim
-    qkv = F.linear(x, w["qkv"], w["qkv_bias"]).view(b, h + 2 * hkv, e)  # q, k, v heads
+    qkv = _linear(p, x, w["qkv"], w["qkv_bias"]).view(b, h + 2 * hkv, e)  # q, k, v heads
     qk = qkv[:, : h + hkv]
     if rotation is not None:  # half layout: x * [cos, cos] + [x2, x1] * [-sin, sin]
         qk = qk * rotation[0] + qk.roll(e // 2, -1) * rotation[1]
     n = mask.shape[1]  # slots filled after this step's: the new token is at n - 1
     k_buf[:, :, n - 1 : n] = qk[:, h:, None]  # a slice, not an index: n stays symbolic when compiled
     v_buf[:, :, n - 1 : n] = qkv[:, h + hkv :, None]
-    return F.linear(_attention(p, qk[:, :h], k_buf[:, :, :n], v_buf[:, :, :n], mask), w["o"], w["o_bias"])
+    return _linear(p, _attention(p, qk[:, :h], k_buf[:, :, :n], v_buf[:, :, :n], mask), w["o"], w["o_bias"])
+
+
+def _linear(p: Program, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias) of x (B, in); with p.row_blocks, for weights `row_blocks` accepts, as
+    the eager step computes it (`tformer.model.linear.row_blocked_linear`): one batched product of the
+    weight's row blocks with x^T, which streams the weights on every core where F.linear of a few rows
+    uses one (an AMD EPYC: the compiled step read its weights at half the eager step's speed without it).
+    The block count is read from the weight's static shape: a constant of the compiled graph."""
+    n = row_blocks(weight) if p.row_blocks else None
+    if n is None:
+        return F.linear(x, weight, bias)
+    b, (d_out, d_in) = x.shape[0], weight.shape
+    y = torch.bmm(weight.view(n, d_out // n, d_in), x.t().unsqueeze(0).expand(n, d_in, b))  # (n, out/n, B)
+    y = y.permute(2, 0, 1).reshape(b, d_out)
+    return y if bias is None else y + bias
 
 
 def _activate(kind: str, up: Tensor, gate: Tensor | None) -> Tensor:
@@ -249,16 +266,16 @@ def _activate(kind: str, up: Tensor, gate: Tensor | None) -> Tensor:
     return F.relu(up) if kind == "relu" else F.gelu(up)
 
 
-def _ffn(spec: Dense | Routed, w: dict, x: Tensor) -> Tensor:
+def _ffn(p: Program, spec: Dense | Routed, w: dict, x: Tensor) -> Tensor:
     """The FFN slot on x (B, D): dense, or routed."""
     if type(spec) is Routed:
-        return _moe(spec, w, x)
-    up = F.linear(x, w["up"], w["up_bias"])  # down(act(up(x))), down(silu(gate(x)) * up(x))
+        return _moe(p, spec, w, x)
+    up = _linear(p, x, w["up"], w["up_bias"])  # down(act(up(x))), down(silu(gate(x)) * up(x))
     gate, up = up.split(spec.width, dim=-1) if spec.kind == "swiglu" else (None, up)
-    return F.linear(_activate(spec.kind, up, gate), w["down"], w["down_bias"])
+    return _linear(p, _activate(spec.kind, up, gate), w["down"], w["down_bias"])
 
 
-def _moe(spec: Routed, w: dict, x: Tensor) -> Tensor:
+def _moe(p: Program, spec: Routed, w: dict, x: Tensor) -> Tensor:
     """sum over the row's top-K experts of weight * expert(x), plus the shared experts, as `MoE` computes
     it in eval mode (router in fp32; the weighted sum in fp32, then x's dtype). Each row's chosen experts'
     weights are indexed, W[idx] (B, K, out, in), and applied as products and sums, which the compiler
@@ -281,7 +298,7 @@ def _moe(spec: Routed, w: dict, x: Tensor) -> Tensor:
     gate = product("gate_proj", x_k) if spec.kind == "swiglu" else None
     y = product("down_proj", _activate(spec.kind, product("up_proj", x_k), gate))  # (B, K, D)
     routed = (y * weights[..., None]).sum(1).to(x.dtype)  # (B, D)
-    return routed if spec.shared is None else routed + _ffn(spec.shared, w["shared"], x)
+    return routed if spec.shared is None else routed + _ffn(p, spec.shared, w["shared"], x)
 
 
 def step_program(
@@ -306,7 +323,7 @@ def step_program(
         rotation = tuple(tables[name][positions][:, None].to(x.dtype) for name in ("cos", "sin"))
     for ffn_spec, w, k_buf, v_buf in zip(p.ffns, layers, ks, vs):
         attn = partial(_self_attention, p, w, rotation=rotation, k_buf=k_buf, v_buf=v_buf, mask=mask)
-        ffn = partial(_ffn, ffn_spec, w["ffn"])
+        ffn = partial(_ffn, p, ffn_spec, w["ffn"])
         attn_norm = partial(_apply_norm, p.attn_norm, w["attn_norm"])
         ffn_norm = partial(_apply_norm, p.ffn_norm, w["ffn_norm"])
         if p.pre:  # x = x + Attn(norm(x)); x = x + FFN(norm(x))
@@ -316,7 +333,7 @@ def step_program(
             x = attn_norm(x + attn(x))
             x = ffn_norm(x + ffn(x))
     x = _apply_norm(p.final_norm, tables["final_norm"], x)
-    return F.linear(x, tables["head"], tables["head_bias"])
+    return _linear(p, x, tables["head"], tables["head_bias"])
 
 
 _FAILED: dict[tuple, str] = {}  # CompiledDecodeStep.key -> why compiling it failed in this process
@@ -358,6 +375,7 @@ class CompiledDecodeStep:
             final_norm=_norm_spec(model.final_norm)[0],
             embed_scale=float(model.embed_scale),
             rope=type(model.rotary) is HalfRotaryEmbedding,
+            row_blocks=rows <= DECODE_MAX_ROWS and row_blocking_pays(model),  # as the eager step decides
         )
         self.tables, self.layers = _tables(model), tuple(weights for _, weights in layers)
         self.fn = compiled_step_program() if compiled else step_program
