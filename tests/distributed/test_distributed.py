@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tests.tasks.conftest import write_bbc, write_dictionary
@@ -119,7 +120,7 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
         assert steps[0] > 0 and steps == [steps[0]] * 3, steps
 
 
-# Weights after two clipped AdamW steps at lr 1e-2 from gradients equal to ~1e-7: Adam's first update is
+# Weights after three clipped AdamW steps at lr 1e-2 from gradients equal to ~1e-7: Adam's first update is
 # lr * g / (|g| + 1e-8), so an element whose gradient is near zero amplifies rounding (a tok_embed element
 # moved 2.3e-5 apart when the loss came from split logits, 5.6e-6 from whole ones); 1e-4, 1% of one
 # update, still catches a missed, doubled or misplaced one
@@ -474,6 +475,10 @@ def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, cor
     assert [r["step"] for r in train] == [1, 2]
     assert train[-1]["tokens_seen"] == 2 * 2 * 2 * 32  # 2 steps x 2 data ranks x batch 2 x 32 tokens
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
+    if experts == "shard":  # each expert weight saved as the two data ranks' halves of its 4 experts
+        meta = FileSystemReader(str(out / "checkpoints" / "step_000002")).read_metadata().state_dict_metadata
+        chunks = [c for k, m in meta.items() if k.endswith("blocks.1.ffn.experts.up_proj") for c in m.chunks]
+        assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(0, 2), (2, 2)], chunks
     capsys.readouterr()
     assert main(["eval", "--run", str(out), "--max-batches", "1", "--json"]) == 0
     assert "eval_loss" in json.loads(capsys.readouterr().out)

@@ -402,7 +402,7 @@ def tensor_encoder_decoder(plan, tp_env, tie_embeddings: bool = True) -> dict:
 
 def tensor2d(env, out_dir: Path, out: dict) -> None:
     """4 ranks as a (2 data x 2 tensor) mesh, FSDP2 over the data dimension: each data rank takes its
-    part of the batch; gradients, two clipped AdamW steps and the weights vs one process on the union."""
+    part of the batch; gradients, three clipped AdamW steps and the weights vs one process on the union."""
     from tformer.distributed.env import ProcessGroup
 
     tp_env = ProcessGroup(owns_group=False, tensor=2)

@@ -34,6 +34,7 @@ import os
 import pickle
 import shutil
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tformer.config import ModelConfig
-from tformer.distributed.env import Local, new_group, rank_seed
+from tformer.distributed.env import Local, new_group, rank_seed, set_mesh_timeout
 from tformer.distributed.expert_parallel import ExpertParallelDispatch
 from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
@@ -222,6 +223,12 @@ class DCPCheckpointer:
         sliced = expert_slices(model)
         if not sliced:
             return state
+        sizes = {layer.dispatch.world_size for _, layer in moe_layers(model) if isinstance(layer.dispatch, ExpertParallelDispatch)}  # fmt: skip
+        if len(sizes) != 1 or self.env.world_size % next(iter(sizes)):
+            raise CheckpointError(
+                f"expert-parallel layers split over {sorted(sizes)} ranks of {self.env.world_size}"
+            )
+        split = partial(self._shard, data=sizes.pop())
         out = {"model": dict(state["model"]), "optim": dict(state["optim"])}
         for part, table in out.items():
             for key, t in table.items():
@@ -232,18 +239,21 @@ class DCPCheckpointer:
                     and t.dim() >= 1
                     and not isinstance(t, DTensor)
                 ):
-                    table[key] = self._shard(t)
+                    table[key] = split(t)
         return out
 
-    def _shard(self, t: torch.Tensor) -> DTensor:
-        """Experts are split over the data-parallel ranks; the ranks of a tensor-parallel group (the
-        mesh's second dimension) hold the same slice."""
-        data, tensor = self.env.data_world_size, self.env.world_size // self.env.data_world_size
+    def _shard(self, t: torch.Tensor, data: int) -> DTensor:
+        """Experts split over `data` ranks (all of them; or, with tensor parallelism, the data-parallel
+        ones, each slice held by the ranks of a tensor-parallel group: replicated over the mesh's
+        second dimension)."""
+        tensor = self.env.world_size // data
         if self._mesh is None:
-            self._mesh = init_device_mesh(t.device.type, (data, tensor), mesh_dim_names=("data", "tensor"))
+            shape, names = ((data,), ("data",)) if tensor == 1 else ((data, tensor), ("data", "tensor"))
+            self._mesh = init_device_mesh(t.device.type, shape, mesh_dim_names=names)
+            set_mesh_timeout(self._mesh, self.env)
         shape = (t.shape[0] * data, *t.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
-        placements = [Shard(0), Replicate()]
+        placements = [Shard(0)] if tensor == 1 else [Shard(0), Replicate()]
         return DTensor.from_local(t, self._mesh, placements, run_check=False, shape=shape, stride=stride)
 
     # ------------------------------------------------------------------ save

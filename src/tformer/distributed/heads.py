@@ -8,7 +8,9 @@ attention weights, draws the mask of *all* heads from the shared stream, and app
 as `SplitDropout` does for the residual stream over the sequence. On the CPU, where torch's attention
 dropout (fused or not) is probs * (bernoulli(1 - p) / (1 - p)) over (B, H, Tq, Tk), every rank drops
 exactly the positions one process drops in those heads. The price: the weights are materialised (the
-eager kernel) and each rank draws the whole mask; outside training the wrapped fused kernel runs.
+eager kernel, (B, H / P, Tq, Tk) per rank as fp32) and each rank draws the whole mask, one byte per
+weight of all H heads, for the time of the draw; outside training the wrapped fused kernel runs. (On
+CUDA a run cannot match one process anyway: the fused kernels draw their own way.)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from tformer.model.attention import Attention, repeat_kv
 from tformer.model.masks import Mask
@@ -36,20 +39,23 @@ class HeadSplitDropout(nn.Module):
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, H/P, S, E)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H/P, Tq, Tk)
         scores = scores.masked_fill(~mask.allowed, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.float(), dim=-1)  # fp32 until the product with v
         b, h, tq, tk = probs.shape
         rank = self.mesh.get_local_rank()
-        whole = probs.new_empty(b, h * self.mesh.size(), tq, tk).bernoulli_(1 - self.p)  # every head's draw
-        keep = whole[:, rank * h : (rank + 1) * h].div(1 - self.p)  # a copy: only it is kept for backward
-        return (probs * keep) @ v  # (B, H/P, Tq, E)
+        # every head's draw, one byte each (on the CPU the same positions and draws as a float mask)
+        whole = torch.empty(b, h * self.mesh.size(), tq, tk, dtype=torch.bool, device=q.device)
+        whole.bernoulli_(1 - self.p)
+        keep = whole[:, rank * h : (rank + 1) * h].float().div_(1 - self.p)  # only this rank's part is kept
+        return (probs * keep).to(v.dtype) @ v  # (B, H/P, Tq, E)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
 
 
 def split_attention_dropout(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Wrap every attention kernel of a tensor-parallel model with attention dropout > 0."""
+    """Wrap the kernel of every attention whose heads tensor parallelism split (a plan may leave some
+    whole: their ranks hold the same heads and must drop alike), in a model with attention dropout."""
     p = model.cfg.attn_dropout
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and isinstance(module.q_proj.weight, DTensor):
             module.kernel = HeadSplitDropout(module.kernel, p, module.n_heads // module.n_kv_heads, mesh)

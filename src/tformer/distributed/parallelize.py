@@ -183,6 +183,13 @@ def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: in
         return {}
     if not moe_layers(model):
         raise ConfigError("parallel.experts=shard, but the model has no MoE layer to split (set model.moe)")
+    n_experts = moe_layers(model)[0][1].experts.n_experts
+    if n_experts % size:
+        over = "data-parallel ranks" if plan.tensor > 1 else "processes"
+        raise ConfigError(
+            f"parallel.experts=shard splits each MoE layer's {n_experts} experts over the {size} {over}: "
+            f"model.moe.n_experts must be divisible by {size}"
+        )
     rank_local = apply_expert_parallel(model, rank, size, group)
     for p in rank_local.values():
         p.register_hook(lambda g: g / size)
