@@ -206,7 +206,8 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
     """F1 on a 2-D mesh: 4 ranks, tensor parallel in pairs (without and with sequence parallelism),
     FSDP2 over the two pairs, each pair on its part of the batch: gradients, three clipped steps and
     weights vs one process on the whole batch; the same with expert parallelism over the two pairs (an
-    MoE decoder, bias updates too), whose checkpoint reloads on the 4 ranks and opens in one process."""
+    MoE decoder, bias updates too), whose checkpoint reloads on the 4 ranks and opens in one process
+    (weights, and the routing counts of the two pairs counted once)."""
     results = launch("tensor2d", tmp_path, nproc=4)
     assert [r["fsdp_tp"]["data_rank"] for r in results] == [0, 0, 1, 1]
     for r in results:
@@ -233,6 +234,11 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
     assert_same_state(
         {k: v.detach() for k, v in one.named_parameters()}, load_file(tmp_path / "ep_tp_sp.safetensors")
     )
+    # the routing counts of the two data ranks, each held by both ranks of its pair, counted once
+    counts = [r["ep_tp_sp"]["window_tokens"] for r in results]
+    assert counts[0] == counts[1] and counts[2] == counts[3]
+    want = [[a + b for a, b in zip(x, y)] for x, y in zip(counts[0], counts[2])]
+    assert [m.router.window_tokens.tolist() for m in one.modules() if hasattr(m, "router")] == want
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:

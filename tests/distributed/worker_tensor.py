@@ -453,4 +453,7 @@ def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path) -> dict:
     d["bias_moved"] = any(float(m.router.expert_bias.abs().max()) > 0 for m, _ in moe_pairs(model, ref))
     if sequence:  # the experts' slices saved as one (data-sharded, tensor-replicated) tensor each
         d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir, "ep_tp_sp")
+        d["window_tokens"] = [
+            m.router.window_tokens.tolist() for m, _ in moe_pairs(model, ref)
+        ]  # saved counts
     return d

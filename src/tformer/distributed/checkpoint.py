@@ -389,7 +389,8 @@ class DCPCheckpointer:
             raise CheckpointError(
                 f"{path}: optimizer parameter groups differ from the checkpoint's: {diff[:3]}"
             )
-        own = self._rank_state(reader, saved_world, local)
+        saved_data_world = int(trainer.get("data_world_size", saved_world))
+        own = self._rank_state(reader, saved_world, saved_world // saved_data_world, local)
         scheduler_state = match_groups(trainer["scheduler"], len(optimizer.param_groups), path)
         shards = self._as_shards(model, state)
         self._check_dcp_files(reader)
@@ -404,7 +405,6 @@ class DCPCheckpointer:
         _dcp_call("load", path, set_state_dict, model, optimizer, model_state_dict=model_state,
                   optim_state_dict=optim_state, options=OPTIONS)  # fmt: skip
         scheduler.load_state_dict(scheduler_state)
-        saved_data_world = int(trainer.get("data_world_size", saved_world))
         same_tensor = saved_world // saved_data_world == self.env.world_size // self.env.data_world_size
         if own["rng"] is not None and same_tensor:
             restore_rng_state(own["rng"])
@@ -435,18 +435,25 @@ class DCPCheckpointer:
         if problem is not None:
             raise CheckpointError(problem)
 
-    def _rank_state(self, reader: _Reader, saved_world: int, local: dict[str, torch.Tensor]) -> dict:
-        """This rank's saved RNG and rank-local buffers. When the world size changed, rank 0 takes the sum
-        of all saved ranks' counters (global totals are kept) and the others start from zero."""
-        rank = self.env.rank
-        if saved_world == self.env.world_size:
+    def _rank_state(
+        self, reader: _Reader, saved_world: int, saved_tensor: int, local: dict[str, torch.Tensor]
+    ) -> dict:
+        """This rank's saved RNG and rank-local buffers (the MoE token counters). When the world size or
+        the tensor-parallel degree changed, the global totals are kept: the ranks of the first
+        tensor-parallel group (rank 0 alone without tensor parallelism) take the sum of all saved ranks'
+        counters over the saved degree (the ranks of a group count the same tokens, and the totals
+        divide by the degree: `global_routing_stats`), the others start from zero."""
+        rank, tensor = self.env.rank, self.env.world_size // self.env.data_world_size
+        if saved_world == self.env.world_size and saved_tensor == tensor:
             saved = reader.pair(rng_key(rank))
             return {"rng": saved["rng"], "buffers": _check_buffers(saved["buffers"], local, reader.path)}
         buffers = {k: torch.zeros_like(v) for k, v in local.items()}
-        if rank == 0:
+        if self.env.data_rank == 0:
             for r in range(saved_world):
                 for k, v in _check_buffers(reader.pair(rng_key(r))["buffers"], local, reader.path).items():
                     buffers[k] += v.to(buffers[k].device)
+            for value in buffers.values():  # exact: each count is held saved_tensor times
+                value.div_(saved_tensor, rounding_mode="floor")
         rng = reader.pair(rng_key(rank))["rng"] if rank < saved_world else None
         return {"rng": rng, "buffers": buffers}
 
