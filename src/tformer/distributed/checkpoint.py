@@ -9,7 +9,9 @@ A DCP checkpoint is `run_dir/checkpoints/step_000123/` (the same names, retentio
   .metadata, __*_*.distcp  torch.distributed.checkpoint of the tensors of {"model": ..., "optim": ...}
                            from get_state_dict (optimizer state flattened, keyed by parameter name):
                            each rank writes only its shards (FSDP2 DTensors; expert-parallel slices
-                           are described to DCP as DTensors sharded on dim 0), any world size reads them
+                           are described to DCP as DTensors sharded on dim 0, over the data
+                           dimension and replicated over the tensor one under tensor
+                           parallelism), any world size reads them
   trainer.json             (rank 0) step, world size, scheduler state, loader position, trainer state,
                            the optimizer's non-tensor entries (param-group settings; DCP would pickle them)
   meta.json                (rank 0) the resolved configs and tokenizer, as in the safetensors format
