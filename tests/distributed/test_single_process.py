@@ -94,8 +94,16 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         make_plan(ParallelConfig(tensor=2, data="ddp"), 4)
     with pytest.raises(ConfigError, match="must divide the world size 3"):
         make_plan(ParallelConfig(tensor=2), 3)
-    # expert parallelism over the data dimension: needs more than one tensor-parallel group
-    assert make_plan(ParallelConfig(tensor=2, data="fsdp", experts="shard"), 4).expert_parallel
+    # expert parallelism over the data dimension: needs more than one tensor-parallel group, and experts
+    # that divide by the data-parallel ranks (checked before any process group is used)
+    from tformer.distributed.parallelize import shard_experts_over
+
+    ep_tp = make_plan(ParallelConfig(tensor=2, data="fsdp", experts="shard"), 6)
+    assert ep_tp.expert_parallel
+    with pytest.raises(ConfigError, match="4 experts over the 3 data-parallel ranks: model.moe.n_experts"):
+        shard_experts_over(moe_model(4), ep_tp, 0, 3)
+    with pytest.raises(ConfigError, match="has no MoE layer"):
+        shard_experts_over(build_model(tiny()), ep_tp, 0, 3)
     with pytest.raises(ConfigError, match="experts=shard with parallel.tensor=2 on 2 processes"):
         make_plan(ParallelConfig(tensor=2, experts="shard"), 2)
     with pytest.raises(ConfigError, match="tensor"):
