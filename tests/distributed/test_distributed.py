@@ -168,8 +168,9 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         loss, want, grad, held = v["one_entry"]  # a vocabulary of 1: rank 1 holds no entry
         assert loss == want == 0.0 and grad == 0.0 and held == 1 - rank, v
         assert r["sequence_decoder"]["checkpoint"]["reloaded_equal"]  # DCP round trip on 2 ranks
-        for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE layers whole in every rank of the group
+        for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE: whole tokens, experts split by width
             m = r[key]
+            assert m["experts_split"] == [[[4, 32, 32], [4, 64, 32]], [[4, 32, 32], [4, 32, 64]]], (key, m)
             assert (
                 m["loss_diff"] <= 1e-6 and m["grad_diff"] <= 1e-6 and m["stats_equal"] and m["rows"] == rows
             ), (key, m)
@@ -217,28 +218,35 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
             assert d["head_split"] and d["step_logits"] == ["DTensor"], (key, d)
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
-        for key in ("ep_tp", "ep_tp_sp"):  # experts split over the data dimension, 2 of 4 on each rank
-            d = r[key]
-            assert d["experts_held"] == [2, "Parameter"] and d["clipped"] and d["grads_placed"], (key, d)
+        for key, held in (("ep_tp", [2, 64, 32]), ("ep_tp_sp", [2, 64, 32]), ("moe_tp", [2, 32, 32]), ("moe_tp_sp", [2, 32, 32])):  # fmt: skip
+            d = r[key]  # ep: 2 of 4 experts on each rank; moe: every expert's half width, FSDP2 halving dim 0
+            assert d["experts_held"][0] == held and d["clipped"] and d["grads_placed"], (key, d)
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
             assert d["bias_moved"] and d["bias_diff"] <= 1e-6, (key, d)
-        assert r["ep_tp_sp"]["checkpoint"]["reloaded_equal"], r["ep_tp_sp"]["checkpoint"]
-    # that checkpoint (experts split over the data ranks, the rest FSDP2 x TP) opened in one process
-    moe = MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01)
-    one = build_model(tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64,
-                                     tie_embeddings=False, moe=moe))  # fmt: skip
-    opt = torch.optim.AdamW(one.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    DCPCheckpointer(Local(), 0).load(Path(results[0]["ep_tp_sp"]["checkpoint"]["path"]), one, opt, sched)
-    assert_same_state(
-        {k: v.detach() for k, v in one.named_parameters()}, load_file(tmp_path / "ep_tp_sp.safetensors")
-    )
+        for key in ("ep_tp_sp", "moe_tp_sp"):
+            assert r[key]["checkpoint"]["reloaded_equal"], (key, r[key]["checkpoint"])
+    # those checkpoints (experts split over the data ranks, or by width over the tensor one; the rest
+    # FSDP2 x TP) opened in one process
+    opened = {}
+    for key in ("ep_tp_sp", "moe_tp_sp"):
+        moe = MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01)
+        one = build_model(tiny().replace(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                         tie_embeddings=False, moe=moe))  # fmt: skip
+        opt = torch.optim.AdamW(one.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        DCPCheckpointer(Local(), 0).load(Path(results[0][key]["checkpoint"]["path"]), one, opt, sched)
+        assert_same_state(
+            {k: v.detach() for k, v in one.named_parameters()}, load_file(tmp_path / f"{key}.safetensors")
+        )
+        opened[key] = one
     # the routing counts of the two data ranks, each held by both ranks of its pair, counted once
     counts = [r["ep_tp_sp"]["window_tokens"] for r in results]
     assert counts[0] == counts[1] and counts[2] == counts[3]
     want = [[a + b for a, b in zip(x, y)] for x, y in zip(counts[0], counts[2])]
-    assert [m.router.window_tokens.tolist() for m in one.modules() if hasattr(m, "router")] == want
+    assert [
+        m.router.window_tokens.tolist() for m in opened["ep_tp_sp"].modules() if hasattr(m, "router")
+    ] == want
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:

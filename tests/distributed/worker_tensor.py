@@ -276,8 +276,9 @@ def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path, name: str = 
 
 def tensor_moe(plan, tp_env) -> dict:
     """A decoder with MoE layers (first layer dense, a shared expert, balance losses on): attention and the
-    dense FFN split, the MoE layers run whole by every rank of the group. Loss with the balance loss,
-    gradients, and the routing statistics (counted once, not once per rank of the group) vs one process."""
+    dense FFN split, in the MoE layers every rank routes the whole sequence and computes its slice of
+    every expert's width. Loss with the balance loss, gradients (router included), and the routing
+    statistics (counted once, not once per rank of the group) vs one process."""
     from tformer.distributed.parallelize import global_routing_stats
     from tformer.model.moe import moe_aux_loss, moe_routing_stats
 
@@ -304,6 +305,11 @@ def tensor_moe(plan, tp_env) -> dict:
             for k in want
         ),  # fmt: skip
         "rows": sorted(set(rows)),
+        # each rank's slice of every expert's width: (E, F / P, D) of (E, F, D)
+        "experts_split": [
+            [list(p.to_local().shape), list(p.shape)] if isinstance(p, DTensor) else None
+            for p in (model.blocks[1].ffn.experts.up_proj, model.blocks[1].ffn.experts.down_proj)
+        ],
     }
 
 
@@ -430,17 +436,22 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         del par, model, ref
         gc.collect()
         out["ep_tp_sp" if sequence else "ep_tp"] = tensor2d_experts(env, tp_env, sequence, out_dir)
+        out["moe_tp_sp" if sequence else "moe_tp"] = tensor2d_experts(
+            env, tp_env, sequence, out_dir, "replicate"
+        )
 
 
-def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path) -> dict:
+def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path, experts: str = "shard") -> dict:
     """Expert parallelism over the data dimension with tensor parallelism in pairs (FSDP2 over the data
     dimension for the rest): an MoE decoder (bias updates, a shared expert; no balance loss, which each
     data rank computes on its own tokens) vs one process on the whole batch, as `tensor2d`; each rank
-    holds half the experts, its pair partner the same half. With sequence parallelism also a DCP round
-    trip, and the weights dumped for opening the checkpoint in one process."""
+    holds half the experts, its pair partner the same half (experts="replicate": every rank holds every
+    expert's half width, FSDP2 sharding that over the data dimension). With sequence parallelism and
+    expert parallelism also a DCP round trip, and the weights dumped for opening the checkpoint in one
+    process."""
     cfg = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01), **TP_CFG)  # fmt: skip
     plan = make_plan(
-        ParallelConfig(tensor=2, data="fsdp", experts="shard", sequence=sequence), env.world_size
+        ParallelConfig(tensor=2, data="fsdp", experts=experts, sequence=sequence), env.world_size
     )
     ref, model = twins(cfg)
     par = parallelize(model, plan, tp_env, torch.device("cpu"))
@@ -448,11 +459,15 @@ def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path) -> dict:
     whole = partial(global_batch, dp)
     d = compare_steps(ref, model, par, whole, lambda step: rank_part(whole(step), tp_env.data_rank),
                       dp / whole(0).targets.numel())  # fmt: skip
-    experts = model.blocks[0].ffn.experts.up_proj
-    d["experts_held"] = [experts.shape[0], type(experts).__name__]
+    up = model.blocks[0].ffn.experts.up_proj
+    d["experts_held"] = [
+        list(up.to_local().shape if isinstance(up, DTensor) else up.shape),
+        type(up).__name__,
+    ]
     d["bias_moved"] = any(float(m.router.expert_bias.abs().max()) > 0 for m, _ in moe_pairs(model, ref))
-    if sequence:  # the experts' slices saved as one (data-sharded, tensor-replicated) tensor each
-        d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir, "ep_tp_sp")
+    if sequence:  # the experts saved as one tensor each (data-sharded, tensor-replicated / -sharded by width)
+        name = "ep_tp_sp" if experts == "shard" else "moe_tp_sp"
+        d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir, name)
         d["window_tokens"] = [
             m.router.window_tokens.tolist() for m, _ in moe_pairs(model, ref)
         ]  # saved counts

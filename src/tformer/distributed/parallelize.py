@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
+from tformer.distributed.expert_width import split_expert_width
 from tformer.distributed.heads import split_attention_dropout
 from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.distributed.sequence import apply_sequence_parallel
@@ -197,8 +198,10 @@ def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: in
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
-    """Tensor parallelism splits heads and FFN width evenly; MoE layers are not split: every rank of a
-    group runs them whole (on the whole sequence, also under sequence parallelism)."""
+    """Tensor parallelism splits heads and FFN width evenly; in MoE layers every rank of a group routes
+    the same (whole) sequence and computes its slice of every expert's width
+    (tformer.distributed.expert_width; experts with biases or a width the degree does not divide, and
+    expert-parallel ones, run whole)."""
     cfg = model.cfg
     for name, value in (
         ("model.n_heads", cfg.n_heads),
@@ -231,6 +234,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
         model, mesh, {name: styles[style]() for name, (style, _) in chosen.items() if style in styles}
     )
     heads = [split_head(module, mesh) for style, module in chosen.values() if style == "vocab"]
+    if not plan.expert_parallel:  # experts split by width in each group (expert parallelism keeps them whole)
+        split_expert_width(model, mesh)
     if model.cfg.attn_dropout > 0:  # each rank drops its own heads' weights (a group shares one RNG stream)
         split_attention_dropout(model, mesh)
     if plan.sequence:

@@ -134,11 +134,18 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) ->
 
 
 # ----------------------------------------------------------------------------- experts
+def _same(t: Tensor | None) -> Tensor | None:
+    return t
+
+
 class Experts(nn.Module):
     """E FFNs of one kind; `forward(x, p)` is the FFN written once over projections `p`, which
-    `grouped(counts)` binds to all experts' rows at once and `per_expert()` to each expert alone."""
+    `grouped(counts)` binds to all experts' rows at once and `per_expert()` to each expert alone.
+    `local` maps a stacked weight to what the kernels multiply by: the weight itself, or (set by a
+    tensor-parallel plan, tformer.distributed.expert_width) this rank's slice of it."""
 
     projections: tuple[str, ...] = ("up_proj", "down_proj")
+    local = staticmethod(_same)
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, bias: bool) -> None:
         super().__init__()
@@ -155,15 +162,20 @@ class Experts(nn.Module):
         """Projections over rows sorted by expert, counts[e] rows for expert e."""
         return SimpleNamespace(
             **{
-                n: partial(grouped_linear, w=getattr(self, n), b=getattr(self, f"{n}_bias"), counts=counts)
+                n: partial(
+                    grouped_linear,
+                    w=self.local(getattr(self, n)),
+                    b=self.local(getattr(self, f"{n}_bias")),
+                    counts=counts,
+                )  # fmt: skip
                 for n in self.projections
             }
         )
 
     def per_expert(self) -> list[SimpleNamespace]:
         """Each expert's projections, as views from one `unbind` per stacked tensor."""
-        views = {n: self._unbind(getattr(self, n)) for n in self.projections}
-        biases = {n: self._unbind(getattr(self, f"{n}_bias")) for n in self.projections}
+        views = {n: self._unbind(self.local(getattr(self, n))) for n in self.projections}
+        biases = {n: self._unbind(self.local(getattr(self, f"{n}_bias"))) for n in self.projections}
         return [
             SimpleNamespace(**{n: partial(F.linear, weight=views[n][e], bias=biases[n][e]) for n in views})
             for e in range(self.n_experts)
