@@ -14,7 +14,9 @@ for backward (`sequence.KEEP_GATHERED`, as before 2026-12-01 afternoon; by defau
 positions and gathers them again in backward); the fourth computes the loss from whole logits (the head's output
 all-gathered, as outside a training step and as the trainer did before 2026-12-01 afternoon); the
 fifth leaves the head whole on every rank (the plan without its "vocab" style), as it was before the
-head was split. The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
+head was split. With --moe the model is bench_lm.py's DeepSeekMoE LM, and the variants are tensor
+parallelism with every rank computing its slice of each expert's width (as `tformer train` runs it) and
+with every rank computing the experts whole (as before 2026-12-01 afternoon). The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
 target count. Measured on each rank, in one process group, round-robin (harness.py):
 
   saved bytes   what one forward and its loss keep for backward on this rank (`saved_tensors_hooks`; a
@@ -43,8 +45,10 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
 
-from tformer.distributed import sequence  # noqa: E402
+from tformer.config import MoEConfig  # noqa: E402
+from tformer.distributed import expert_width, sequence  # noqa: E402
 from tformer.distributed.env import init_distributed  # noqa: E402
+from tformer.distributed.expert_width import splits_expert_width  # noqa: E402
 from tformer.distributed.parallelize import parallelize  # noqa: E402
 from tformer.distributed.plans import make_plan  # noqa: E402
 from tformer.model import build_model  # noqa: E402
@@ -54,6 +58,9 @@ from tformer.train.config import OptimConfig, ParallelConfig  # noqa: E402
 from tformer.train.optim import make_optimizer  # noqa: E402
 
 FULL = dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, d_ff=1376, batch=8, seq=256, rounds=5)
+# bench_lm.py's DeepSeekMoE LM (--moe): first layer dense, then 64 experts of 344, top-6, 2 shared
+MOE = MoEConfig(n_experts=64, top_k=6, d_expert=344, n_shared=2, first_dense=1, score_func="sigmoid",
+                norm_topk=True, routed_scaling=1.0, aux_loss_coef=0.0)  # fmt: skip
 QUICK = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, batch=2, seq=32, rounds=2)
 
 
@@ -91,6 +98,7 @@ def saved_bytes(model, ids, targets, context) -> dict[str, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
+    p.add_argument("--moe", action="store_true", help="the DeepSeekMoE LM: experts split by width vs whole")
     args = p.parse_args()
     if "RANK" not in os.environ:
         sys.exit("run under torchrun: torchrun --standalone --nproc_per_node 2 benchmarks/bench_parallel.py")
@@ -108,19 +116,24 @@ def main() -> None:
     plain = make_plan(ParallelConfig(tensor=world), world)
     whole_head = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if s[1] != "vocab"))
     sp = make_plan(ParallelConfig(tensor=world, sequence=True), world)
-    variants = {  # name: (plan, the loss reads split logits, sequence.KEEP_GATHERED)
-        "tensor parallel": (plain, True, False),
-        "+ sequence parallel": (sp, True, False),
-        "SP, gathered inputs kept": (sp, True, True),
-        "TP, loss from whole logits": (plain, False, False),
-        "TP, head not split": (whole_head, False, False),
+    variants = {  # name: (plan, the loss reads split logits, sequence.KEEP_GATHERED, experts split by width)
+        "tensor parallel": (plain, True, False, True),
+        "+ sequence parallel": (sp, True, False, True),
+        "SP, gathered inputs kept": (sp, True, True, True),
+        "TP, loss from whole logits": (plain, False, False, True),
+        "TP, head not split": (whole_head, False, False, True),
     }
-    for name, (plan, split, keep) in variants.items():
+    if args.moe:
+        cfg = cfg.replace(moe=MOE)
+        variants = {"TP, experts split by width": (plain, True, False, True),
+                    "TP, experts whole": (plain, True, False, False)}  # fmt: skip
+    for name, (plan, split, keep, by_width) in variants.items():
         torch.manual_seed(0)
         model = build_model(cfg)
         sequence.KEEP_GATHERED = keep
+        expert_width.splits_expert_width = splits_expert_width if by_width else lambda layer, degree: False
         par = parallelize(model, plan, env, torch.device("cpu"))
-        sequence.KEEP_GATHERED = False
+        sequence.KEEP_GATHERED, expert_width.splits_expert_width = False, splits_expert_width
         optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
         # the trainer's micro-batch context: a vocabulary-split head keeps its logits split within
         context = partial(par.comm.micro_batch, par.model, True) if split else contextlib.nullcontext
@@ -137,7 +150,7 @@ def main() -> None:
         steps[name] = step
     with LoadMeter() as load:
         times = round_robin(steps, s["rounds"], progress=rank == 0)
-    rows = summarize(times, "tensor parallel", s["batch"] * s["seq"])
+    rows = summarize(times, next(iter(variants)), s["batch"] * s["seq"])
     table = []
     for name, row in rows.items():
         mib = {k: v / 2**20 for k, v in memory[name].items()}
@@ -157,7 +170,8 @@ def main() -> None:
              ("first_loss", "first loss", ".6f")],
         )  # fmt: skip
         print(load.line(), f"(the machine's other {world - 1} rank(s) of this job count as foreign CPU)")
-        write_json("parallel_quick.json" if args.quick else "parallel.json",
+        out = "parallel_moe" if args.moe else "parallel"
+        write_json(f"{out}_quick.json" if args.quick else f"{out}.json",
                    {"shape": s, "world_size": world, "rows": table, "times_s": times, "load": load.result})  # fmt: skip
     dist.barrier()
     env.shutdown()
