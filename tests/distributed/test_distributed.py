@@ -171,6 +171,10 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE: whole tokens, experts split by width
             m = r[key]
             assert m["experts_split"] == [[[4, 32, 32], [4, 64, 32]], [[4, 32, 32], [4, 32, 64]]], (key, m)
+            assert not m["warned_whole"], (key, m)
+            b = r[key + "_bias"]  # experts with biases: whole on every rank, said with a warning
+            assert b["experts_split"] == [None, None] and b["warned_whole"], (key, b)
+            assert b["loss_diff"] <= 1e-6 and b["grad_diff"] <= 1e-6 and b["stats_equal"], (key, b)
             assert (
                 m["loss_diff"] <= 1e-6 and m["grad_diff"] <= 1e-6 and m["stats_equal"] and m["rows"] == rows
             ), (key, m)
@@ -474,12 +478,14 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
 @pytest.mark.parametrize("experts", ["replicate", "shard"])
 def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, corpus: Path, capsys) -> None:
     """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with sequence parallelism and
-    FSDP2 over the pairs (and an MoE model with its experts split over the pairs): exit 0, metrics once,
+    FSDP2 over the pairs, an MoE model (its first layer dense) with its experts split by width in each
+    pair, or split over the pairs (expert parallelism): exit 0, metrics once,
     a DCP checkpoint that `tformer eval` opens in one process."""
     out = tmp_path / "run"
     sets = ("parallel.data=fsdp", "parallel.tensor=2", "parallel.sequence=true")
+    sets += ("model.moe={n_experts: 4, top_k: 2, first_dense: 1}",)  # experts split by width, or sharded
     if experts == "shard":
-        sets += ("parallel.experts=shard", "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")
+        sets += ("parallel.experts=shard",)
     proc = torchrun_train(out, corpus, *sets, nproc=4)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert json.loads((out / "config.json").read_text())["parallel"]["sequence"] is True

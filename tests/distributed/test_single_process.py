@@ -111,7 +111,7 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
     with pytest.raises(ConfigError, match="param_dtype=bfloat16 is FSDP2 mixed precision"):
         make_plan(ParallelConfig(tensor=2, data="fsdp", param_dtype="bfloat16"), 2)
     check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64, attn_dropout=0.1)), 2)
-    check_tensor_parallel(moe_model(), 2)  # MoE layers run whole in every rank of a group
+    check_tensor_parallel(moe_model(), 2)  # MoE layers: the same tokens in every rank, experts split by width
     with pytest.raises(ConfigError, match=r"must divide model.n_heads=2"):
         check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=2, d_ff=64)), 4)
     check_tensor_parallel(build_model(tiny().replace(d_model=32, n_heads=4, d_ff=64)), 2)

@@ -174,6 +174,7 @@ def tensor(env, out_dir: Path, out: dict) -> None:
         out[key + "dropout"] = tensor_dropout(plan, tp_env)
         out[key + "autocast"] = tensor_autocast(plan, tp_env)
         out[key + "moe"] = tensor_moe(plan, tp_env)
+        out[key + "moe_bias"] = tensor_moe(plan, tp_env, bias=True)
     out["vocab_loss"] = vocab_loss(env)
     linear.FUSE_MIN_ROWS = 1024
     gc.collect()
@@ -274,19 +275,24 @@ def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path, name: str = 
     return {"path": str(path), "reloaded_equal": equal}
 
 
-def tensor_moe(plan, tp_env) -> dict:
+def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
     """A decoder with MoE layers (first layer dense, a shared expert, balance losses on): attention and the
     dense FFN split, in the MoE layers every rank routes the whole sequence and computes its slice of
-    every expert's width. Loss with the balance loss, gradients (router included), and the routing
-    statistics (counted once, not once per rank of the group) vs one process."""
+    every expert's width (with biases: the experts whole on every rank, with a warning). Loss with the
+    balance loss, gradients (router included), and the routing statistics (counted once, not once per
+    rank of the group) vs one process."""
+    import warnings
+
     from tformer.distributed.parallelize import global_routing_stats
     from tformer.model.moe import moe_aux_loss, moe_routing_stats
 
     moe = MoEConfig(
         n_experts=4, top_k=2, n_shared=1, first_dense=1, aux_loss_coef=0.01, seq_aux_loss_coef=0.01
     )
-    ref, model = twins(tiny().replace(n_layers=2, moe=moe, **TP_CFG))
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    ref, model = twins(tiny().replace(n_layers=2, moe=moe, bias=bias, **TP_CFG))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par = parallelize(model, plan, tp_env, torch.device("cpu"))
     rows = sublayer_rows(model.blocks[1])
     batch = global_batch(1, 0)
     losses = []
@@ -305,6 +311,7 @@ def tensor_moe(plan, tp_env) -> dict:
             for k in want
         ),  # fmt: skip
         "rows": sorted(set(rows)),
+        "warned_whole": any("keep their experts whole" in str(w.message) for w in caught),
         # each rank's slice of every expert's width: (E, F / P, D) of (E, F, D)
         "experts_split": [
             [list(p.to_local().shape), list(p.shape)] if isinstance(p, DTensor) else None
@@ -446,9 +453,8 @@ def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path, experts: str = 
     dimension for the rest): an MoE decoder (bias updates, a shared expert; no balance loss, which each
     data rank computes on its own tokens) vs one process on the whole batch, as `tensor2d`; each rank
     holds half the experts, its pair partner the same half (experts="replicate": every rank holds every
-    expert's half width, FSDP2 sharding that over the data dimension). With sequence parallelism and
-    expert parallelism also a DCP round trip, and the weights dumped for opening the checkpoint in one
-    process."""
+    expert's half width, FSDP2 sharding that over the data dimension). With sequence parallelism also a
+    DCP round trip, and the weights dumped for opening the checkpoint in one process."""
     cfg = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01), **TP_CFG)  # fmt: skip
     plan = make_plan(
         ParallelConfig(tensor=2, data="fsdp", experts=experts, sequence=sequence), env.world_size

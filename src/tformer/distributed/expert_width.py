@@ -19,6 +19,8 @@ parallelism (`experts=shard`) splits experts over the data dimension and keeps t
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -79,20 +81,29 @@ class ExpertWidthSplit:
         return ReduceFromGroup.apply(routed, self.group), dropped
 
 
+def whole_experts_reason(layer: MoE, degree: int) -> str | None:
+    """Why tensor parallelism of `degree` leaves this layer's experts whole, or None (they are split)."""
+    experts = layer.experts
+    width = experts.down_proj.shape[-1]
+    if any(getattr(experts, f"{n}_bias") is not None for n in experts.projections):
+        return "the experts have biases (model.bias=true)"
+    if width % degree:
+        return f"parallel.tensor={degree} does not divide the expert width {width}"
+    return None
+
+
 def splits_expert_width(layer: MoE, degree: int) -> bool:
     """Whether tensor parallelism of `degree` splits this layer's experts by width (else they run whole)."""
-    experts = layer.experts
-    width = experts.down_proj.shape[2]
-    has_bias = any(getattr(experts, f"{n}_bias") is not None for n in experts.projections)
-    return width % degree == 0 and not has_bias
+    return whole_experts_reason(layer, degree) is None
 
 
 def split_expert_width(model: nn.Module, mesh: DeviceMesh) -> int:
     """Split the experts of every MoE layer of `model` by width over `mesh` (where `splits_expert_width`);
     returns how many layers were split."""
-    split = 0
+    split, kept_whole = 0, []
     for _, layer in moe_layers(model):
         if not splits_expert_width(layer, mesh.size()):
+            kept_whole.append(whole_experts_reason(layer, mesh.size()))
             continue
         experts = layer.experts
         for name in experts.projections:
@@ -104,4 +115,10 @@ def split_expert_width(model: nn.Module, mesh: DeviceMesh) -> int:
         layer.dispatch.register_forward_pre_hook(hooks.copy_inputs)
         layer.dispatch.register_forward_hook(hooks.reduce_output)
         split += 1
+    if kept_whole:
+        warnings.warn(
+            f"{len(kept_whole)} MoE layer(s) keep their experts whole on every rank of a tensor-parallel "
+            f"group (each rank computes them all): {kept_whole[0]}",
+            stacklevel=2,
+        )
     return split

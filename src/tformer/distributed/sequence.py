@@ -118,8 +118,8 @@ class SequenceSplit:
         """The whole sequence from this rank's positions, as a plain (replicated) tensor."""
         return self.from_local(x, True).redistribute(self.mesh, [Replicate()]).to_local()
 
-    # ---- stack boundaries, and MoE layers (not split by tensor parallelism: every rank of the group
-    # runs them whole, so their input gradient is whole on each and their parameters' gradients equal)
+    # ---- stack boundaries, and MoE layers (every rank of the group routes the whole sequence: the layer
+    # hands back whole input gradients; its experts' width split, if any, reduces inside the layer)
     def split(self, module: nn.Module, args: tuple) -> tuple | None:
         """Forward pre-hook of the stack's first block: keep this rank's T / P positions."""
         x = args[0]
@@ -247,7 +247,9 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             for name in SUBLAYERS:
                 if (sub := getattr(block, name, None)) is None:
                     continue
-                if isinstance(sub, MoE):  # replicated in the group: whole tokens in, this rank's out
+                if isinstance(
+                    sub, MoE
+                ):  # the same tokens on every rank of the group: whole in, this rank's out
                     sub.register_forward_pre_hook(switch.gather)
                     sub.register_forward_hook(switch.split_output)
                 else:

@@ -124,8 +124,9 @@ class ParallelConfig(Config):
     tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
         `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism
         (FSDP2 when world / T > 1) runs over the first dimension. In MoE layers every rank of a group
-        routes the same tokens and computes its 1 / T of every expert's width (with experts="shard",
-        its share of whole experts: they are split over the first dimension). 1 = off.
+        routes the same tokens and computes its 1 / T of every expert's width (experts with biases or a
+        width T does not divide run whole, with a warning; with experts="shard", its share of whole
+        experts: they are split over the first dimension). 1 = off.
     sequence: sequence parallelism inside each tensor-parallel group (needs tensor > 1): between the
         split layers each rank holds T / tensor of the positions (norms, residuals), with a
         reduce-scatter and an all-gather in place of each all-reduce. A forward whose length the group
