@@ -15,8 +15,9 @@ positions and gathers them again in backward); the fourth computes the loss from
 all-gathered, as outside a training step and as the trainer did before 2026-12-01 afternoon); the
 fifth leaves the head whole on every rank (the plan without its "vocab" style), as it was before the
 head was split. With --moe the model is bench_lm.py's DeepSeekMoE LM, and the variants are tensor
-parallelism with every rank computing its slice of each expert's width (as `tformer train` runs it) and
-with every rank computing the experts whole (as before 2026-12-01 afternoon). The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
+parallelism with every rank computing its slice of each expert's width and of the shared experts (as
+`tformer train` runs it) and with every rank computing the experts and shared experts whole (as before
+2026-12-01 afternoon). The loss is the trainer's `cross_entropy_sum` with label smoothing 0.1, over the
 target count. Measured on each rank, in one process group, round-robin (harness.py):
 
   saved bytes   what one forward and its loss keep for backward on this rank (`saved_tensors_hooks`; a
@@ -125,8 +126,9 @@ def main() -> None:
     }
     if args.moe:
         cfg = cfg.replace(moe=MOE)
+        shared_whole = replace(plain, tp_styles=tuple(s for s in plain.tp_styles if ".shared" not in s[0]))
         variants = {"TP, experts split by width": (plain, True, False, True),
-                    "TP, experts whole": (plain, True, False, False)}  # fmt: skip
+                    "TP, experts and shared whole": (shared_whole, True, False, False)}  # fmt: skip
     for name, (plan, split, keep, by_width) in variants.items():
         torch.manual_seed(0)
         model = build_model(cfg)

@@ -171,7 +171,7 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE: whole tokens, experts split by width
             m = r[key]
             assert m["experts_split"] == [[[4, 32, 32], [4, 64, 32]], [[4, 32, 32], [4, 32, 64]]], (key, m)
-            assert not m["warned_whole"], (key, m)
+            assert not m["warned_whole"] and m["shared_split"], (key, m)
             b = r[key + "_bias"]  # experts with biases: whole on every rank, said with a warning
             assert b["experts_split"] == [None, None] and b["warned_whole"], (key, b)
             assert b["loss_diff"] <= 1e-6 and b["grad_diff"] <= 1e-6 and b["stats_equal"], (key, b)

@@ -85,7 +85,9 @@ def test_tensor_parallel_plan_and_its_limits() -> None:
         "blocks.2.ffn.down_proj": "rowwise",
         "lm_head": "vocab",  # split by vocabulary (left whole where tied)
         "decoder.lm_head": None,
-        "blocks.2.ffn.experts": None,
+        "blocks.2.ffn.experts": None,  # experts: split by width (expert_width.py), not by these styles
+        "blocks.2.ffn.shared.up_proj": "colwise",  # an MoE layer's shared experts
+        "blocks.2.ffn.shared.down_proj": "rowwise_reduced",
         "blocks.0.attn": None,
     }
     assert {n: plan.tp_style(n) for n in names} == names

@@ -312,6 +312,7 @@ def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
         ),  # fmt: skip
         "rows": sorted(set(rows)),
         "warned_whole": any("keep their experts whole" in str(w.message) for w in caught),
+        "shared_split": isinstance(model.blocks[1].ffn.shared.up_proj.weight, DTensor),
         # each rank's slice of every expert's width: (E, F / P, D) of (E, F, D)
         "experts_split": [
             [list(p.to_local().shape), list(p.shape)] if isinstance(p, DTensor) else None

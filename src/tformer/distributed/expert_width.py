@@ -4,7 +4,8 @@ expert's width (Megatron-style, as the dense FFN is split), instead of every ran
 Shapes: experts' stacked weights gate/up (E, F, D), down (E, D, F); P ranks in the group. Rank r keeps
 gate/up[:, rF/P:(r+1)F/P] and down[:, :, rF/P:(r+1)F/P] as DTensors (Shard(1) / Shard(2) on the tensor
 mesh; FSDP2 and DCP take them like any tensor-parallel weight). The router runs whole on every rank
-(the same tokens, the same choices, the same balance losses and counts); so do the shared experts. In a
+(the same tokens, the same choices, the same balance losses and counts); the shared experts are split
+like a dense FFN by the plan's styles (`tformer.distributed.plans.TP_STYLES`). In a
 forward every rank gathers its tokens and runs the model's own grouped kernels on its slices (the
 experts read their local pieces: `Experts.local`), giving a partial sum of every expert's output:
 

@@ -219,7 +219,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
     residual stream between them is split over the sequence as well (tformer.distributed.sequence)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "rowwise_reduced": RowwiseParallel}
     if plan.sequence:  # row-split outputs stay partial sums: sequence.py reduce-scatters or all-reduces them
         styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
     tied = shared_weights(model)  # splitting one user of a shared weight would untie it: both stay whole

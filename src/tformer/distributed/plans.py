@@ -7,7 +7,8 @@ The model code stays single-device. A plan names module paths and buffers; `para
   expert_parallel  split every MoE layer's experts over the data-parallel ranks (all ranks without
                 tensor parallelism; tformer.distributed.expert_parallel)
   param_dtype   FSDP2 mixed precision: the dtype units compute in (None: the parameters' own)
-  tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" / "vocab"
+  tensor        tensor-parallel degree T; tp_styles: module-name regex -> "colwise" / "rowwise" /
+                "rowwise_reduced" (output all-reduced, also under sequence parallelism) / "vocab"
                 (Megatron: q/k/v and the FFN's input layers split by output features, o and the FFN's
                 output layer by input features, so a block needs one all-reduce after attention and one
                 after the FFN; the LM head split by vocabulary: its logits all-gathered, except for a training
@@ -43,6 +44,9 @@ TP_STYLES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)(attn|cross_attn)\.o_proj$", "rowwise"),
     (r"(^|\.)ffn\.(gate_proj|up_proj)$", "colwise"),
     (r"(^|\.)ffn\.down_proj$", "rowwise"),
+    # an MoE layer's shared experts: split like a dense FFN, their output all-reduced inside the layer
+    (r"(^|\.)ffn\.shared\.(gate_proj|up_proj)$", "colwise"),
+    (r"(^|\.)ffn\.shared\.down_proj$", "rowwise_reduced"),
     (r"^lm_head$", "vocab"),
 )
 
