@@ -49,7 +49,7 @@ from harness import LoadMeter, print_table, round_robin, setup, summarize, write
 from tformer.config import MoEConfig  # noqa: E402
 from tformer.distributed import expert_width, sequence  # noqa: E402
 from tformer.distributed.env import init_distributed  # noqa: E402
-from tformer.distributed.expert_width import splits_expert_width  # noqa: E402
+from tformer.distributed.expert_width import whole_experts_reason  # noqa: E402
 from tformer.distributed.parallelize import parallelize  # noqa: E402
 from tformer.distributed.plans import make_plan  # noqa: E402
 from tformer.model import build_model  # noqa: E402
@@ -133,9 +133,10 @@ def main() -> None:
         torch.manual_seed(0)
         model = build_model(cfg)
         sequence.KEEP_GATHERED = keep
-        expert_width.splits_expert_width = splits_expert_width if by_width else lambda layer, degree: False
+        if not by_width:  # the experts whole on every rank, as before they were split
+            expert_width.whole_experts_reason = lambda layer, degree: "benchmarked whole"
         par = parallelize(model, plan, env, torch.device("cpu"))
-        sequence.KEEP_GATHERED, expert_width.splits_expert_width = False, splits_expert_width
+        sequence.KEEP_GATHERED, expert_width.whole_experts_reason = False, whole_experts_reason
         optimizer = par.adapt_optimizer(make_optimizer(model, OptimConfig(fused=False)))
         # the trainer's micro-batch context: a vocabulary-split head keeps its logits split within
         context = partial(par.comm.micro_batch, par.model, True) if split else contextlib.nullcontext

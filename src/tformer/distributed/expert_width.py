@@ -93,18 +93,13 @@ def whole_experts_reason(layer: MoE, degree: int) -> str | None:
     return None
 
 
-def splits_expert_width(layer: MoE, degree: int) -> bool:
-    """Whether tensor parallelism of `degree` splits this layer's experts by width (else they run whole)."""
-    return whole_experts_reason(layer, degree) is None
-
-
 def split_expert_width(model: nn.Module, mesh: DeviceMesh) -> int:
-    """Split the experts of every MoE layer of `model` by width over `mesh` (where `splits_expert_width`);
+    """Split the experts of every MoE layer of `model` by width over `mesh` (where `whole_experts_reason` gives none);
     returns how many layers were split."""
     split, kept_whole = 0, []
     for _, layer in moe_layers(model):
-        if not splits_expert_width(layer, mesh.size()):
-            kept_whole.append(whole_experts_reason(layer, mesh.size()))
+        if (reason := whole_experts_reason(layer, mesh.size())) is not None:
+            kept_whole.append(reason)
             continue
         experts = layer.experts
         for name in experts.projections:

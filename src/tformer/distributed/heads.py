@@ -15,14 +15,12 @@ CUDA a run cannot match one process anyway: the fused kernels draw their own way
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tformer.model.attention import Attention, repeat_kv
+from tformer.model.attention import Attention, attention_weights, repeat_kv
 from tformer.model.masks import Mask
 
 
@@ -36,17 +34,14 @@ class HeadSplitDropout(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
         if not self.training:
             return self.kernel(q, k, v, mask)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, H/P, S, E)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H/P, Tq, Tk)
-        scores = scores.masked_fill(~mask.allowed, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1)  # fp32 until the product with v
+        probs = attention_weights(q, repeat_kv(k, self.n_rep), mask)  # (B, H/P, Tq, Tk), fp32 until @ v
         b, h, tq, tk = probs.shape
         rank = self.mesh.get_local_rank()
         # every head's draw, one byte each (on the CPU the same positions and draws as a float mask)
         whole = torch.empty(b, h * self.mesh.size(), tq, tk, dtype=torch.bool, device=q.device)
         whole.bernoulli_(1 - self.p)
         keep = whole[:, rank * h : (rank + 1) * h].float().div_(1 - self.p)  # only this rank's part is kept
-        return (probs * keep).to(v.dtype) @ v  # (B, H/P, Tq, E)
+        return (probs * keep).to(v.dtype) @ repeat_kv(v, self.n_rep)  # (B, H/P, Tq, E)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -182,9 +182,10 @@ def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: in
     divided by `size` (the data-parallel averaging that DDP / FSDP2 apply to the other parameters)."""
     if not plan.expert_parallel:
         return {}
-    if not moe_layers(model):
+    layers = moe_layers(model)
+    if not layers:
         raise ConfigError("parallel.experts=shard, but the model has no MoE layer to split (set model.moe)")
-    n_experts = moe_layers(model)[0][1].experts.n_experts
+    n_experts = layers[0][1].experts.n_experts
     if n_experts % size:
         over = "data-parallel ranks" if plan.tensor > 1 else "processes"
         raise ConfigError(

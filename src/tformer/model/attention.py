@@ -39,11 +39,14 @@ class EagerAttention(nn.Module):
         self.n_rep = n_rep
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, H, S, E)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-        scores = scores.masked_fill(~mask.allowed, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return self.dropout(probs) @ v  # (B, H, Tq, E)
+        probs = attention_weights(q, repeat_kv(k, self.n_rep), mask).to(q.dtype)  # (B, H, Tq, Tk)
+        return self.dropout(probs) @ repeat_kv(v, self.n_rep)  # (B, H, Tq, E)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Mask) -> Tensor:
+    """softmax(q k^T / sqrt(E) + mask) in fp32: q (B, H, Tq, E), k (B, H, Tk, E) -> (B, H, Tq, Tk)."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~mask.allowed, float("-inf")).float(), dim=-1)
 
 
 class SdpaAttention(nn.Module):
