@@ -178,6 +178,16 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
             assert (
                 m["loss_diff"] <= 1e-6 and m["grad_diff"] <= 1e-6 and m["stats_equal"] and m["rows"] == rows
             ), (key, m)
+        # experts split by width: routed and shared reduced together, once per direction (reduce-scattered
+        # to the positions under sequence parallelism), plus the routing weights' gradient ("allreduce_")
+        assert r["moe"]["collectives"] == {
+            "forward": {"all_reduce": 1},
+            "backward": {"all_reduce": 1, "allreduce_": 1},
+        }, r["moe"]
+        assert r["sequence_moe"]["collectives"] == {
+            "forward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
+            "backward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "allreduce_": 1},
+        }, r["sequence_moe"]
         for key in ("autocast", "sequence_autocast"):  # bf16 products split differently: bf16 rounding
             assert r[key]["loss_diff"] < 1e-2 and r[key]["grad_diff"] < 2e-2, (key, r[key])
         a = r["sequence_autocast"]  # the gathered inputs are the bf16 tensors the layers save: kept as halves

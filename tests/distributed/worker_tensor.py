@@ -303,7 +303,7 @@ def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
         losses.append(total.item())
     want = moe_routing_stats(ref)
     got = global_routing_stats(model, tp_env)  # the trainer's env: it knows the tensor-parallel degree
-    return {
+    result = {
         "loss_diff": abs(losses[0] - losses[1]),
         "grad_diff": max_diff(model, ref, set(), "grad"),
         "stats_equal": all(
@@ -319,6 +319,29 @@ def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
             for p in (model.blocks[1].ffn.experts.up_proj, model.blocks[1].ffn.experts.down_proj)
         ],
     }
+    result["collectives"] = moe_collectives(model.blocks[1].ffn, plan, batch.ids.shape)  # after the grads
+    return result
+
+
+def moe_collectives(layer, plan, shape) -> dict:
+    """The collectives of one MoE layer's forward and backward, by kind (CommDebugMode), on the hidden
+    states a block hands it: the rank's positions under sequence parallelism, the whole sequence without."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    b, t = shape
+    x = torch.randn(b, t // (plan.tensor if plan.sequence else 1), layer.router.weight.shape[1])
+    x.requires_grad_(True)
+    stack = getattr(getattr(layer, "width_split", None), "sequence", None)
+    if stack is not None:
+        stack.active = True  # as the stack's first block sets it when the group divides the length
+    counts = {}
+    with CommDebugMode() as comm:
+        y = layer(x)
+    counts["forward"] = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    with CommDebugMode() as comm:
+        y.sum().backward()
+    counts["backward"] = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    return counts
 
 
 def tensor_autocast(plan, tp_env) -> dict:

@@ -3,32 +3,44 @@ expert's width (Megatron-style, as the dense FFN is split), instead of every ran
 
 Shapes: experts' stacked weights gate/up (E, F, D), down (E, D, F); P ranks in the group. Rank r keeps
 gate/up[:, rF/P:(r+1)F/P] and down[:, :, rF/P:(r+1)F/P] as DTensors (Shard(1) / Shard(2) on the tensor
-mesh; FSDP2 and DCP take them like any tensor-parallel weight). The router runs whole on every rank
-(the same tokens, the same choices, the same balance losses and counts); the shared experts are split
-like a dense FFN by the plan's styles (`tformer.distributed.plans.TP_STYLES`). In a
-forward every rank gathers its tokens and runs the model's own grouped kernels on its slices (the
-experts read their local pieces: `Experts.local`), giving a partial sum of every expert's output:
+mesh; FSDP2 and DCP take them like any tensor-parallel weight); the shared experts (one dense FFN) are
+split the same way, gate/up by rows (Shard(0)), down by columns (Shard(1)). The router runs whole on
+every rank (the same tokens, the same choices, the same balance losses and counts). Every rank runs the
+model's own layer on its slices (the experts read their local pieces through `Experts.local`, the shared
+layers through a forward that reads theirs), so the layer's output is a partial sum, routed and shared
+experts together, and so is the gradient of its input (the router's part excepted). The layer is
+entered and left once:
 
-    x -> [copy: identity; backward all-reduce] -> experts on F / P -> [all-reduce; backward identity] -> y
+    x -> [enter: the whole sequence; backward sums the input gradient over the group once]
+      -> router (whole; its input gradient scaled by 1 / P, so the sum counts it once)
+      -> routed experts on F / P + shared experts on their F_s / P   (partial sums)
+      -> [leave: sum over the group; backward passes the gradient on]   -> y
 
-The routing weights that scale each expert's output enter the same way (their gradient, like x's, is a
-partial sum per rank). One all-reduce of (N, D) in forward and one of (N, D) + (N, K) in backward per
-MoE layer; the experts' FLOPs and weights split P ways (before: P ranks computing the same thing). Expert
-weights with biases, or a width P does not divide, stay whole (the earlier behaviour); expert
-parallelism (`experts=shard`) splits experts over the data dimension and keeps them whole in a group.
+With sequence parallelism `enter` all-gathers the rank's positions and its backward reduce-scatters,
+`leave` reduce-scatters to the rank's positions (what a dense FFN does); without, `enter` is free and its
+backward all-reduces, `leave` all-reduces. One (N, D) collective per layer and direction, plus the
+routing weights' (N, K) all-reduce in backward (each rank's gradient of them is its slice's part; the
+router's own gradients must be whole). Before, routed and shared experts were reduced separately (two
+(N, D) all-reduces forward and two backward, plus a whole-sequence gather and slice under sequence
+parallelism). Expert weights with biases, or a width P does not divide, stay whole (the earlier
+behaviour, the shared experts then split by the plan's styles), as does expert parallelism
+(`experts=shard` splits experts over the data dimension and keeps them whole in a group).
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from tformer.model.moe import MoE, moe_layers
+from tformer.distributed.sequence import SEQ
+from tformer.model.moe import MoE, NoShared, moe_layers
 
 WIDTH_DIM = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}  # where F sits in each stacked weight
 
@@ -48,73 +60,113 @@ class CopyToGroup(torch.autograd.Function):
         return grad, None
 
 
-class ReduceFromGroup(torch.autograd.Function):
-    """Sum over the group (each rank's partial output); backward passes the gradient on unchanged."""
+class ScaleGrad(torch.autograd.Function):
+    """Identity; backward multiplies the gradient by `scale`."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None
+        return grad * ctx.scale, None
 
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _local_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+    """A shared-expert layer's product on this rank's slice of its weight (no bias: see whole_experts_reason)."""
+    return F.linear(x, _local(linear.weight))
+
+
 class ExpertWidthSplit:
-    """The hooks of one MoE layer's dispatch: its inputs copied into the group, its output reduced."""
+    """One width-split MoE layer's hooks: its entry and exit, the router's input, the routing weights."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.sequence = None  # the stack's SequenceSplit under sequence parallelism (sequence.py sets it)
 
-    def copy_inputs(self, module: nn.Module, args: tuple) -> tuple:
+    def _outside(self) -> list:
+        """How the residual stream is held outside the layer in this forward: split over T, or whole."""
+        return [SEQ if self.sequence is not None and self.sequence.active else Replicate()]
+
+    def enter(self, module: nn.Module, args: tuple) -> tuple:
+        """MoE forward pre-hook: the whole sequence, as a plain tensor whose gradient is this rank's
+        partial sum (backward reduces it once: reduce-scatter to the positions, or all-reduce)."""
+        x = DTensor.from_local(args[0], self.mesh, self._outside(), run_check=False)
+        whole = x.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return (whole, *args[1:])
+
+    def leave(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        """MoE forward hook: the partial outputs summed over the group (to this rank's positions under
+        sequence parallelism)."""
+        y = DTensor.from_local(out, self.mesh, [Partial()], run_check=False)
+        return y.redistribute(self.mesh, self._outside()).to_local()
+
+    def router_input(self, module: nn.Module, args: tuple) -> tuple:
+        """Router forward pre-hook: its input gradient is whole and the same on every rank; scaled by
+        1 / P it joins the partial sums that `enter` adds up over the group."""
+        return (ScaleGrad.apply(args[0], 1.0 / self.mesh.size()), *args[1:])
+
+    def routing_weights(self, module: nn.Module, args: tuple) -> tuple:
+        """Dispatch forward pre-hook: the routing weights' gradient summed over the group, so that the
+        router's own gradients are whole."""
         experts, x, route = args
-        weights = CopyToGroup.apply(route.weights, self.group)
-        return experts, CopyToGroup.apply(x, self.group), route._replace(weights=weights)
-
-    def reduce_output(self, module: nn.Module, args: tuple, out: tuple[Tensor, Tensor]) -> tuple:
-        routed, dropped = out
-        return ReduceFromGroup.apply(routed, self.group), dropped
+        return experts, x, route._replace(weights=CopyToGroup.apply(route.weights, self.group))
 
 
 def whole_experts_reason(layer: MoE, degree: int) -> str | None:
     """Why tensor parallelism of `degree` leaves this layer's experts whole, or None (they are split)."""
     experts = layer.experts
     width = experts.down_proj.shape[-1]
-    if any(getattr(experts, f"{n}_bias") is not None for n in experts.projections):
+    shared_bias = any(m.bias is not None for m in layer.shared.modules() if isinstance(m, nn.Linear))
+    if shared_bias or any(getattr(experts, f"{n}_bias") is not None for n in experts.projections):
         return "the experts have biases (model.bias=true)"
     if width % degree:
         return f"parallel.tensor={degree} does not divide the expert width {width}"
     return None
 
 
-def split_expert_width(model: nn.Module, mesh: DeviceMesh) -> int:
-    """Split the experts of every MoE layer of `model` by width over `mesh` (where `whole_experts_reason` gives none);
-    returns how many layers were split."""
-    split, kept_whole = 0, []
-    for _, layer in moe_layers(model):
-        if (reason := whole_experts_reason(layer, mesh.size())) is not None:
-            kept_whole.append(reason)
-            continue
+def width_split_layers(model: nn.Module, degree: int, expert_parallel: bool) -> list[tuple[str, MoE]]:
+    """The MoE layers of `model` whose experts tensor parallelism of `degree` splits by width (none under
+    expert parallelism); warns once about the ones it keeps whole."""
+    if expert_parallel:
+        return []
+    split, kept_whole = [], []
+    for name, layer in moe_layers(model):
+        reason = whole_experts_reason(layer, degree)
+        split.append((name, layer)) if reason is None else kept_whole.append(reason)
+    if kept_whole:
+        warnings.warn(
+            f"{len(kept_whole)} MoE layer(s) keep their experts whole on every rank of a tensor-parallel "
+            f"group (each rank computes them all): {kept_whole[0]}",
+            stacklevel=3,
+        )
+    return split
+
+
+def split_expert_width(layers: list[tuple[str, MoE]], mesh: DeviceMesh) -> None:
+    """Split the routed and shared experts of each of `layers` (from `width_split_layers`) by width over
+    `mesh` and hook the layer's entry and exit."""
+    for _, layer in layers:
         experts = layer.experts
         for name in experts.projections:
             whole = getattr(experts, name)
             shard = distribute_tensor(whole.detach(), mesh, [Shard(WIDTH_DIM[name])])
             setattr(experts, name, nn.Parameter(shard, requires_grad=whole.requires_grad))
         experts.local = _local  # the grouped kernels read each rank's slices
-        hooks = ExpertWidthSplit(mesh.get_group())
-        layer.dispatch.register_forward_pre_hook(hooks.copy_inputs)
-        layer.dispatch.register_forward_hook(hooks.reduce_output)
-        split += 1
-    if kept_whole:
-        warnings.warn(
-            f"{len(kept_whole)} MoE layer(s) keep their experts whole on every rank of a tensor-parallel "
-            f"group (each rank computes them all): {kept_whole[0]}",
-            stacklevel=2,
-        )
-    return split
+        if not isinstance(layer.shared, NoShared):
+            for name, linear in layer.shared.named_children():  # gate/up by rows, down by columns
+                placement = Shard(1) if name == "down_proj" else Shard(0)
+                shard = distribute_tensor(linear.weight.detach(), mesh, [placement])
+                linear.weight = nn.Parameter(shard, requires_grad=linear.weight.requires_grad)
+                linear.forward = partial(_local_linear, linear)
+        hooks = ExpertWidthSplit(mesh)
+        layer.width_split = hooks  # found by sequence.py
+        layer.register_forward_pre_hook(hooks.enter)
+        layer.register_forward_hook(hooks.leave)
+        layer.router.register_forward_pre_hook(hooks.router_input)
+        layer.dispatch.register_forward_pre_hook(hooks.routing_weights)

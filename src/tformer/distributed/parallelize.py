@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tformer.distributed.env import Local, set_mesh_timeout
 from tformer.distributed.expert_parallel import apply_expert_parallel
-from tformer.distributed.expert_width import split_expert_width
+from tformer.distributed.expert_width import split_expert_width, width_split_layers
 from tformer.distributed.heads import split_attention_dropout
 from tformer.distributed.plans import ParallelPlan, is_rank_local
 from tformer.distributed.sequence import apply_sequence_parallel
@@ -224,10 +224,15 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
     if plan.sequence:  # row-split outputs stay partial sums: sequence.py reduce-scatters or all-reduces them
         styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
     tied = shared_weights(model)  # splitting one user of a shared weight would untie it: both stay whole
+    # MoE layers split by width (tformer.distributed.expert_width) split their shared experts themselves
+    by_width = width_split_layers(model, mesh.size(), plan.expert_parallel)
+    own_shared = tuple(f"{name}.shared." for name, _ in by_width)
     chosen = {
         name: (style, module)
         for name, module in model.named_modules()
-        if (style := plan.tp_style(name)) and id(getattr(module, "weight", None)) not in tied
+        if (style := plan.tp_style(name))
+        and id(getattr(module, "weight", None)) not in tied
+        and not name.startswith(own_shared)
     }
     if not chosen:
         raise ConfigError("parallel.tensor > 1, but the model has no layer that tensor parallelism splits")
@@ -235,8 +240,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
         model, mesh, {name: styles[style]() for name, (style, _) in chosen.items() if style in styles}
     )
     heads = [split_head(module, mesh) for style, module in chosen.values() if style == "vocab"]
-    if not plan.expert_parallel:  # experts split by width in each group (expert parallelism keeps them whole)
-        split_expert_width(model, mesh)
+    split_expert_width(by_width, mesh)  # in each group (expert parallelism keeps experts whole)
     if model.cfg.attn_dropout > 0:  # each rank drops its own heads' weights (a group shares one RNG stream)
         split_attention_dropout(model, mesh)
     if plan.sequence:

@@ -247,7 +247,9 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             for name in SUBLAYERS:
                 if (sub := getattr(block, name, None)) is None:
                     continue
-                if isinstance(
+                if getattr(sub, "width_split", None) is not None:  # an MoE layer split by width:
+                    sub.width_split.sequence = switch  # it gathers and reduce-scatters itself (expert_width)
+                elif isinstance(
                     sub, MoE
                 ):  # the same tokens on every rank of the group: whole in, this rank's out
                     sub.register_forward_pre_hook(switch.gather)
