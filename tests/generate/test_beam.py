@@ -196,6 +196,31 @@ def test_eos_outside_the_top_k_does_not_finish() -> None:
     assert hyp.tokens == [3, 3] and hyp.finished
 
 
+def test_min_len_keeps_eos_back_for_beam_greedy_and_sampling() -> None:
+    # EOS is the likeliest first token (0.9): without a minimum every method ends at once, empty
+    table = [[0, 0, 0.9, 0.06, 0.04], [0, 0, 0.7, 0.1, 0.2], [0, 0, 1.0, 0.0, 0.0]]
+    src, common = torch.tensor([[3, 2]]), dict(bos_id=BOS, eos_id=EOS, max_len=5)
+    assert beam_search(ScriptedModel(table), src, None, beam_size=2, alpha=0.0, **common)[0].tokens == []
+    hyp = beam_search(ScriptedModel(table), src, None, beam_size=2, alpha=0.0, min_len=1, **common)[0]
+    # the best of the outputs with a first word: [a] EOS (.06 * .7) beats [b] EOS (.04 * .7)
+    assert hyp.tokens == [3] and hyp.finished
+    assert hyp.log_prob == pytest.approx(math.log(0.06 * 0.7))  # EOS's share is never renormalised away
+    greedy = sample_search(ScriptedModel(table), src, None, min_len=1, **common)[0]
+    assert greedy.tokens == [3] and greedy.finished
+    hyp = beam_search(ScriptedModel(table), src, None, beam_size=2, alpha=0.0, min_len=2, **common)[0]
+    assert hyp.tokens == [3, 4] and hyp.finished  # two words before EOS may come
+    drawn = sample_search(ScriptedModel(table), src, None, temperature=1.0, seed=1, min_len=1, **common)
+    assert drawn[0].tokens and drawn[0].tokens[0] in (3, 4)
+    # the config's default is 1 (what translate and eval use); a vocabulary of nothing but EOS is refused
+    assert SearchConfig().min_len == 1
+    out = search(ScriptedModel(table), src, None, SearchConfig(max_len=5), bos_id=BOS, eos_id=EOS)
+    assert out[0].tokens == [3]
+    with pytest.raises(ValueError, match="min_len"):
+        search(ScriptedModel(table), src, None, SearchConfig(), bos_id=BOS, eos_id=EOS, banned=(0, 1, 3, 4))
+    with pytest.raises(ConfigError, match="min_len"):
+        SearchConfig(min_len=-1)
+
+
 def test_sampling_is_seeded_and_greedy_ignores_the_seed() -> None:
     model = seq2seq()
     src, mask = sources()

@@ -342,6 +342,44 @@ def test_one_output_line_per_input_line(trained_run: Path, tmp_path: Path, capsy
     assert translator.text(Hypothesis(ids, 0.0, 0.0, True)) == "a b c  d"
 
 
+@pytest.mark.parametrize("method", [[], ["--greedy"], ["--sample", "--seed", "5"]])
+def test_a_file_is_translated_chunk_by_chunk_as_in_one_piece(
+    method, trained_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Output chunk by chunk (printed as each is done) equals the output of the whole file as one chunk
+    (sampling: draws one stream over the chunks, in another order than in one chunk, and repeats with its
+    seed); the sources cut to the run's max length get one warning that counts them and names their lines."""
+    from tformer.cli import translate
+
+    sentences = ["Der Hund.", "Die Katze sieht den Mann.", "", "Hund " * 40, "Das Kind.", "Katze " * 50]
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(sentences * 3) + "\n", encoding="utf-8")
+    argv = ["translate", "--run", str(trained_run), "--file", str(path), "--max-len", "6", *method]
+    outputs = []
+    for chunk in (4, 4) if "--sample" in method else (1000, 4):
+        monkeypatch.setattr(translate, "CHUNK_LINES", chunk)
+        capsys.readouterr()
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out == outputs[1].out and len(outputs[0].out.splitlines()) == 18
+    err = outputs[1].err
+    assert f"{path}: 6 lines are longer than 32 tokens: truncated (lines 4, 6, 10, 12, 16, ...)" in err
+    assert err.count("longer than") == 1 and err.count("is empty: skipped") == 3
+
+
+def test_min_len_reaches_the_command_line(trained_run: Path, capsys) -> None:
+    run = str(trained_run)
+    assert (
+        main(
+            ["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--min-len", "5", "--max-len", "5"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.strip()  # five tokens: no empty line
+    assert main(["translate", "--run", run, "--text", "Der Hund.", "--min-len", "-1"]) == 2
+    assert "--min-len must be in [0" in capsys.readouterr().err
+
+
 def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained_run: Path) -> None:
     from tformer.generate.beam import SearchConfig
     from tformer.runs import load_run

@@ -13,33 +13,36 @@ import argparse
 import json
 from collections.abc import Iterator
 
-from tformer.cli.translate import aligned, read_texts, warn
+from tformer.cli.translate import AlignedOutput, read_texts
 
 
 def run(args: argparse.Namespace) -> int:
     from tformer.runs import load_run
     from tformer.tasks.classification import load_classifier
 
-    texts, numbers, n_lines = read_texts(args, "classify")
+    given = read_texts(args, "classify")
     classifier = load_classifier(load_run(args.run))
-    ids, cut = classifier.encode(texts)
-    for i in cut:
-        warn("classify", f"line {numbers[i]} is longer than {classifier.max_len} tokens: truncated")
+    ids, cut = classifier.encode(given.texts)
+    given.warn_truncated("classify", cut, classifier.max_len)
     probs = classifier.probabilities(ids, batch_size=args.batch_size)
 
-    def lines() -> Iterator[str]:
-        for row, number in zip(probs.tolist(), numbers):
+    def lines() -> Iterator[tuple[str, int]]:
+        for row, number in zip(probs.tolist(), given.numbers):
             label = classifier.labels[max(range(len(row)), key=row.__getitem__)]
             if args.json:
-                yield json.dumps(
+                text = json.dumps(
                     {"line": number, "label": label, "probabilities": dict(zip(classifier.labels, row))}
                 )
             else:
-                yield label + "\t" + " ".join(f"{name}={p:.4f}" for name, p in zip(classifier.labels, row))
+                text = label + "\t" + " ".join(f"{name}={p:.4f}" for name, p in zip(classifier.labels, row))
+            yield text, number
 
     if args.json:  # JSON lines carry their input line's number instead of blank lines
-        for line in lines():
+        for line, _ in lines():
             print(line, flush=True)
     else:
-        aligned(lines(), numbers, n_lines)
+        out = AlignedOutput(given.n_lines)
+        for line, number in lines():
+            out.print(line, number)
+        out.close()
     return 0

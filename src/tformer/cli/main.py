@@ -125,6 +125,9 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, default=None, dest="beam_size", help="beam size (default 4)")
     p.add_argument("--length-penalty", type=float, default=None, help="GNMT alpha, 0 = none (default 0.6)")
     p.add_argument("--max-len", type=int, default=None, help="most target tokens (default 1.5 x source + 10)")
+    p.add_argument(
+        "--min-len", type=int, default=None, help="tokens before the end may come (default 1; 0: no limit)"
+    )
     p.add_argument("--greedy", action="store_true", help="greedy search instead of beam search")
     p.add_argument("--sample", action="store_true", help="sample instead of beam search")
     p.add_argument("--temperature", type=float, default=None, help="with --sample (default 1.0)")

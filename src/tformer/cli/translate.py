@@ -1,13 +1,18 @@
 """`tformer translate`: translate one sentence (--text), a file (--file, one sentence per line) or stdin.
 
 Empty lines: an error for --text; skipped with a warning in file / stdin mode, where an empty output line
-stands for each, so output line n answers input line n. Sources longer than the run's max length are truncated with a warning.
+stands for each, so output line n answers input line n. Sources longer than the run's max length are
+truncated, with one warning that counts them. Outputs are printed a chunk of lines at a time (each
+chunk searched in length-sorted batches), so a long file shows its first translations early and an
+interrupted run keeps what it printed.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tformer.cli.options import (
@@ -21,21 +26,48 @@ from tformer.cli.options import (
 )
 from tformer.generate.beam import SearchConfig
 
+CHUNK_LINES = 512  # input lines searched (sorted by length) and printed together
 
-def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[int], int]:
-    """The texts to process, their 1-based line numbers (--text counts as line 1) and the number of input
-    lines. Empty lines are skipped with a warning; `aligned` prints an empty output line for each, so
-    output line n answers input line n."""
+
+@dataclass(frozen=True)
+class Texts:
+    """The texts to process, their 1-based line numbers (--text counts as line 1), the number of input
+    lines and where they came from ("--text", a file's name, "stdin")."""
+
+    texts: list[str]
+    numbers: list[int]
+    n_lines: int
+    where: str
+
+    def warn_truncated(self, command: str, cut: Sequence[int], limit: int) -> None:
+        """One warning for the texts (indices into `texts`) cut to `limit` tokens, naming their lines."""
+        if not cut:
+            return
+        if self.where == "--text":
+            warn(command, f"the text is longer than {limit} tokens: truncated")
+            return
+        lines = [self.numbers[i] for i in cut]
+        shown = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+        which = f"line {shown} is" if len(lines) == 1 else f"{len(lines)} lines are"
+        detail = "" if len(lines) == 1 else f" (lines {shown})"
+        warn(command, f"{self.where}: {which} longer than {limit} tokens: truncated{detail}")
+
+
+def read_texts(args: argparse.Namespace, command: str) -> Texts:
+    """The texts of --text, --file or stdin. Empty lines are skipped with a warning; `AlignedOutput`
+    prints an empty output line for each, so output line n answers input line n."""
     if args.text is not None and args.file is not None:
         raise ValueError("give --text or --file, not both (or neither, to read stdin)")
     if args.text is not None:
         if not args.text.strip():
             raise ValueError("the text is empty: give --text with some words (or --file FILE)")
-        return [utf8_text(args.text, "--text").strip()], [1], 1
-    if args.file is not None:
+        return Texts([utf8_text(args.text, "--text").strip()], [1], 1, "--text")
+    if args.file is not None and args.file != "-":
         path = Path(args.file)
         lines, where = input_lines(read_input_file(path)), input_name(path)
     else:
+        if sys.stdin.isatty():  # nothing piped in: say what the command waits for
+            print(f"tformer {command}: reading stdin, one text per line (end with Ctrl-D)", file=sys.stderr)
         lines, where = input_lines(read_stdin()), "stdin"
     texts, numbers = [], []
     for n, line in enumerate(lines, 1):
@@ -46,7 +78,7 @@ def read_texts(args: argparse.Namespace, command: str) -> tuple[list[str], list[
             warn(command, f"{where} line {n} is empty: skipped")
     if not texts:
         raise ValueError(f"{where} holds no non-empty line")
-    return texts, numbers, len(lines)
+    return Texts(texts, numbers, len(lines), where)
 
 
 # options that only one search method reads: flag -> SearchConfig field (their defaults are SearchConfig's)
@@ -72,16 +104,20 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
         given.update({options[flag]: getattr(args, options[flag]) for flag in flags})
     cli_words = {"(method='greedy' for argmax)": "(--greedy for argmax)",
                  "(or null: from the source length)": "(or leave --max-len out: from the source length)"}  # fmt: skip
+    if args.min_len is not None:
+        given["min_len"] = args.min_len
     with named_as_flags("SearchConfig", {"beam_size": "--beam"}, cli_words):
         return SearchConfig(method=method, max_len=args.max_len, batch_size=args.batch_size, **given)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from tformer.runs import load_run
     from tformer.tasks.translation import load_translator
 
     search_cfg = search_from_args(args)
-    texts, numbers, n_lines = read_texts(args, "translate")
+    given = read_texts(args, "translate")
     translator = load_translator(load_run(args.run))
     context = translator.model.cfg.max_seq_len
     if args.max_len is not None and args.max_len > context:
@@ -89,23 +125,30 @@ def run(args: argparse.Namespace) -> int:
             "translate",
             f"--max-len {args.max_len} is above the model's context: outputs stop at {context} tokens",
         )
-    sources, cut = translator.encode(texts)
-    for i in cut:
-        warn("translate", f"line {numbers[i]} is longer than {translator.max_src_len} tokens: truncated")
-    outputs = (
-        translator.text(h) + (f"\t{h.score:.4f}" if args.scores else "")
-        for h in translator.hypotheses(sources, search_cfg)
-    )
-    aligned(outputs, numbers, n_lines)
+    sources, cut = translator.encode(given.texts)
+    given.warn_truncated("translate", cut, translator.max_src_len)
+    out = AlignedOutput(given.n_lines)
+    # one sampling stream over the chunks (each chunk reseeded would repeat the draws of the one before)
+    generator = torch.Generator().manual_seed(search_cfg.seed) if search_cfg.method == "sample" else None
+    for start in range(0, len(sources), CHUNK_LINES):
+        hyps = translator.hypotheses(sources[start : start + CHUNK_LINES], search_cfg, generator=generator)
+        for h, number in zip(hyps, given.numbers[start : start + CHUNK_LINES]):
+            out.print(translator.text(h) + (f"\t{h.score:.4f}" if args.scores else ""), number)
+    out.close()
     return 0
 
 
-def aligned(outputs: Iterable[str], numbers: list[int], n_lines: int) -> None:
-    """Print each output on its input's line: an empty line stands for each skipped (empty) input line, so
-    the n_lines output lines pair with the input lines (e.g. for scoring against references)."""
-    line = 1
-    for text, number in zip(outputs, numbers):
-        print("\n" * (number - line) + text, flush=True)
-        line = number + 1
-    if n_lines >= line:
-        print("\n" * (n_lines - line), flush=True)
+class AlignedOutput:
+    """Prints each output on its input's line: an empty line stands for each skipped (empty) input line,
+    so the n_lines output lines pair with the input lines (e.g. for scoring against references)."""
+
+    def __init__(self, n_lines: int) -> None:
+        self.n_lines, self.line = n_lines, 1  # the next output line
+
+    def print(self, text: str, number: int) -> None:
+        print("\n" * (number - self.line) + text, flush=True)
+        self.line = number + 1
+
+    def close(self) -> None:
+        if self.n_lines >= self.line:
+            print("\n" * (self.n_lines - self.line), flush=True)

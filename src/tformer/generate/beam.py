@@ -9,6 +9,8 @@ then fanned out to K beams with `cache.reorder(index)`, which also follows the b
 Beam search, per sentence:
 - score(y) = log p(y | x) / lp(|y|), lp(L) = ((5 + L) / 6) ** alpha (GNMT, Wu et al., 2016); |y| counts
   the generated tokens, EOS included. alpha = 0 ranks by raw log-probability.
+- EOS is not a candidate before min_len tokens have been generated (`SearchConfig.min_len`, default 1:
+  never an empty translation, as fairseq's default; the search functions' own default is 0, no limit).
 - each step takes the 2K best extensions of the live beams; an EOS extension ranked among the best K
   is a finished hypothesis (as in fairseq, so beam size 1 is greedy search when alpha = 0); the K best
   non-EOS extensions are the next live beams.
@@ -60,7 +62,8 @@ class SearchConfig(Config):
     """How to decode. method: "beam", "greedy" or "sample" (temperature / top_k / top_p / seed).
 
     max_len: most target tokens (EOS included) for every sentence; null: max_len_a * source length +
-    max_len_b per sentence. Both are capped by the model's context (max_seq_len).
+    max_len_b per sentence. Both are capped by the model's context (max_seq_len). min_len: tokens
+    generated before EOS may end a hypothesis (1: never an empty output; 0: no limit).
     """
 
     method: Literal["beam", "greedy", "sample"] = "beam"
@@ -69,6 +72,7 @@ class SearchConfig(Config):
     max_len: int | None = None
     max_len_a: float = 1.5
     max_len_b: int = 10
+    min_len: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -82,6 +86,7 @@ class SearchConfig(Config):
             self._require(self.max_len >= 1, "max_len", "must be >= 1 (or null: from the source length)")
         self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
         self._require(self.max_len_b >= 1, "max_len_b", "must be >= 1")
+        self._require(0 <= self.min_len <= MAX_SIZE, "min_len", f"must be in [0, {MAX_SIZE:,}] (0: no limit)")
         self._require(
             0 < self.temperature < math.inf,
             "temperature",
@@ -175,8 +180,12 @@ class FullPrefixSteps(CachedSteps):
         self._follow(row_sentence)
 
 
-def _next_log_probs(steps: CachedSteps, prefix: Tensor, banned: Sequence[int]) -> Tensor:
+def _next_log_probs(
+    steps: CachedSteps, prefix: Tensor, banned: Sequence[int], eos_id: int, min_len: int
+) -> Tensor:
+    """Log-probabilities of the next token (R, V): banned ids never, EOS not before min_len tokens."""
     logp = F.log_softmax(steps.logits(prefix).float(), dim=-1)  # (R, V)
+    banned = [*banned, eos_id] if prefix.shape[1] <= min_len else banned  # prefix: BOS + tokens so far
     if banned:
         logp[:, list(banned)] = NEG_INF
     return logp
@@ -233,13 +242,14 @@ def beam_search(
     beam_size: int = 4,
     alpha: float = 0.6,
     banned: Sequence[int] = (),
+    min_len: int = 0,
     cached: bool = True,
     flat: bool = True,
 ) -> list[Hypothesis]:
     """The best hypothesis per source sentence (see the module docstring for the rules).
 
     max_len: most generated tokens (EOS included), one int or (B,) per sentence. banned: token ids
-    never generated (pass the pad and BOS ids). flat: run the cached steps after the first as the flat
+    never generated (pass the pad and BOS ids). min_len: tokens generated before EOS may end one. flat: run the cached steps after the first as the flat
     `Seq2SeqDecodeStep` where the model is one it knows (False: `model.decode` every step).
     """
     if not abs(alpha) <= MAX_ALPHA:
@@ -263,7 +273,7 @@ def beam_search(
     best: list[Hypothesis | None] = [None] * b
     best_score = torch.full((b,), NEG_INF, device=device)  # (B,)
     for t in range(1, int(max_lens.max()) + 1):
-        logp = _next_log_probs(steps, prefix, banned)  # (R, V)
+        logp = _next_log_probs(steps, prefix, banned, eos_id, min_len)  # (R, V)
         n, nb, v = scores.shape[0], scores.shape[1], logp.shape[-1]
         cand = (scores[:, :, None] + logp.view(n, nb, v)).view(n, nb * v)  # (N, nb * V)
         top, pos = cand.topk(min(2 * k, nb * v), dim=-1)  # (N, C), best first; pos = beam * V + token
@@ -322,6 +332,7 @@ def sample_search(
     top_p: float = 1.0,
     seed: int = 0,
     banned: Sequence[int] = (),
+    min_len: int = 0,
     flat: bool = True,
     generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
@@ -340,7 +351,7 @@ def sample_search(
     log_prob = torch.zeros(b, device=device)  # (N,)
     out: list[Hypothesis | None] = [None] * b
     for t in range(1, int(max_lens.max()) + 1):
-        logp = _next_log_probs(steps, prefix, banned)  # (N, V)
+        logp = _next_log_probs(steps, prefix, banned, eos_id, min_len)  # (N, V)
         nxt = sample_next(logp, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         log_prob = log_prob + logp.gather(1, nxt[:, None]).squeeze(1)
         ended = (nxt == eos_id) | (max_lens[alive] == t)
@@ -417,6 +428,10 @@ def search(
         )
     if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
         raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
+    if cfg.min_len and len({int(b) for b in banned} | {int(eos_id)}) >= vocab:
+        raise ValueError(
+            f"every id but eos_id {eos_id} is banned: min_len {cfg.min_len} tokens cannot come before it (min_len=0)"
+        )
     with decoding_layout(model) if fast_decode else contextlib.nullcontext():
         return _search(
             model,
@@ -434,7 +449,9 @@ def search(
 def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat, generator) -> list[Hypothesis]:
     src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
     max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
-    common = dict(bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned, flat=flat)
+    common = dict(
+        bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned, min_len=cfg.min_len, flat=flat
+    )
     if cfg.method == "beam":
         return beam_search(model, src, src_mask, beam_size=cfg.beam_size, alpha=cfg.length_penalty, **common)
     if cfg.method == "greedy":

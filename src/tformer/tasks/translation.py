@@ -81,7 +81,12 @@ class Translator:
                 cut.append(i)
         return out, cut
 
-    def hypotheses(self, sources: Sequence[list[int]], cfg: SearchConfig) -> list[Hypothesis]:
+    def hypotheses(
+        self, sources: Sequence[list[int]], cfg: SearchConfig, generator: torch.Generator | None = None
+    ) -> list[Hypothesis]:
+        """The best hypothesis per source, searched in length-sorted batches. generator: for sampling, the
+        stream to draw from (one that goes on across calls: a caller that splits one input into several
+        calls passes one); None: a new one seeded with cfg.seed."""
         if not isinstance(cfg, SearchConfig):
             raise TypeError(
                 f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
@@ -94,9 +99,8 @@ class Translator:
         self.model.eval()
         try:
             # one stream over every batch: a batch that reseeded would repeat the draws of the one before
-            generator = (
-                torch.Generator(device=device).manual_seed(cfg.seed) if cfg.method == "sample" else None
-            )
+            if generator is None and cfg.method == "sample":
+                generator = torch.Generator(device=device).manual_seed(cfg.seed)
             for start in range(0, len(order), cfg.batch_size):
                 chunk = order[start : start + cfg.batch_size]
                 src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
