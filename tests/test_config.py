@@ -274,7 +274,15 @@ def test_a_setting_the_run_would_ignore_is_refused_when_it_starts(tmp_path) -> N
     with pytest.raises(ConfigError, match="model.share_embeddings is for arch 'encoder_decoder' only"):
         refuse_ignored_settings(lm.with_overrides({"model.share_embeddings": False}))
     refuse_ignored_settings(classify.with_overrides({"data.max_tokens": 512}))  # read there
-    refuse_ignored_settings(get_train_preset("tiny-translation").with_overrides({"data.src_vocab_size": 300}))
+    translation = get_train_preset("tiny-translation")
+    separate = {"data.tokenizer": "separate", "data.src_vocab_size": 300}
+    refuse_ignored_settings(translation.with_overrides(separate))
+    with pytest.raises(ConfigError, match=r"data.src_vocab_size sizes the source vocabulary of data.tokenizer 'separate'.* got 300"):  # fmt: skip
+        refuse_ignored_settings(translation.with_overrides({"data.src_vocab_size": 300}))  # joint
+    for name, value in (("pooling", "mean"), ("n_classes", 7)):  # the classifier's head, outside it
+        with pytest.raises(ConfigError, match=rf"model.{name} is read by arch 'encoder' \(classification\) only: arch 'encoder_decoder' would ignore it"):  # fmt: skip
+            refuse_ignored_settings(translation.with_overrides({f"model.{name}": value}))
+    refuse_ignored_settings(classify.with_overrides({"model.pooling": "cls"}))  # read there
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.config import ModelConfig
 from tformer.data.corpus_base import Document
 from tformer.data.datasets import (
     ClassificationBatch,
@@ -142,6 +143,11 @@ class ClassificationTask:
     def model_config(self, cfg: TrainConfig):
         if cfg.model.arch != "encoder":
             raise ConfigError(f"classification needs model.arch 'encoder', got {cfg.model.arch!r}")
+        if cfg.model.n_classes not in (ModelConfig.n_classes, len(self.labels)):  # a value of the user's
+            raise ConfigError(
+                f"model.n_classes is set from the corpus's {len(self.labels)} labels: leave it out, "
+                f"got {cfg.model.n_classes}"
+            )
         return cfg.model.replace(
             vocab_size=self.tokenizer.vocab_size,
             n_classes=len(self.labels),

@@ -217,8 +217,9 @@ class TrainConfig(Config):
 
 
 def refuse_ignored_settings(cfg: TrainConfig) -> None:
-    """ConfigError for a setting the run would ignore: a data setting its task never reads (READ_BY), or
-    model.share_embeddings off outside the encoder-decoder. Checked when a new run starts, not when a
+    """ConfigError for a setting the run would ignore: a data setting its task never reads (READ_BY),
+    data.src_vocab_size without the separate tokenizer, the classifier's model.pooling / n_classes
+    outside the encoder, or model.share_embeddings off outside the encoder-decoder. Checked when a new run starts, not when a
     stored config is read (a run saved before this check still loads, resumes and evaluates)."""
     for name, (unset, tasks) in READ_BY.items():
         value = getattr(cfg.data, name)
@@ -227,6 +228,19 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"data.{name} is read by the {' and '.join(tasks)} task{'s' if len(tasks) > 1 else ''} "
                 f"only: task {cfg.task!r} would ignore it; leave it {keep}, got {value!r}"
+            )
+    if cfg.data.src_vocab_size is not None and cfg.data.tokenizer != "separate":
+        raise ConfigError(
+            "data.src_vocab_size sizes the source vocabulary of data.tokenizer 'separate': the joint "
+            f"tokenizer would ignore it; set data.tokenizer=separate or leave it null, got {cfg.data.src_vocab_size!r}"
+        )
+    encoder_only = {"pooling": "cls", "n_classes": 2}  # read by the classifier's head: their defaults
+    for name, default in encoder_only.items():  # (classification refuses another arch itself)
+        value = getattr(cfg.model, name)
+        if cfg.model.arch != "encoder" and cfg.task != "classification" and value != default:
+            raise ConfigError(
+                f"model.{name} is read by arch 'encoder' (classification) only: arch {cfg.model.arch!r} "
+                f"would ignore it; leave it at {default!r}, got {value!r}"
             )
     if not cfg.model.share_embeddings and cfg.model.arch != "encoder_decoder":
         raise ConfigError(
