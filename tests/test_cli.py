@@ -150,6 +150,10 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["eval", "--run", "x", "--max-batches", "-1"], "argument --max-batches: expected an integer >= 1"),
         (["classify", "--run", "x", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
         (["bench", "--threads", "-1"], "argument --threads: expected an integer >= 0"),
+        (
+            ["bench", "--preset", "tiny-translation"],
+            "tformer bench measures decoder LMs (shakespeare, shakespeare-dense, tiny-lm); this config's",
+        ),
         (["experiment", "norm", "--depths", "a,b"], "argument --depths: expected comma-separated integers"),
         (["experiment", "norm", "--depths", "2,2"], "argument --depths: a depth appears twice in '2,2'"),
         (

@@ -105,6 +105,7 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     assert main(["eval", "--run", run, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 5 and 0 <= result["accuracy"] <= 1 and len(result["confusion"]) == 5
+    assert "eval_loss" in result and "perplexity" not in result  # no perplexity of a class choice
     assert (
         Path(result["confusion_png"]) == trained_run / "eval_confusion_test.png"
         and (trained_run / "eval_confusion_test.png").exists()

@@ -264,6 +264,17 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     result = json.loads(capsys.readouterr().out)
     assert result["sentences"] == 32 and 0 <= result["bleu"] <= 100 and result["copy_bleu"] >= 0
     assert Path(result["translations"]).read_text().count("\n") == 32
+    assert Path(result["translations"]).name == "translations_test_sample.txt"  # the full split's stays
+    assert main(["eval", "--run", run, "--max-batches", "1"]) == 0  # the text output names the file
+    assert f"translations: {result['translations']}" in capsys.readouterr().out
+    Path(result["translations"]).unlink()
+    Path(result["translations"]).mkdir()  # a file that cannot be written: said, the scores still printed
+    with pytest.warns(
+        UserWarning, match="the translations were not written to .*translations_test_sample.txt"
+    ):
+        assert main(["eval", "--run", run, "--max-batches", "1"]) == 0
+    assert "BLEU" in capsys.readouterr().out
+    Path(result["translations"]).rmdir()
     from tformer.tasks.translation import format_result
 
     text = format_result(result | {"sources_truncated": 3})  # what the text output says of the JSON's fields

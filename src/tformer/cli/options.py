@@ -48,11 +48,19 @@ def _int_at_least(low: int):
 positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
-def add_config_arguments(p: argparse.ArgumentParser, default_preset: str) -> None:
+def lm_presets() -> list[str]:
+    """The training presets of decoder LMs (what `tformer bench` measures)."""
+    return [name for name, preset in TRAIN_PRESETS.items() if preset().model.arch == "decoder"]
+
+
+def add_config_arguments(
+    p: argparse.ArgumentParser, default_preset: str, presets: list[str] | None = None
+) -> None:
+    """--preset (one of `presets`, default all), --config and --set."""
     p.add_argument(
         "--preset",
         default=None,
-        help=f"training preset: {', '.join(TRAIN_PRESETS)} "
+        help=f"training preset: {', '.join(presets or TRAIN_PRESETS)} "
         f"(default {default_preset} unless --config is given)",
     )
     p.add_argument("--config", type=Path, default=None, help="a YAML or JSON TrainConfig file")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -315,7 +316,8 @@ def evaluate_run(
     max_batches: int | None = None,
 ) -> dict:
     """Beam-search BLEU / chrF of a run (or its path) on a split of its corpus, with the copy-the-source
-    baseline and the loss; the translations go to <run>/translations_<split>.txt."""
+    baseline and the loss; the translations go to <run>/translations_<split>.txt (with max_batches, a sample
+    of the split: translations_<split>_sample.txt; a file that cannot be written is warned about)."""
     run = require_task(run, "translation", "translation")
     cfg = run.train_config
     translator = load_translator(run)
@@ -339,10 +341,12 @@ def evaluate_run(
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
         loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
-    out = run_dir_of(run.checkpoint) / f"translations_{split}.txt"
+    name = f"translations_{split}.txt" if max_batches is None else f"translations_{split}_sample.txt"
+    out = run_dir_of(run.checkpoint) / name
     try:
         out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    except OSError:
+    except OSError as err:
+        warnings.warn(f"the translations were not written to {out}: {err.strerror or err}", stacklevel=2)
         out = None
     return {
         "data": f"{cfg.data.corpus} {cfg.data.direction} {split} split",
@@ -350,6 +354,7 @@ def evaluate_run(
         "sentences": len(pairs),
         "sources_truncated": len(cut),
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
+        "seq_len": cfg.data.seq_len,
         "search": search_cfg.to_dict(),
         "bleu": scores.bleu,
         "chrf": scores.chrf,
@@ -366,7 +371,13 @@ def evaluate_run(
 def _loss_words(result: dict) -> str:
     if result["eval_loss"] is None:
         return "loss: no pair fits data.seq_len"
-    return f"loss {result['eval_loss']:.4f} nats/token on {result['loss_pairs']} pairs"
+    left_out = result["sentences"] - result["loss_pairs"]
+    others = (
+        f" (the other {left_out} are longer than {result.get('seq_len', 'data.seq_len')} tokens)"
+        if left_out
+        else ""
+    )
+    return f"loss {result['eval_loss']:.4f} nats/token on {result['loss_pairs']} pairs{others}"
 
 
 def format_result(result: dict) -> str:
@@ -382,4 +393,5 @@ def format_result(result: dict) -> str:
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
         f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}\n"
         f"sacrebleu signature: {result['bleu_signature']}"
+        + (f"\ntranslations: {result['translations']}" if result.get("translations") else "")
     )
