@@ -76,6 +76,63 @@ def test_sigterm_stops_with_a_checkpoint_too(corpus_dir: Path, tmp_path: Path, c
     assert (tmp_path / "t" / "loss.png").is_file()  # the curve so far (it had waited for the run's end)
 
 
+def test_a_hang_up_stops_with_a_checkpoint_and_resumes_exactly(
+    corpus_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """SIGHUP (the terminal of the run closed) had ended training at once, without a checkpoint."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        cfg = small_config(corpus_dir, save_every=100)
+        Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
+        trainer = Trainer(cfg, tmp_path / "h", SignalTask(at=4, signals=(signal.SIGHUP,)), progress=False)
+        with pytest.raises(Stopped) as stopped:
+            trainer.fit()
+        assert stopped.value.signum == signal.SIGHUP
+        assert "SIGHUP: stopping when this step ends, after saving a checkpoint\n" in capsys.readouterr().err
+        assert [p.name for p in list_checkpoints(tmp_path / "h")] == ["step_000004"]
+        Trainer(cfg, tmp_path / "h", make_task("lm"), resume=True, progress=False).fit()
+        assert losses(tmp_path / "a") == losses(tmp_path / "h")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+class GoneReader:
+    """stdout piped into a reader that went away after `lines` writes (`| head`)."""
+
+    def __init__(self, lines: int) -> None:
+        self.lines = lines
+
+    def write(self, text: str) -> int:
+        if self.lines <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.lines -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lines <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_output_that_cannot_be_written_stops_the_run_with_a_checkpoint(
+    corpus_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`tformer train ... | head -2`: the first line printed after the reader left had raised out of the
+    loop, and the steps since the last checkpoint were lost. The command exits 141, as on SIGPIPE."""
+    from tformer.cli.main import main
+
+    out = tmp_path / "p"
+    argv = ["train", "--preset", "tiny-lm", "--set", f"data.corpus=text:{corpus_dir}", "--set", "steps=40"]
+    argv += ["--set", "save_every=1000", "--set", "log_every=1", "--no-progress", "--no-sample"]
+    monkeypatch.setattr("sys.stdout", GoneReader(lines=3))
+    assert main([*argv, "--out", str(out)]) == 141
+    assert "output lost: stopping when this step ends, after saving a checkpoint" in capsys.readouterr().err
+    saved = latest_checkpoint(out)
+    assert saved is not None and 1 <= int(saved.name.split("_")[1]) < 40
+    monkeypatch.undo()
+    assert main([*argv, "--out", str(out), "--resume"]) == 0
+    assert latest_checkpoint(out).name == "step_000040"
+
+
 def test_a_second_ctrl_c_stops_at_once_without_saving_mid_step(
     corpus_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:

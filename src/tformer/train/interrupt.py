@@ -1,24 +1,29 @@
 """Stopping a run at a step boundary.
 
-Ctrl-C (SIGINT) or SIGTERM during `Trainer.fit` does not interrupt the step in flight: a checkpoint
+Ctrl-C (SIGINT), SIGTERM or a hang-up (SIGHUP: the terminal closed) during `Trainer.fit` does not
+interrupt the step in flight: a checkpoint
 written from the middle of a step would hold a loader position past the step's batches, RNG states that
 dropout already advanced and, after `optimizer.step()`, weights one step ahead of the scheduler, so a
 resume would not continue exactly. The signal is noted instead; the loop finishes the step (its
 logging, evaluation and save cadence), saves, and raises `Stopped`. A second Ctrl-C stops at once,
 without saving: the last committed checkpoint stays as it was. Under torchrun every rank learns of a
 signal that reached any rank in the same step (one small all-reduce per step), so all ranks save the
-same step.
+same step. Output that can no longer be written (stdout piped into a reader that went away, a closed
+terminal) stops the run the same way (`GuardedStream`), as SIGPIPE: training to nobody's screen would
+go on unseen, a crash would lose the steps since the last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+SIGPIPE = getattr(signal, "SIGPIPE", 13)  # the stop for lost output (13 where the platform has none)
 
 
 class Stopped(KeyboardInterrupt):
@@ -66,14 +71,22 @@ class StopRequests:
             if again and time.monotonic() - self._first > self.REPEAT_S:
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
+        self.request(signum)
+
+    def request(self, signum: int) -> None:
+        """Stop at the end of this step, as on signal `signum` (the first request counts)."""
+        if self.signum is not None:
+            return
         self.signum, self._first = signum, time.monotonic()
         if self.announce:
             again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
-            print(
-                f"\n{signal.Signals(signum).name}: stopping when this step ends, after saving a checkpoint{again}",
-                file=sys.stderr,
-                flush=True,
-            )
+            name = "output lost" if signum == SIGPIPE else signal.Signals(signum).name
+            with contextlib.suppress(OSError):  # after a hang-up the terminal may be gone: the stop matters
+                print(
+                    f"\n{name}: stopping when this step ends, after saving a checkpoint{again}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def agreed(self, comm) -> int | None:
         """The signal to stop on if any process received one (a collective under torchrun: every rank
@@ -82,3 +95,31 @@ class StopRequests:
         if not ranks:
             return None
         return self.signum or int(signal.SIGINT)  # another rank's: most likely the same Ctrl-C
+
+
+class GuardedStream:
+    """A text stream (stdout, stderr) that stops writing once its reader is gone: the first write or flush
+    that fails (a broken pipe, a terminal that hung up) calls `lost` and every later one is dropped."""
+
+    def __init__(self, stream, lost) -> None:
+        self.stream, self.lost, self.gone = stream, lost, False
+
+    def _guard(self, method: str, *args):
+        if self.gone:
+            return None
+        try:
+            return getattr(self.stream, method)(*args)
+        except OSError:  # BrokenPipeError, EIO
+            self.gone = True
+            self.lost()
+            return None
+
+    def write(self, text: str) -> int:
+        self._guard("write", text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._guard("flush")
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding ... (tqdm reads some)
+        return getattr(self.stream, name)

@@ -42,7 +42,7 @@ from tformer.train.checkpoint import (
     why_none_committed,
 )
 from tformer.train.config import TrainConfig, refuse_ignored_settings
-from tformer.train.interrupt import Stopped, StopRequests
+from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
 from tformer.train.resume import absolute_data_paths, check_resume_config, warn_compile_switch
@@ -111,6 +111,8 @@ class Trainer:
         self.cfg, self.task = cfg, task
         self._lock, self._holds, self._handed_over, self._failed = None, False, False, False
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
+        self._signals: StopRequests | None = None  # while fit runs
+        self._out: GuardedStream | None = None
         if not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
         self.run_dir = Path(run_dir)
@@ -337,7 +339,8 @@ class Trainer:
 
     def fit(self, until: int | None = None) -> dict[str, Any]:
         """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would).
-        Ctrl-C or SIGTERM stops after the step in flight, with a checkpoint (tformer.train.interrupt)."""
+        Ctrl-C, SIGTERM, a hang-up or lost output stops after the step in flight, with a checkpoint
+        (tformer.train.interrupt)."""
         self._check_open()
         if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 1):
             raise ValueError(f"until must be a step number >= 1 (or None), got {until!r}")
@@ -349,6 +352,7 @@ class Trainer:
         self._failed = True  # until fit returns: close() then waits for no other rank
         try:
             with StopRequests(announce=self.env.is_main) as signals:
+                self._signals = signals  # lost output asks it to stop (`_output_lost`)
                 while s.step < stop:
                     self._one_step(bar, t0, tok0, step0)
                     signum = signals.agreed(self.parallel.comm)
@@ -375,6 +379,7 @@ class Trainer:
                 self._plot_so_far()
             raise
         finally:
+            self._signals = None
             if bar is not None:
                 bar.close()
         if s.step == step0 == self.cfg.steps:  # a resume that starts at its last step: the evaluation an
@@ -533,11 +538,25 @@ class Trainer:
         self._say(f"step {self.state.step}:\n{text}", bar)
 
     def _say(self, text: str, bar=None) -> None:
-        """A line for the user (rank 0, progress on): above the progress bar, or plain."""
+        """A line for the user (rank 0, progress on): above the progress bar, or plain; to stdout, which a
+        closed pipe or terminal turns into a stop with a checkpoint (`_output_lost`)."""
         if self.progress and bar is not None:
-            bar.write(text)
+            bar.write(text, file=self._stdout)
         elif self.progress:
-            print(text, flush=True)
+            print(text, file=self._stdout, flush=True)
+
+    @property
+    def _stdout(self) -> GuardedStream:
+        """sys.stdout (the one in place now), guarded: a failed write stops the run (`_output_lost`)."""
+        if self._out is None or self._out.stream is not sys.stdout:
+            self._out = GuardedStream(sys.stdout, self._output_lost)
+        return self._out
+
+    def _output_lost(self) -> None:
+        """stdout or stderr can no longer be written (its reader went away): stop after this step with a
+        checkpoint, as on a signal (outside `fit`, nothing to stop)."""
+        if self._signals is not None:
+            self._signals.request(SIGPIPE)
 
     def _progress_bar(self):
         if not self.progress or self.lines:
@@ -545,7 +564,12 @@ class Trainer:
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=self.cfg.steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True
+            total=self.cfg.steps,
+            initial=self.state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=GuardedStream(sys.stderr, self._output_lost),
         )
 
     def _evals(self) -> list[dict[str, Any]]:
