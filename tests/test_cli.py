@@ -150,6 +150,7 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["eval", "--run", "x", "--max-batches", "-1"], "argument --max-batches: expected an integer >= 1"),
         (["classify", "--run", "x", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
         (["bench", "--threads", "-1"], "argument --threads: expected an integer >= 0"),
+        (["generate", "--run", "x", "--temp", "0.5"], "unrecognized arguments: --temp 0.5; allowed options:"),
         (
             ["bench", "--preset", "tiny-translation"],
             "tformer bench measures decoder LMs (shakespeare, shakespeare-dense, tiny-lm); this config's",

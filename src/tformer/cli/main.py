@@ -205,7 +205,12 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with unknown options answered by the list of the allowed ones."""
+    """argparse, with unknown options answered by the list of the allowed ones. An abbreviation is not an
+    option (`--resum`, `--temp` had been taken for `--resume`, `--temperature` without a word)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         if "unrecognized arguments" in message:
