@@ -143,10 +143,12 @@ def test_numpy_numbers_are_taken_as_python_numbers() -> None:
 
 
 def test_exponent_floats_read_by_yaml_as_strings_are_floats(tmp_path) -> None:
-    """PyYAML (YAML 1.1) reads `1e-3` as a string: in a --set value and in a config file it is a float;
-    strings that are not numbers stay errors, and int fields take no floats from strings either."""
+    """PyYAML (YAML 1.1) reads `1e-3` as a string: in a --set value and in a config file it is a float
+    (read as YAML 1.2 reads it; the schema also converts such a string from the Python API); strings that
+    are not numbers stay errors, and int fields take no floats from strings either."""
     overrides = parse_overrides(["optim.lr=1e-3", "model.rope.theta=5E+5"])
-    assert overrides["optim.lr"] == "1e-3"  # what YAML gives; the schema converts it
+    assert overrides["optim.lr"] == 1e-3
+    assert ModelConfig().with_overrides({"rope.theta": "5e5"}).rope.theta == 5e5
     cfg = get_train_preset("tiny-lm").with_overrides(overrides)
     assert cfg.optim.lr == 1e-3 and cfg.model.rope.theta == 5e5
     path = tmp_path / "run.yaml"
@@ -337,3 +339,22 @@ def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="seq_len must be >= 1, got -5"):
         flops_per_token(tiny(), -5)
     assert flops_per_token(tiny(), np.int64(32)) == flops_per_token(tiny(), 32)
+
+
+def test_numbers_are_read_as_yaml_1_2_and_json_read_them(tmp_path) -> None:
+    """YAML 1.1 (PyYAML's default) had read steps=010 as 8 (octal), 1:30 as 90 (base 60) and yes / on as
+    true, all without a word; a --set value and a config file now read numbers as YAML 1.2 does."""
+    lm = get_train_preset("tiny-lm")
+    assert lm.with_overrides(parse_overrides(["steps=010"])).steps == 10
+    assert lm.with_overrides(parse_overrides(["steps=0x10"])).steps == 16  # hexadecimal as written
+    with pytest.raises(ConfigError, match="TrainConfig.steps must be int, got '1:30'"):
+        lm.with_overrides(parse_overrides(["steps=1:30"]))
+    with pytest.raises(ConfigError, match="ModelConfig.bias must be bool, got 'yes'"):
+        ModelConfig().with_overrides(parse_overrides(["bias=yes"]))
+    for nan in ("nan", ".nan", "inf", "-.inf"):
+        with pytest.raises(ConfigError, match="TrainConfig.optim.lr must be a finite number"):
+            lm.with_overrides(parse_overrides([f"optim.lr={nan}"]))
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 010\nsave_every: 0o10\nmodel:\n  bias: true\n")
+    cfg = TrainConfig.load(path)
+    assert (cfg.steps, cfg.save_every, cfg.model.bias) == (10, 8, True)

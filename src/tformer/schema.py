@@ -10,6 +10,7 @@ outermost one: "TrainConfig.model.moe.top_k"). `from_dict` rejects unknown keys 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -71,6 +72,8 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
     elif tp is float:  # no tformer setting means anything at inf or NaN
+        if isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
+            raise ConfigError(f"{owner}.{name} must be a finite number, got {value!r}")
         if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float in YAML 1.2 and JSON
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -243,11 +246,57 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _yaml_unique(text: str) -> Any:
-    """yaml.safe_load, but a key written twice in one mapping is an error (PyYAML keeps the last)."""
+@functools.cache
+def core_loader() -> type:
+    """yaml.SafeLoader reading plain scalars as YAML 1.2's core schema does (as JSON would), not as YAML
+    1.1: 010 is ten (not octal eight), 1:30 a string (not 90 in base 60), 1e-3 a float (not a string),
+    only true / false are booleans (not yes / no / on / off); 0x10 and 0o10 stay hexadecimal and octal,
+    as written. Settings typed in 1.1's forms had been read as other numbers without a word."""
     import yaml
 
-    class UniqueKeyLoader(yaml.SafeLoader):
+    bool_, int_, float_ = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+
+    class CoreLoader(yaml.SafeLoader):
+        def construct_core_int(self, node) -> int:
+            text = self.construct_scalar(node)
+            sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+            base = {"0x": 16, "0o": 8}.get(digits[:2].lower(), 10)
+            return sign * int(digits[2:] if base != 10 else digits, base)
+
+    CoreLoader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (bool_, int_, float_)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    CoreLoader.add_implicit_resolver(
+        bool_, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
+    CoreLoader.add_implicit_resolver(
+        int_, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+    )
+    CoreLoader.add_implicit_resolver(
+        float_,
+        re.compile(
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        ),
+        list("-+0123456789."),
+    )
+    CoreLoader.add_constructor(int_, CoreLoader.construct_core_int)
+    return CoreLoader
+
+
+def yaml_value(text: str) -> Any:
+    """One YAML value (a --set value), read with `core_loader`."""
+    import yaml
+
+    return yaml.load(text, Loader=core_loader())  # noqa: S506 (a SafeLoader)
+
+
+def _yaml_unique(text: str) -> Any:
+    """yaml.safe_load (with `core_loader`'s scalars), but a key written twice in one mapping is an error
+    (PyYAML keeps the last)."""
+    import yaml
+
+    class UniqueKeyLoader(core_loader()):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:

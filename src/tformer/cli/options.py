@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from tformer.data.corpus_base import decode_text, read_text
-from tformer.schema import ConfigError
+from tformer.schema import ConfigError, yaml_value
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
 
@@ -81,7 +81,7 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
             raise ConfigError(f"--set expects KEY=VALUE (for example model.d_model=128), got {item!r}")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml_value(raw) if raw.strip() else None  # YAML 1.2's numbers: 010 is ten
             unquoted = raw.strip()[:1] not in ("'", '"')
             if (isinstance(value, str) and unquoted) or (isinstance(value, dict) and raw.strip()[:1] != "{"):
                 value = raw.strip()  # a plain string as typed: ' #' is no comment, 'text: x' no mapping
