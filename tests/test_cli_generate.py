@@ -86,6 +86,21 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
     err = capsys.readouterr().err
     assert "+ --max-new-tokens 500 exceeds the model's context" in err and "lower --max-new-tokens to" in err
+    # the advice counts the new tokens asked for (it had said 63 where 59 fit with 5 new tokens)
+    assert (
+        main(["generate", "--run", str(trained_run), "--prompt", long_prompt, "--max-new-tokens", "5"]) == 2
+    )
+    assert "give at most 59 tokens with --max-new-tokens 5" in capsys.readouterr().err
+    fits = " ".join(["to"] * 62)  # 63 tokens (BOS first) + 5 new: over by 4 either way
+    assert main(["generate", "--run", str(trained_run), "--prompt", fits, "--max-new-tokens", "5"]) == 2
+    assert (
+        "lower --max-new-tokens to at most 1, or shorten the prompt to at most 59 tokens"
+        in capsys.readouterr().err
+    )
+    path = trained_run.parent / "prompts.txt"
+    path.write_text("to be\n" + long_prompt + "\n")
+    assert main(["generate", "--run", str(trained_run), "--prompts-file", str(path)]) == 2
+    assert "prompt 2 of " in capsys.readouterr().err  # which line of the file, counted from 1
     # without --max-new-tokens: 200 or what the context (64) leaves after the prompt
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--greedy", "--no-stream"]) == 0
     out, err = capsys.readouterr()
@@ -111,6 +126,9 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
         in err
     )
     assert out.startswith(long_prompt) and "Traceback" not in err
+    # --min-new-tokens beyond half the context: the prompt is cut further (it had been refused)
+    assert main([*argv[:-3], "--truncate-prompt", "--min-new-tokens", "50", "--greedy", "--no-stream"]) == 0
+    assert "only its last 14 tokens are used" in capsys.readouterr().err
     # without --max-new-tokens: the cut prompt leaves half the context (32 of 64) for new tokens
     assert (
         main(

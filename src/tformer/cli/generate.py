@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:  # the default: as many as the context leaves, up to DEFAULT_NEW_TOKENS
         room = context - max(len(ids) for ids in encoded)
         if args.truncate_prompt:  # a prompt cut to fit keeps at least half the context for new tokens
-            room = max(room, context // 2)
-        if 0 < room < sampling.min_new_tokens:  # (no room at all: the prompt is named below)
+            room = max(room, context // 2)  # (and less of itself for --min-new-tokens: cut below)
+        elif 0 < room < sampling.min_new_tokens:  # (no room at all: the prompt is named below)
             raise ValueError(
                 f"--min-new-tokens {sampling.min_new_tokens} does not fit: the model's context of {context} "
                 f"tokens leaves {room} after the prompt"
@@ -143,10 +143,11 @@ def run(args: argparse.Namespace) -> int:
     try:  # before printing anything; named as the options the user typed
         check_prompts(encoded, sampling.max_new_tokens, context)
     except ValueError as err:
-        message = (
-            str(err)
-            .replace("max_new_tokens=", "--max-new-tokens ")
-            .replace("lower max_new_tokens", "lower --max-new-tokens")
+        message = re.sub(r"\bprompt (\d+)\b", lambda m: f"prompt {int(m.group(1)) + 1}", str(err))  # 1-based
+        if args.max_new_tokens is None:  # the number the default chose is not the user's
+            message = re.sub(r" with max_new_tokens=\d+", "", message)
+        message = message.replace("max_new_tokens=", "--max-new-tokens ").replace(
+            "lower max_new_tokens", "lower --max-new-tokens"
         )
         if "context" in message:
             message += " (or pass --truncate-prompt to keep a prompt's last tokens)"

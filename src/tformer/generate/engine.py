@@ -98,16 +98,20 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. some text)")
-    longest = max(len(p) for p in prompts)
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))  # the longest (the first of them)
+    longest, fits = len(prompts[i]), max_seq_len - max_new_tokens  # fits: prompt tokens max_new_tokens leave
+    which = f"prompt {i} of {_tokens(longest)}" if len(prompts) > 1 else f"a prompt of {_tokens(longest)}"
     if longest >= max_seq_len:
+        shorter = f"give at most {_tokens(fits)} with max_new_tokens={max_new_tokens}" if fits >= 1 else ""
         raise ValueError(
-            f"a prompt of {_tokens(longest)} leaves no room for new tokens in the model's context of "
-            f"{_tokens(max_seq_len)}; give at most {_tokens(max_seq_len - 1)}"
+            f"{which} leaves no room for new tokens in the model's context of {_tokens(max_seq_len)}"
+            + (f"; {shorter}" if shorter else f"; give at most {_tokens(max_seq_len - 1)}")
         )
     if longest + max_new_tokens > max_seq_len:
+        shorter = f", or shorten the prompt to at most {_tokens(fits)}" if fits >= 1 else ""
         raise ValueError(
-            f"prompt of {_tokens(longest)} + max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{max_seq_len} tokens; lower max_new_tokens to at most {max_seq_len - longest}"
+            f"{which} + max_new_tokens={max_new_tokens} exceeds the model's context of {max_seq_len} "
+            f"tokens; lower max_new_tokens to at most {max_seq_len - longest}{shorter}"
         )
 
 
