@@ -483,6 +483,11 @@ def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path, monkeypa
     out, err = capsys.readouterr()
     result = json.loads(out)
     assert result["data"] == str(long_text) and 0 < result["bits_per_char"] < 20 and err == ""
+    assert result["windows_scored"] == result["windows"] > 1 and result["predictions"] > 0
+    # a sample (--max-batches) says so: it had printed the same line as the whole text's
+    assert main(["eval", "--run", str(trained_run), "--text-file", str(long_text), "--max-batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"| 8 of its {result['windows']} windows (--max-batches)" in out and " predictions" in out
     short = tmp_path / "short.txt"
     short.write_text("to be")
     assert main(["eval", "--run", str(trained_run), "--text-file", str(short), "--json"]) == 0

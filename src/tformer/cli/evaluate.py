@@ -54,9 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        part = ""
+        if result["windows_scored"] < result["windows"]:  # --max-batches took a sample
+            part = f" | {result['windows_scored']} of its {result['windows']} windows (--max-batches)"
         print(
             f"{what} (step {run_.step}): loss {result['eval_loss']:.4f} nats/token | perplexity "
-            f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char"
+            f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char | "
+            f"{result['predictions']:,} predictions{part}"
         )
     return 0
 

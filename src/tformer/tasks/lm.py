@@ -149,7 +149,8 @@ class LMTask:
 def evaluate_lm(
     model: nn.Module, ds: PackedLMDataset, chars: int, batch_size: int, max_batches: int, device: torch.device
 ) -> dict[str, float]:
-    """Loss over up to max_batches * batch_size windows spread evenly over the split (all when it fits)."""
+    """Loss over up to max_batches * batch_size windows spread evenly over the split (all when it fits);
+    `windows` / `windows_scored` and `predictions` say how much of it was scored."""
     n = len(ds)
     take = min(n, max_batches * batch_size)
     index = torch.linspace(0, n - 1, take).round().long().unique().tolist()
@@ -165,4 +166,7 @@ def evaluate_lm(
         "perplexity": math.exp(min(loss, 50.0)),
         "bits_per_token": loss / math.log(2),
         "bits_per_char": loss * tokens_per_char / math.log(2),
+        "windows": n,
+        "windows_scored": len(index),
+        "predictions": count,
     }
