@@ -152,6 +152,19 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["bench", "--threads", "-1"], "argument --threads: expected an integer >= 0"),
         (["generate", "--run", "x", "--temp", "0.5"], "unrecognized arguments: --temp 0.5; allowed options:"),
         (
+            ["generate", "--run", "afile", "--prompt", "a", "--stop", ""],
+            "--stop must be a list of non-empty strings, got ['']",
+        ),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "data.corpus=text:nothere.txt"],
+            "nothere.txt' does not exist",
+        ),
+        (
+            ["train", "--config", "run.txt"],
+            "run.txt: not a readable TrainConfig file (read as JSON: name a YAML file .yaml or .yml)",
+        ),
+        (["train", "--preset", "tiny-lm", "--out", "afile/run"], "afile/run: Not a directory"),
+        (
             ["bench", "--preset", "tiny-translation"],
             "tformer bench measures decoder LMs (shakespeare, shakespeare-dense, tiny-lm); this config's",
         ),
@@ -175,6 +188,7 @@ def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "run.txt").write_text("steps: 3\n")  # YAML in a file not named .yaml
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's own errors
@@ -585,3 +599,15 @@ def test_an_empty_out_and_a_stop_string_that_is_not_utf8_are_named(capsys) -> No
     args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "ab\udcff"])  # a byte not UTF-8
     with pytest.raises(ValueError, match="--stop is not valid UTF-8 text"):
         sampling_from_args(args)
+
+
+def test_metadata_without_a_key_names_it(trained_run: Path, monkeypatch) -> None:
+    import tformer.runs as runs
+    from tformer.train.checkpoint import CheckpointError
+
+    real = runs.checkpoint_meta
+    monkeypatch.setattr(
+        runs, "checkpoint_meta", lambda p: {k: v for k, v in real(p).items() if k != "model_config"}
+    )
+    with pytest.raises(CheckpointError, match="meta.json: run metadata without the key 'model_config'"):
+        runs.load_run(trained_run)

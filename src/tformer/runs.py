@@ -145,6 +145,8 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         tokenizer = Tokenizer.from_json_str(meta["tokenizer"])
         src = meta.get("src_tokenizer")  # checkpoints of separate-vocabulary translation runs
         src_tokenizer = None if src is None else Tokenizer.from_json_str(src)
+    except KeyError as err:
+        raise CheckpointError(f"{ckpt / 'meta.json'}: run metadata without the key {err}") from None
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
     model = build_model(model_cfg)

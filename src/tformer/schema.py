@@ -206,6 +206,8 @@ class Config:
                 if where
                 else f"not a valid {fmt} text for {cls.__name__}"
             )
+            if where and fmt == "JSON" and not where.endswith(".json"):  # a YAML file named otherwise
+                what += " (read as JSON: name a YAML file .yaml or .yml)"
             raise ConfigError(f"{what} ({reason})") from None
         if data is None:  # an empty file, or only comments: a mistake, not a request for the defaults
             what = f"{where}: holds no {cls.__name__} fields" if where else f"the {fmt} text holds no fields"

@@ -219,6 +219,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _words(err: Exception) -> str:
+    """An error as one line for the user: an operating-system error as `path: reason` (Python's own form,
+    "[Errno 2] No such file or directory: '/proc/foo'", reads as a crash)."""
+    if isinstance(err, OSError) and err.strerror and len(err.args) >= 2 and str(err).startswith("[Errno"):
+        name = err.filename if err.filename is not None else ""
+        return f"{name}: {err.strerror}" if name else err.strerror
+    return str(err)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -290,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a config error is the same on every rank; anything else may be this rank's own, so it is named
         if not rank or not isinstance(err, ConfigError):
             where = f" (rank {rank})" if rank else ""
-            print(f"tformer {args.command}: error{where}: {err}", file=sys.stderr, flush=True)
+            print(f"tformer {args.command}: error{where}: {_words(err)}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as err:
         if rank and any(peer in str(err) for peer in PEER_GONE):  # under torchrun: another rank failed first

@@ -57,7 +57,8 @@ def load_text(path: str | Path) -> Corpus:
                 "train / val / test: give it more text or more line breaks"
             )
     else:
-        raise FileNotFoundError(f"text corpus path {str(path)!r} is neither a file nor a folder")
+        what = "is neither a file nor a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"text corpus path {str(path)!r} {what}")
     n_val, n_test = fraction_counts(len(docs), 0.05, 0.05, 1)
     rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
     splits = split_by_hash(docs, lambda d: d.text, n_val, n_test)

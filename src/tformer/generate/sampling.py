@@ -217,7 +217,8 @@ class SamplingConfig(Config):
     def _stop_strings(value: Any) -> tuple[str, ...]:
         if isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value):
             return tuple(value)
-        raise ConfigError(f"SamplingConfig.stop_strings must be a list of non-empty strings, got {value!r}")
+        shown = list(value) if isinstance(value, tuple) else value  # as a user would write it
+        raise ConfigError(f"SamplingConfig.stop_strings must be a list of non-empty strings, got {shown!r}")
 
     def check(self) -> None:
         self._require(
