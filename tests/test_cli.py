@@ -41,6 +41,23 @@ def test_no_progress_prints_plain_lines(trained_run: Path, capsys, tmp_path: Pat
     assert "\r" not in out
 
 
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(
+    trained_run: Path, capsys, tmp_path: Path, monkeypatch
+) -> None:
+    """Without --no-progress: a bar where stderr is a terminal, the plain lines where it is a file (a bar's
+    carriage-return redraws had filled log files)."""
+    sets = [f"data.corpus=text:{trained_run.parent / 'corpus'}", "data.vocab_size=300", "data.seq_len=32",
+            "steps=4", "log_every=2", "eval_every=4", "save_every=4"]  # fmt: skip
+    argv = ["train", "--preset", "tiny-lm", "--no-sample"] + [a for s in sets for a in ("--set", s)]
+    assert main([*argv, "--out", str(tmp_path / "log")]) == 0  # stderr under pytest: not a terminal
+    captured = capsys.readouterr()
+    assert re.search(r"^step 2/4: loss ", captured.out, re.M) and "\r" not in captured.err
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main([*argv, "--out", str(tmp_path / "tty")]) == 0
+    captured = capsys.readouterr()
+    assert not re.search(r"^step 2/4: loss ", captured.out, re.M) and "\r" in captured.err  # the bar
+
+
 def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatch) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("to be")

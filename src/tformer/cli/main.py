@@ -49,7 +49,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--no-progress",
         action="store_true",
         help="plain lines instead of a progress bar (for logs): one per logged step with loss, lr, tokens/s "
-        "and ETA, then the evaluations and samples",
+        "and ETA, then the evaluations and samples (the default when stderr is not a terminal)",
     )
     p.add_argument("--no-sample", action="store_true", help="do not print a generated sample at the end")
 

@@ -7,6 +7,7 @@ writes the report (see docs/distributed.md).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tformer.cli.options import resolve_train_config
@@ -25,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
     )
     cfg = resolve_train_config(args, default_preset="shakespeare", resume_dir=out if args.resume else None)
     task = make_task(cfg.task)
-    trainer = Trainer(cfg, out, task, resume=args.resume, progress="lines" if args.no_progress else True)
+    # a bar redrawn with carriage returns is for a terminal: into a log file (stderr not a terminal) the
+    # run writes the plain lines of --no-progress instead
+    lines = args.no_progress or not sys.stderr.isatty()
+    trainer = Trainer(cfg, out, task, resume=args.resume, progress="lines" if lines else True)
     try:
         report = trainer.fit()
         if trainer.env.is_main:
