@@ -347,6 +347,7 @@ def test_numbers_are_read_as_yaml_1_2_and_json_read_them(tmp_path) -> None:
     lm = get_train_preset("tiny-lm")
     assert lm.with_overrides(parse_overrides(["steps=010"])).steps == 10
     assert lm.with_overrides(parse_overrides(["steps=0x10"])).steps == 16  # hexadecimal as written
+    assert lm.with_overrides(parse_overrides(["steps=100_000"])).steps == 100_000  # grouped as in Python
     with pytest.raises(ConfigError, match="TrainConfig.steps must be int, got '1:30'"):
         lm.with_overrides(parse_overrides(["steps=1:30"]))
     with pytest.raises(ConfigError, match="ModelConfig.bias must be bool, got 'yes'"):

@@ -253,7 +253,8 @@ def core_loader() -> type:
     """yaml.SafeLoader reading plain scalars as YAML 1.2's core schema does (as JSON would), not as YAML
     1.1: 010 is ten (not octal eight), 1:30 a string (not 90 in base 60), 1e-3 a float (not a string),
     only true / false are booleans (not yes / no / on / off); 0x10 and 0o10 stay hexadecimal and octal,
-    as written. Settings typed in 1.1's forms had been read as other numbers without a word."""
+    as written, and digits may be grouped with underscores as in Python (1_000). Settings typed in 1.1's
+    forms had been read as other numbers without a word."""
     import yaml
 
     bool_, int_, float_ = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
@@ -273,12 +274,12 @@ def core_loader() -> type:
         bool_, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
     )
     CoreLoader.add_implicit_resolver(
-        int_, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+        int_, re.compile(r"^(?:[-+]?[0-9](?:_?[0-9])*|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
     )
     CoreLoader.add_implicit_resolver(
         float_,
         re.compile(
-            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9](?:_?[0-9])*(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
         ),
         list("-+0123456789."),
     )

@@ -382,13 +382,15 @@ def test_min_len_reaches_the_command_line(trained_run: Path, capsys) -> None:
     run = str(trained_run)
     assert (
         main(
-            ["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--min-len", "5", "--max-len", "5"]
+            ["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--min-len", "5", "--max-len", "6"]
         )
         == 0
     )
     assert capsys.readouterr().out.strip()  # five tokens: no empty line
     assert main(["translate", "--run", run, "--text", "Der Hund.", "--min-len", "-1"]) == 2
     assert "--min-len must be in [0" in capsys.readouterr().err
+    assert main(["translate", "--run", run, "--text", "Der Hund.", "--min-len", "5", "--max-len", "5"]) == 2
+    assert "--min-len 5 leaves no room for the end within --max-len 5" in capsys.readouterr().err
 
 
 def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained_run: Path) -> None:

@@ -275,3 +275,29 @@ def test_samples_during_training_are_logged_and_leave_the_run_exact(corpus_dir: 
     samples = [r for r in records if r["kind"] == "sample"]
     assert [r["step"] for r in samples] == [2, 4, 6, 8] and all("--- sample" in r["text"] for r in samples)
     assert losses(tmp_path / "s") == losses(tmp_path / "n")  # sampling drew from no training RNG
+
+
+def test_a_guarded_stream_is_the_stream_it_guards_for_tqdm(capsys) -> None:
+    """tqdm clears its bar before a line written above it, and redraws it after, only when the line's
+    file is the bar's: a line through the guarded stream had landed on top of the bar."""
+    import sys
+
+    from tqdm import tqdm
+
+    from tformer.train.interrupt import GuardedStream
+
+    lost = []
+    out = GuardedStream(sys.stdout, lambda: lost.append(1))
+    assert out == sys.stdout and hash(out) == hash(sys.stdout) and out != sys.stderr
+    bar = tqdm(total=3, file=GuardedStream(sys.stderr, lambda: None), ascii=True, mininterval=0)
+    bar.update(1)
+    capsys.readouterr()
+    bar.write("EVAL", file=GuardedStream(sys.stderr, lambda: None))
+    err = capsys.readouterr().err
+    bar.close()
+    before, after = err.split("EVAL")
+    assert "\r" in before and "1/3" in after  # cleared, then redrawn
+    gone = GuardedStream(GoneReader(lines=0), lambda: lost.append(1))
+    gone.write("x")
+    gone.write("y")  # told at each write after the loss (a later fit of the same trainer stops too)
+    assert lost == [1, 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -312,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         if not rank:
-            print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # a hang-up (129) or lost output (141): stderr may be gone
+                print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
     finally:
         warnings.formatwarning = formatwarning

@@ -105,6 +105,10 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
     cli_words = {"(method='greedy' for argmax)": "(--greedy for argmax)",
                  "(or null: from the source length)": "(or leave --max-len out: from the source length)"}  # fmt: skip
     if args.min_len is not None:
+        if args.max_len is not None and args.min_len >= args.max_len:
+            raise ValueError(
+                f"--min-len {args.min_len} leaves no room for the end within --max-len {args.max_len}"
+            )
         given["min_len"] = args.min_len
     with named_as_flags("SearchConfig", {"beam_size": "--beam"}, cli_words):
         return SearchConfig(method=method, max_len=args.max_len, batch_size=args.batch_size, **given)

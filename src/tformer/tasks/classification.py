@@ -144,8 +144,8 @@ class ClassificationTask:
             raise ConfigError(f"classification needs model.arch 'encoder', got {cfg.model.arch!r}")
         if cfg.model.n_classes not in (ModelConfig.n_classes, len(self.labels)):  # a value of the user's
             raise ConfigError(
-                f"model.n_classes is set from the corpus's {len(self.labels)} labels: leave it out, "
-                f"got {cfg.model.n_classes}"
+                f"model.n_classes is set from the corpus's {len(self.labels)} labels: leave it out "
+                f"(or at {len(self.labels)}), got {cfg.model.n_classes}"
             )
         return cfg.model.replace(
             vocab_size=self.tokenizer.vocab_size,

@@ -36,7 +36,7 @@ class Stopped(KeyboardInterrupt):
 
 class StopRequests:
     """Context manager: while active (and only in the main thread, where Python delivers signals),
-    SIGINT and SIGTERM set `signum` instead of raising; a second SIGINT raises KeyboardInterrupt. Under
+    SIGINT, SIGTERM and SIGHUP set `signum` instead of raising; a second SIGINT raises KeyboardInterrupt. Under
     torchrun a Ctrl-C can reach a worker twice (from the terminal where workers share its process group,
     then forwarded by torchrun; torch 2.13's torchrun starts workers in their own sessions and forwards
     it once), so there repeats are ignored: torchrun itself kills workers that have not exited 30 s
@@ -105,7 +105,8 @@ class GuardedStream:
         self.stream, self.lost, self.gone = stream, lost, False
 
     def _guard(self, method: str, *args):
-        if self.gone:
+        if self.gone:  # (told again: a later fit of the same trainer stops too; a stop request is idempotent)
+            self.lost()
             return None
         try:
             return getattr(self.stream, method)(*args)
@@ -123,3 +124,11 @@ class GuardedStream:
 
     def __getattr__(self, name: str):  # isatty, fileno, encoding ... (tqdm reads some)
         return getattr(self.stream, name)
+
+    # tqdm clears its bar before a line written above it only when the line's file is the bar's, or both
+    # are sys.stdout / sys.stderr: a guarded stream is the stream it guards
+    def __eq__(self, other: object) -> bool:
+        return self.stream == getattr(other, "stream", other)
+
+    def __hash__(self) -> int:
+        return hash(self.stream)

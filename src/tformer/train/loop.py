@@ -13,6 +13,7 @@ are null objects (docs/distributed.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -368,7 +369,8 @@ class Trainer:
             if not self.env.is_main:
                 raise
             if isinstance(e, Stopped):
-                print(f"\n{e}", file=sys.stderr)
+                with contextlib.suppress(OSError):  # after a hang-up the terminal is gone: the plot is not
+                    print(f"\n{e}", file=sys.stderr)
                 self._plot_so_far()
             else:  # a second Ctrl-C, maybe mid-step: a checkpoint of this moment could not resume exactly
                 where = self._last_checkpoint_words()
