@@ -98,9 +98,9 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
         in capsys.readouterr().err
     )
     path = trained_run.parent / "prompts.txt"
-    path.write_text("to be\n" + long_prompt + "\n")
+    path.write_text("to be\n\n" + long_prompt + "\n")
     assert main(["generate", "--run", str(trained_run), "--prompts-file", str(path)]) == 2
-    assert "prompt 2 of " in capsys.readouterr().err  # which line of the file, counted from 1
+    assert f"error: the prompt on line 3 of {path} (" in capsys.readouterr().err  # its line, empty ones too
     # without --max-new-tokens: 200 or what the context (64) leaves after the prompt
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--greedy", "--no-stream"]) == 0
     out, err = capsys.readouterr()
@@ -122,7 +122,7 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
     assert main([*argv, "--truncate-prompt", "--no-stream"]) == 0
     out, err = capsys.readouterr()
     assert (
-        "warning: prompt 1 is longer than the context allows (64 tokens with 8 new tokens): only its last 56"
+        "warning: the prompt is longer than the context allows (64 tokens with 8 new tokens): only its last 56"
         in err
     )
     assert out.startswith(long_prompt) and "Traceback" not in err

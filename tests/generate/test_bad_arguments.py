@@ -55,7 +55,7 @@ def seq2seq():
         (
             [[1] * 16],
             ValueError,
-            "a prompt of 16 tokens leaves no room for new tokens .* context of 16 tokens",
+            r"the prompt \(16 tokens\) leaves no room for new tokens .* context of 16 tokens",
         ),
     ],
 )

@@ -55,23 +55,33 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     )
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def read_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The prompts, and how messages name each: "the prompt", or its line of the prompts file (empty
+    lines are skipped with a warning, so the n-th prompt need not be on line n)."""
     if args.prompts_file is not None:
         if args.prompt is not None:
             raise ValueError("give --prompt or --prompts-file, not both")
         path = Path(args.prompts_file)
-        prompts, where = [], input_name(path)
+        prompts, names, where = [], [], input_name(path)
         for number, line in enumerate(input_lines(read_input_file(path)), 1):
             if line.strip():
                 prompts.append(newlines(line))
+                names.append(f"the prompt on line {number} of {where}")
             else:
                 warn("generate", f"{where}: line {number} is empty: skipped")
         if not prompts:
             raise ValueError(f"prompts file {where} holds no non-empty line")
-        return prompts
+        return prompts, names
     if args.prompt is None or not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
-    return [newlines(utf8_text(args.prompt, "--prompt"))]
+    return [newlines(utf8_text(args.prompt, "--prompt"))], ["the prompt"]
+
+
+def _named(message: str, names: list[str]) -> str:
+    """check_prompts' message with its prompt ("prompt 3", the API's index, or "the prompt") named as the
+    command line names it (`read_prompts`)."""
+    m = re.match(r"(?:the prompt|prompt (\d+))\b(.*)", message, re.S)
+    return message if m is None else names[int(m.group(1) or 0)] + m.group(2)
 
 
 class TextStream:
@@ -104,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from tformer.runs import load_run, require_task
 
     sampling = sampling_from_args(args)
-    prompts = read_prompts(args)
+    prompts, names = read_prompts(args)
     run_ = load_run(args.run)
     require_task(run_, "lm", "language-model")
     tok = run_.tokenizer
@@ -128,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(str(err).replace("max_new_tokens=", "--max-new-tokens ")) from None
         for i in cut:
             print(
-                f"tformer generate: warning: prompt {i + 1} is longer than the context allows "
+                f"tformer generate: warning: {names[i]} is longer than the context allows "
                 f"({context} tokens with {sampling.max_new_tokens} new tokens): only its last "
                 f"{len(encoded[i])} tokens are used",
                 file=sys.stderr,
@@ -143,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before printing anything; named as the options the user typed
         check_prompts(encoded, sampling.max_new_tokens, context)
     except ValueError as err:
-        message = re.sub(r"\bprompt (\d+)\b", lambda m: f"prompt {int(m.group(1)) + 1}", str(err))  # 1-based
+        message = _named(str(err), names)
         if args.max_new_tokens is None:  # the number the default chose is not the user's
             message = re.sub(r" with max_new_tokens=\d+", "", message)
         message = message.replace("max_new_tokens=", "--max-new-tokens ").replace(

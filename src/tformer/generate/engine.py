@@ -100,7 +100,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. some text)")
     i = max(range(len(prompts)), key=lambda j: len(prompts[j]))  # the longest (the first of them)
     longest, fits = len(prompts[i]), max_seq_len - max_new_tokens  # fits: prompt tokens max_new_tokens leave
-    which = f"prompt {i} of {_tokens(longest)}" if len(prompts) > 1 else f"a prompt of {_tokens(longest)}"
+    which = f"prompt {i} ({_tokens(longest)})" if len(prompts) > 1 else f"the prompt ({_tokens(longest)})"
     if longest >= max_seq_len:
         shorter = f"give at most {_tokens(fits)} with max_new_tokens={max_new_tokens}" if fits >= 1 else ""
         raise ValueError(
