@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     given.warn_truncated("translate", cut, translator.max_src_len)
     out = AlignedOutput(given.n_lines)
     # one sampling stream over the chunks (each chunk reseeded would repeat the draws of the one before)
-    generator = torch.Generator().manual_seed(search_cfg.seed) if search_cfg.method == "sample" else None
+    device = next(translator.model.parameters()).device
+    sampling = search_cfg.method == "sample"
+    generator = torch.Generator(device=device).manual_seed(search_cfg.seed) if sampling else None
     for start in range(0, len(sources), CHUNK_LINES):
         hyps = translator.hypotheses(sources[start : start + CHUNK_LINES], search_cfg, generator=generator)
         for h, number in zip(hyps, given.numbers[start : start + CHUNK_LINES]):
