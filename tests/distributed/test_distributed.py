@@ -168,6 +168,9 @@ def test_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
         loss, want, grad, held = v["one_entry"]  # a vocabulary of 1: rank 1 holds no entry
         assert loss == want == 0.0 and grad == 0.0 and held == 1 - rank, v
         assert r["sequence_decoder"]["checkpoint"]["reloaded_equal"]  # DCP round trip on 2 ranks
+        norm = r["sequence_decoder"]["norm_grads"]  # the norms' partial gradients: one all-reduce in all
+        assert norm["equal"] and norm["norm_params"] >= 4, norm
+        assert norm["each"] - norm["bucketed"] == norm["norm_params"] - 1, norm
         for key, rows in (("moe", [8]), ("sequence_moe", [4])):  # MoE: whole tokens, experts split by width
             m = r[key]
             assert m["experts_split"] == [[[4, 32, 32], [4, 64, 32]], [[4, 32, 32], [4, 32, 64]]], (key, m)

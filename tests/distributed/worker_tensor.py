@@ -160,6 +160,7 @@ def tensor(env, out_dir: Path, out: dict) -> None:
             # a training micro-batch: the loss reads the logits split, each rank keeps its softmax part
             d["saved_bytes_step"] = saved_bytes(model, batch(0), partial(par.comm.micro_batch, model, True))
             if sequence and name == "decoder":  # norms as replicated DTensors, the head split by vocabulary
+                d["norm_grads"] = norm_grad_reduces(par.model, batch(0))
                 d["checkpoint"] = tensor_checkpoint(env, tp_env, plan, par, model, out_dir)
                 d["saved_bytes_kept"] = kept_gathered_bytes(plan, tp_env, batch(0))
                 # two gathered inputs per block (attention's, the FFN's), (B, T, D) fp32, each kept as a half
@@ -321,6 +322,37 @@ def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
     }
     result["collectives"] = moe_collectives(model.blocks[1].ffn, plan, batch.ids.shape)  # after the grads
     return result
+
+
+def norm_grad_reduces(model, batch) -> dict:
+    """The norm weights' partial gradients of a sequence-parallel backward: summed in one all-reduce at its
+    end (`NormGrads`) vs one per parameter (the slow twin): the all-reduces each backward runs (DTensor's
+    and torch.distributed's), and the gradients, which must be equal."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tformer.distributed.sequence import NormGrads
+
+    norms = [p for n, p in model.named_parameters() if "_norm." in n and "final_norm" not in n]
+    out = {"norm_params": len(norms)}
+    grads = {}
+    try:
+        for bucketed in (False, True):
+            NormGrads.BUCKETED = bucketed
+            model.zero_grad(set_to_none=True)
+            loss, _ = lm_loss_sum(model, batch)
+            with CommDebugMode() as comm:
+                loss.backward()
+            counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+            out["bucketed" if bucketed else "each"] = counts.get("allreduce_", 0) + counts.get(
+                "all_reduce", 0
+            )
+            grads[bucketed] = [p.grad.full_tensor() for p in norms]
+    finally:
+        NormGrads.BUCKETED = True
+        model.zero_grad(set_to_none=True)
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+    out["placed"] = all(p.grad is None or p.grad.placements == p.placements for p in norms)
+    return out
 
 
 def moe_collectives(layer, plan, shape) -> dict:

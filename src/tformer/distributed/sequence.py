@@ -15,8 +15,9 @@ In each stack the first block's input is split (no communication: every rank of 
 same embeddings) and the final norm's input gathered. Everything is `torch.distributed.tensor`
 (DTensor) redistribution, so backward runs the dual collectives (the all-gather's backward is a
 reduce-scatter) and the norms' weights are replicated DTensors whose gradients, each rank's partial
-sums, are summed over the group once backward has accumulated them (by `replicate_grad`; under FSDP2,
-which replaces the parameters, by FSDP2 when it reduces them).
+sums, are summed over the group once backward has accumulated them (by `NormGrads`: one all-reduce of
+all of a model's norm gradients at the end of backward; under FSDP2, which replaces the parameters, by
+FSDP2 when it reduces them).
 
 The column-split layers' weight gradients need their gathered input in backward. Kept whole, it would
 cost every rank the (B, T, D) that sequence parallelism set out to split; instead (as Megatron-LM does)
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -237,6 +239,7 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Hook every stack (a module with `blocks` and `final_norm`) of a tensor-parallel model whose
     row-split layers leave their outputs Partial (`parallelize.apply_tensor_parallel`)."""
     stacks = [m for m in model.modules() if isinstance(getattr(m, "blocks", None), nn.ModuleList)]
+    norm_grads = NormGrads(mesh)
     for stack in stacks:
         switch = SequenceSplit(mesh)
         stack.blocks[0].register_forward_pre_hook(switch.split)
@@ -262,12 +265,43 @@ def apply_sequence_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
                 if (norm := getattr(block, name, None)) is not None:
                     distribute_module(norm, mesh, input_fn=switch.norm_input, output_fn=switch.norm_output)
                     for p in norm.parameters():
-                        p.register_post_accumulate_grad_hook(replicate_grad)
+                        p.register_post_accumulate_grad_hook(norm_grads.accumulated)
 
 
-def replicate_grad(p: nn.Parameter) -> None:
-    """A norm weight's gradient from a split sequence is each rank's partial sum (placement Partial): sum
-    it over the group, so that clipping, the gradient norm and the optimizer read the whole gradient.
-    One all-reduce of d_model elements per norm parameter, during backward (not bucketed)."""
-    if p.grad.placements != p.placements:
-        p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+class NormGrads:
+    """The norm weights' gradients from a split sequence are each rank's partial sums (placement Partial):
+    summed over the group at the end of each backward, so that clipping, the gradient norm and the
+    optimizer read whole gradients. One all-reduce for all of them (they are d_model elements each, two
+    or three per block: one collective each was latency, not bandwidth), queued with the autograd engine
+    by the first gradient a backward accumulates. `BUCKETED = False`: one all-reduce per parameter as
+    it accumulates (the slow twin the tests compare against)."""
+
+    BUCKETED = True
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.pending, self.queued = mesh, [], False
+
+    def accumulated(self, p: nn.Parameter) -> None:
+        if p.grad.placements == p.placements:
+            return
+        if not self.BUCKETED:
+            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+            return
+        self.pending.append(p)
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+            self.queued = True
+
+    def reduce(self) -> None:
+        """The pending gradients summed over the group in one all-reduce (in the gradients' dtype; mixed
+        dtypes reduce in fp32)."""
+        pending, self.pending, self.queued = self.pending, [], False
+        if not pending:
+            return
+        local = [p.grad.to_local() for p in pending]
+        dtype = local[0].dtype if all(t.dtype == local[0].dtype for t in local) else torch.float32
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in local])
+        dist.all_reduce(flat, group=self.mesh.get_group())
+        for p, t, piece in zip(pending, local, flat.split([t.numel() for t in local])):
+            whole = piece.view_as(t).to(t.dtype)
+            p.grad = DTensor.from_local(whole, self.mesh, p.placements, run_check=False)
