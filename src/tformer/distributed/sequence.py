@@ -272,14 +272,16 @@ class NormGrads:
     """The norm weights' gradients from a split sequence are each rank's partial sums (placement Partial):
     summed over the group at the end of each backward, so that clipping, the gradient norm and the
     optimizer read whole gradients. One all-reduce for all of them (they are d_model elements each, two
-    or three per block: one collective each was latency, not bandwidth), queued with the autograd engine
-    by the first gradient a backward accumulates. `BUCKETED = False`: one all-reduce per parameter as
-    it accumulates (the slow twin the tests compare against)."""
+    or three per block: one collective each was latency, not bandwidth). Each gradient accumulated queues
+    the reduction with the autograd engine, which runs its callbacks when backward ends: the first
+    reduces everything pending, the others find nothing (no flag to go stale when a backward raises).
+    `BUCKETED = False`: one all-reduce per parameter as it accumulates (the slow twin the tests compare
+    against)."""
 
     BUCKETED = True
 
     def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh, self.pending, self.queued = mesh, [], False
+        self.mesh, self.pending = mesh, []
 
     def accumulated(self, p: nn.Parameter) -> None:
         if p.grad.placements == p.placements:
@@ -288,14 +290,16 @@ class NormGrads:
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
             return
         self.pending.append(p)
-        if not self.queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
-            self.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
 
     def reduce(self) -> None:
         """The pending gradients summed over the group in one all-reduce (in the gradients' dtype; mixed
         dtypes reduce in fp32)."""
-        pending, self.pending, self.queued = self.pending, [], False
+        pending, self.pending = self.pending, []
+        # each once, and only what is still partial (a backward that raised may have left some behind)
+        pending = [
+            p for p in dict.fromkeys(pending) if p.grad is not None and p.grad.placements != p.placements
+        ]
         if not pending:
             return
         local = [p.grad.to_local() for p in pending]
