@@ -265,6 +265,9 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert result["sentences"] == 32 and 0 <= result["bleu"] <= 100 and result["copy_bleu"] >= 0
     assert Path(result["translations"]).read_text().count("\n") == 32
     assert Path(result["translations"]).name == "translations_test_sample.txt"  # the full split's stays
+    assert main(["eval", "--run", run, "--split", "val", "--json"]) == 0  # the default --max-batches: all
+    whole = json.loads(capsys.readouterr().out)
+    assert Path(whole["translations"]).name == "translations_val.txt", whole["translations"]
     assert main(["eval", "--run", run, "--max-batches", "1"]) == 0  # the text output names the file
     assert f"translations: {result['translations']}" in capsys.readouterr().out
     Path(result["translations"]).unlink()

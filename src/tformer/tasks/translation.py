@@ -316,14 +316,14 @@ def evaluate_run(
     max_batches: int | None = None,
 ) -> dict:
     """Beam-search BLEU / chrF of a run (or its path) on a split of its corpus, with the copy-the-source
-    baseline and the loss; the translations go to <run>/translations_<split>.txt (with max_batches, a sample
-    of the split: translations_<split>_sample.txt; a file that cannot be written is warned about)."""
+    baseline and the loss; the translations go to <run>/translations_<split>.txt (where max_batches took a
+    sample of the split: translations_<split>_sample.txt; a file that cannot be written is warned about)."""
     run = require_task(run, "translation", "translation")
     cfg = run.train_config
     translator = load_translator(run)
     corpus = load_translation_corpus(cfg.data)
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
-    pairs = list(corpus[split])
+    pairs = whole = list(corpus[split])
     if max_batches is not None:  # a sample of the whole split, as the LM and classification evaluations take
         pairs = spread(pairs, max_batches * search_cfg.batch_size)
     sources, cut = translator.encode([p.src for p in pairs])
@@ -341,7 +341,7 @@ def evaluate_run(
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
         loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
-    name = f"translations_{split}.txt" if max_batches is None else f"translations_{split}_sample.txt"
+    name = f"translations_{split}.txt" if len(pairs) == len(whole) else f"translations_{split}_sample.txt"
     out = run_dir_of(run.checkpoint) / name
     try:
         out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
