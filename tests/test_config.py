@@ -359,3 +359,13 @@ def test_numbers_are_read_as_yaml_1_2_and_json_read_them(tmp_path) -> None:
     path.write_text("steps: 010\nsave_every: 0o10\nmodel:\n  bias: true\n")
     cfg = TrainConfig.load(path)
     assert (cfg.steps, cfg.save_every, cfg.model.bias) == (10, 8, True)
+
+
+def test_the_named_lm_presets_are_the_decoder_presets() -> None:
+    """`tformer bench` lists LM_PRESETS (named so the command line's start-up builds no config)."""
+    from tformer.train.presets import LM_PRESETS, TRAIN_PRESETS
+
+    assert (
+        tuple(name for name, preset in TRAIN_PRESETS.items() if preset().model.arch == "decoder")
+        == LM_PRESETS
+    )

@@ -70,12 +70,16 @@ def require_task(run: LoadedRun | str | Path, task: str, noun: str) -> LoadedRun
     return run
 
 
+def first_few(numbers: Sequence[int], n: int = 5) -> str:
+    """The first n numbers for a message: "3, 6, 9, 12, 15, ..." """
+    return ", ".join(map(str, numbers[:n])) + (", ..." if len(numbers) > n else "")
+
+
 def warn_truncated(cut: Sequence[int], limit: int) -> None:
     """The Python API's warning for texts cut to the model's input length (the CLI names lines)."""
     if cut:
-        shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
         warnings.warn(
-            f"{len(cut)} text(s) longer than {limit} tokens were truncated (index {shown})",
+            f"{len(cut)} text(s) longer than {limit} tokens were truncated (index {first_few(cut)})",
             UserWarning,
             stacklevel=3,
         )

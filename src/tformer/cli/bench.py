@@ -56,14 +56,15 @@ def run(args: argparse.Namespace) -> int:
 def _setting(args: argparse.Namespace):
     """The config, the model config as training sizes it, the device, (batch, length) and the decoded
     token count, each checked before anything is built."""
-    from tformer.cli.options import lm_presets, resolve_train_config, warn
+    from tformer.cli.options import resolve_train_config, warn
     from tformer.distributed.env import resolve_device
     from tformer.train.config import ParallelConfig
+    from tformer.train.presets import LM_PRESETS
 
     cfg = resolve_train_config(args, default_preset="shakespeare")
     if cfg.model.arch != "decoder":
         raise ValueError(
-            f"tformer bench measures decoder LMs ({', '.join(lm_presets())}); this config's model.arch is "
+            f"tformer bench measures decoder LMs ({', '.join(LM_PRESETS)}); this config's model.arch is "
             f"{cfg.model.arch!r}"
         )
     if cfg.parallel != ParallelConfig():

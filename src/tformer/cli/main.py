@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from tformer.allocator import keep_freed_memory
-from tformer.cli.options import lm_presets, nonnegative_int, positive_int
+from tformer.cli.options import nonnegative_int, positive_int
 from tformer.data.corpus_base import MissingDataError
 from tformer.schema import ConfigError
 
@@ -170,8 +170,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 @register("bench", "measure training and decoding speed of a decoder config on this machine", "bench:run")
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from tformer.cli.options import add_config_arguments
+    from tformer.train.presets import LM_PRESETS
 
-    add_config_arguments(p, default_preset="shakespeare", presets=lm_presets())
+    add_config_arguments(p, default_preset="shakespeare", presets=LM_PRESETS)
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's batch size")
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the preset's data.seq_len")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (the best is reported)")

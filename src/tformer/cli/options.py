@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -48,13 +49,8 @@ def _int_at_least(low: int):
 positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
-def lm_presets() -> list[str]:
-    """The training presets of decoder LMs (what `tformer bench` measures)."""
-    return [name for name, preset in TRAIN_PRESETS.items() if preset().model.arch == "decoder"]
-
-
 def add_config_arguments(
-    p: argparse.ArgumentParser, default_preset: str, presets: list[str] | None = None
+    p: argparse.ArgumentParser, default_preset: str, presets: Sequence[str] | None = None
 ) -> None:
     """--preset (one of `presets`, default all), --config and --set."""
     p.add_argument(

@@ -46,8 +46,10 @@ class Texts:
         if self.where == "--text":
             warn(command, f"the text is longer than {limit} tokens: truncated")
             return
+        from tformer.runs import first_few
+
         lines = [self.numbers[i] for i in cut]
-        shown = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+        shown = first_few(lines)
         which = f"line {shown} is" if len(lines) == 1 else f"{len(lines)} lines are"
         detail = "" if len(lines) == 1 else f" (lines {shown})"
         warn(command, f"{self.where}: {which} longer than {limit} tokens: truncated{detail}")
