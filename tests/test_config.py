@@ -369,3 +369,38 @@ def test_the_named_lm_presets_are_the_decoder_presets() -> None:
         tuple(name for name, preset in TRAIN_PRESETS.items() if preset().model.arch == "decoder")
         == LM_PRESETS
     )
+
+
+def test_data_paths_resolve_from_the_config_file_then_the_working_directory(tmp_path, monkeypatch) -> None:
+    """A config file's relative data paths are read from the file's folder, --set's from the working
+    directory; the resolved config holds absolute paths, so a later --resume or eval from anywhere finds
+    the same data."""
+    from tformer.cli.main import build_parser
+    from tformer.cli.options import resolve_train_config
+
+    conf = tmp_path / "configs"
+    conf.mkdir()
+    (conf / "run.yaml").write_text("data:\n  corpus: text:notes/\n  path: pkg\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    args = build_parser().parse_args(["train", "--config", "../configs/run.yaml"])
+    cfg = resolve_train_config(args, default_preset="tiny-lm")
+    assert cfg.data.corpus == f"text:{conf / 'notes'}"
+    assert cfg.data.path == str(conf / "pkg")
+
+    args = build_parser().parse_args(
+        ["train", "--config", str(conf / "run.yaml"), "--set", "data.corpus=pairs:de-en.tsv"]
+    )
+    assert (
+        resolve_train_config(args, default_preset="tiny-lm").data.corpus == f"pairs:{elsewhere / 'de-en.tsv'}"
+    )
+
+    args = build_parser().parse_args(["train", "--preset", "tiny-lm", "--set", "data.corpus=text:/abs/x.txt"])
+    assert resolve_train_config(args, default_preset="tiny-lm").data.corpus == "text:/abs/x.txt"
+    args = build_parser().parse_args(["train", "--preset", "tiny-lm"])  # a registry name: untouched
+    assert (
+        resolve_train_config(args, default_preset="tiny-lm").data.corpus
+        == get_train_preset("tiny-lm").data.corpus
+    )
