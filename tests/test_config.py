@@ -232,6 +232,17 @@ def test_a_seed_outside_torchs_range_names_the_field() -> None:
         with pytest.raises(ConfigError, match=r"TrainConfig.seed must be in \[-2\*\*63, 2\*\*64\)"):
             TrainConfig(seed=seed)
     assert TrainConfig(seed=-1).seed == -1 and TrainConfig(seed=2**64 - 1).seed == 2**64 - 1
+    from tformer.generate.beam import SearchConfig
+    from tformer.generate.sampling import SamplingConfig, make_generator
+
+    for cls in (SamplingConfig, SearchConfig):  # one range for training, generate and translate
+        with pytest.raises(ConfigError, match=rf"{cls.__name__}.seed must be in \[-2\*\*63, 2\*\*64\)"):
+            cls(seed=2**64)
+        for seed in (-(2**63), -1, 2**64 - 1):  # each a generator torch seeds
+            assert torch.equal(
+                torch.rand(4, generator=make_generator(cls(seed=seed).seed)),
+                torch.rand(4, generator=make_generator(seed)),
+            )
 
 
 def test_a_model_too_large_for_memory_names_its_sizes() -> None:

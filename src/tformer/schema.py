@@ -122,6 +122,13 @@ class Config:
         if not ok:
             self._fail(field, allowed)
 
+    def _require_seed(self, field: str = "seed") -> None:
+        """A seed torch.manual_seed and torch.Generator.manual_seed take (one range for every command)."""
+        seed = getattr(self, field)
+        self._require(
+            -(2**63) <= seed < 2**64, field, "must be in [-2**63, 2**64) (torch.manual_seed's range)"
+        )
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

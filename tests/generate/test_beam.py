@@ -273,7 +273,7 @@ def test_search_config_dispatch_and_validation() -> None:
         {"max_len": 0},
         {"top_p": 0.0},
         {"method": "nucleus"},
-        {"seed": -3},
+        {"seed": -(2**63) - 1},
         {"seed": 2**64},
     ):
         with pytest.raises(ConfigError):

@@ -179,7 +179,7 @@ def test_config_defaults_and_round_trip():
         ({"top_p": 1.5}, "top_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"top_k": 2.5}, "top_k"),
         ({"temperature": "hot"}, "temperature"),

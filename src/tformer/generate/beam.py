@@ -101,7 +101,7 @@ class SearchConfig(Config):
         self._require(self.top_k >= 0, "top_k", "must be >= 0 (0 means off)")
         self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self._require(0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
+        self._require_seed()
 
     def max_lens(self, src_lens: Tensor, max_seq_len: int) -> Tensor:
         """(B,) most target tokens per sentence, from the (B,) source lengths."""

@@ -237,7 +237,7 @@ class SamplingConfig(Config):
             "min_new_tokens",
             f"must be >= 0 and <= SamplingConfig.max_new_tokens ({self.max_new_tokens})",
         )
-        self._require(0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)")
+        self._require_seed()
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "stop_strings": list(self.stop_strings)}  # plain JSON / YAML list

@@ -206,9 +206,7 @@ class TrainConfig(Config):
         self._require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self._require(self.sample_every >= 0, "sample_every", "must be >= 0 (0 = none during training)")
         self._require(self.sample_tokens >= 1, "sample_tokens", "must be >= 1")
-        self._require(  # what torch.manual_seed accepts
-            -(2**63) <= self.seed < 2**64, "seed", "must be in [-2**63, 2**64) (torch.manual_seed's range)"
-        )
+        self._require_seed()
         self._require(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "device",
