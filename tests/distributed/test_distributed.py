@@ -235,8 +235,10 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
             assert d["head_split"] and d["step_logits"] == ["DTensor"], (key, d)
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
-        for key, held in (("ep_tp", [2, 64, 32]), ("ep_tp_sp", [2, 64, 32]), ("moe_tp", [2, 32, 32]), ("moe_tp_sp", [2, 32, 32])):  # fmt: skip
-            d = r[key]  # ep: 2 of 4 experts on each rank; moe: every expert's half width, FSDP2 halving dim 0
+        for key, held in (("ep_tp", [2, 32, 32]), ("ep_tp_sp", [2, 32, 32]), ("moe_tp", [2, 32, 32]), ("moe_tp_sp", [2, 32, 32])):  # fmt: skip
+            # ep: 2 of 4 experts on each rank, half their width (F 64 -> 32) each rank of a pair;
+            # moe: every expert's half width, FSDP2 halving dim 0
+            d = r[key]
             assert d["experts_held"][0] == held and d["clipped"] and d["grads_placed"], (key, d)
             assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, (key, d)
             assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL, (key, d)
@@ -508,10 +510,13 @@ def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, cor
     assert [r["step"] for r in train] == [1, 2]
     assert train[-1]["tokens_seen"] == 2 * 2 * 2 * 32  # 2 steps x 2 data ranks x batch 2 x 32 tokens
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
-    if experts == "shard":  # each expert weight saved as the two data ranks' halves of its 4 experts
+    if experts == "shard":  # each expert weight (E 4, F, D) saved as the two data ranks' halves of its 4
+        # experts, each of those as the two tensor ranks' halves of their width F
         meta = FileSystemReader(str(out / "checkpoints" / "step_000002")).read_metadata().state_dict_metadata
-        chunks = [c for k, m in meta.items() if k.endswith("blocks.1.ffn.experts.up_proj") for c in m.chunks]
-        assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(0, 2), (2, 2)], chunks
+        (up,) = [m for k, m in meta.items() if k.endswith("blocks.1.ffn.experts.up_proj")]
+        e, f, d = up.size
+        pieces = sorted((tuple(c.offsets), tuple(c.sizes)) for c in up.chunks)
+        assert e == 4 and pieces == [((i, j, 0), (2, f // 2, d)) for i in (0, 2) for j in (0, f // 2)], pieces
     capsys.readouterr()
     assert main(["eval", "--run", str(out), "--max-batches", "1", "--json"]) == 0
     assert "eval_loss" in json.loads(capsys.readouterr().out)

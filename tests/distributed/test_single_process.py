@@ -268,7 +268,7 @@ def test_accumulation_defers_ddps_all_reduce_also_under_torch_compile(tmp_path) 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
-        comm = ProcessCollectives(Local(), torch.device("cpu"), set())
+        comm = ProcessCollectives(Local(), torch.device("cpu"), {})
         for module in (ddp, torch.compile(ddp)):
             with comm.micro_batch(module, last=False):
                 assert not ddp.require_backward_grad_sync

@@ -19,11 +19,17 @@ def moe_model_cfg(**moe):
     return tiny().replace(d_model=32, d_ff=32, n_heads=2, vocab_size=64, moe=MoEConfig(**moe))
 
 
-def full(t: torch.Tensor, sliced: bool, group=None) -> torch.Tensor:
+def full(t: torch.Tensor, sliced: bool, group=None, width: tuple | None = None) -> torch.Tensor:
     """The whole tensor on every rank: DTensors gathered, expert-parallel slices concatenated over
-    `group` (the ranks the experts are split over; None: all)."""
+    `group` (the ranks the experts are split over; None: all), after their width slices over a tensor-
+    parallel group (`width`: (dim, group), or None where each rank holds whole experts)."""
     if isinstance(t, DTensor):
         return t.full_tensor()
+    if width is not None:
+        dim, width_group = width
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(width_group))]
+        dist.all_gather(parts, t.contiguous(), group=width_group)
+        t = torch.cat(parts, dim)
     if sliced:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, t.contiguous(), group=group)
@@ -49,7 +55,9 @@ def rank_part(batch: Batch, rank: int) -> Batch:
     return Batch(batch.ids[rank * B : (rank + 1) * B], batch.targets[rank * B : (rank + 1) * B])
 
 
-def max_diff(model, ref, sliced: set[str], what: str, group=None) -> float:
+def max_diff(model, ref, sliced: set[str] | dict[str, tuple | None], what: str, group=None) -> float:
+    """Largest difference of `model`'s parameters (or gradients) from `ref`'s, each read whole; `sliced`:
+    the expert-parallel slices (a dict: each with its width split, see `full`)."""
     worst = 0.0
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -57,7 +65,8 @@ def max_diff(model, ref, sliced: set[str], what: str, group=None) -> float:
         want = ref_params[name].grad if what == "grad" else ref_params[name].detach()
         if mine is None:
             mine = torch.zeros_like(p)
-        worst = max(worst, float((full(mine, name in sliced, group) - want).abs().max()))
+        width = sliced.get(name) if isinstance(sliced, dict) else None
+        worst = max(worst, float((full(mine, name in sliced, group, width) - want).abs().max()))
     return worst
 
 

@@ -34,6 +34,17 @@ def twins(cfg) -> list:
     return models
 
 
+def expert_pieces(par, model) -> dict[str, tuple | None]:
+    """The expert-parallel slices by name -> (dim, tensor group) of their width split, or None (whole)."""
+    from tformer.distributed.checkpoint import expert_slices
+
+    dims = expert_slices(model)
+    return {
+        name: None if dims[name] is None else (dims[name], par.mesh["tensor"].get_group())
+        for name in par.rank_local
+    }
+
+
 def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> dict:
     """Gradients on batch 0, then three clipped AdamW steps (the last of two micro-batches on the
     parallel side), parallel vs reference. ref_batch(step): the
@@ -43,8 +54,8 @@ def compare_steps(ref, model, par, ref_batch, own_batch, own_scale: float) -> di
     ref_args = step_args(ref, make_optimizer(ref, ocfg))
     args = step_args(par.model, par.adapt_optimizer(make_optimizer(model, ocfg)), par.comm)
     ref_args[1] = args[1] = partial(lm_loss_sum, label_smoothing=0.1)  # the steps train with smoothing
-    # expert-parallel slices, split over the data dimension's ranks
-    sliced, group = set(par.rank_local), par.mesh["data"].get_group() if par.rank_local else None
+    # expert-parallel slices, split over the data dimension's ranks (and by width over the tensor one)
+    sliced, group = expert_pieces(par, model), par.mesh["data"].get_group() if par.rank_local else None
     diff = partial(max_diff, model, ref, sliced, group=group)
     loss, n = lm_loss_sum(ref, ref_batch(0), label_smoothing=0.1)
     (loss / n).backward()
@@ -255,7 +266,11 @@ def tensor_checkpoint(env, tp_env, plan, par, model, out_dir: Path, name: str = 
 
     run_dir = out_dir / name
     group = par.mesh["data"].get_group() if par.rank_local else None  # expert slices: over the data ranks
-    whole = {n: partial(full, sliced=n in par.rank_local, group=group) for n, _ in model.named_parameters()}
+    pieces = expert_pieces(par, model)
+    whole = {
+        n: partial(full, sliced=n in pieces, group=group, width=pieces.get(n))
+        for n, _ in model.named_parameters()
+    }
 
     def optimizer_and_schedule(m):
         opt = torch.optim.AdamW(m.parameters())
@@ -508,8 +523,9 @@ def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path, experts: str = 
     """Expert parallelism over the data dimension with tensor parallelism in pairs (FSDP2 over the data
     dimension for the rest): an MoE decoder (bias updates, a shared expert; no balance loss, which each
     data rank computes on its own tokens) vs one process on the whole batch, as `tensor2d`; each rank
-    holds half the experts, its pair partner the same half (experts="replicate": every rank holds every
-    expert's half width, FSDP2 sharding that over the data dimension). With sequence parallelism also a
+    holds half the experts, its pair partner the same half, each of the two half of their width
+    (experts="replicate": every rank holds every expert's half width, FSDP2 sharding that over the data
+    dimension). With sequence parallelism also a
     DCP round trip, and the weights dumped for opening the checkpoint in one process."""
     cfg = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, aux_loss_coef=0.0, bias_update_rate=0.01), **TP_CFG)  # fmt: skip
     plan = make_plan(

@@ -10,8 +10,8 @@ A DCP checkpoint is `run_dir/checkpoints/step_000123/` (the same names, retentio
                            from get_state_dict (optimizer state flattened, keyed by parameter name):
                            each rank writes only its shards (FSDP2 DTensors; expert-parallel slices
                            are described to DCP as DTensors sharded on dim 0, over the data
-                           dimension and replicated over the tensor one under tensor
-                           parallelism), any world size reads them
+                           dimension, and under tensor parallelism split by width over the tensor
+                           one, or replicated there if whole), any world size reads them
   trainer.json             (rank 0) step, world size, scheduler state, loader position, trainer state,
                            the optimizer's non-tensor entries (param-group settings; DCP would pickle them)
   meta.json                (rank 0) the resolved configs and tokenizer, as in the safetensors format
@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tformer.config import ModelConfig
 from tformer.distributed.env import Local, new_group, rank_seed, set_mesh_timeout
-from tformer.distributed.expert_parallel import ExpertParallelDispatch
+from tformer.distributed.expert_parallel import WIDTH_DIM, ExpertParallelDispatch
 from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
@@ -241,22 +241,27 @@ class DCPCheckpointer:
                     and t.dim() >= 1
                     and not isinstance(t, DTensor)
                 ):
-                    table[key] = split(t)
+                    table[key] = split(t, width_dim=sliced[name])
         return out
 
-    def _shard(self, t: torch.Tensor, data: int) -> DTensor:
+    def _shard(self, t: torch.Tensor, data: int, width_dim: int | None) -> DTensor:
         """Experts split over `data` ranks (all of them; or, with tensor parallelism, the data-parallel
         ones, each slice held by the ranks of a tensor-parallel group: replicated over the mesh's
-        second dimension)."""
+        second dimension, or split by width on `width_dim` of the whole tensor)."""
         tensor = self.env.world_size // data
         if self._mesh is None:
             shape, names = ((data,), ("data",)) if tensor == 1 else ((data, tensor), ("data", "tensor"))
             self._mesh = init_device_mesh(t.device.type, shape, mesh_dim_names=names)
             set_mesh_timeout(self._mesh, self.env)
-        shape = (t.shape[0] * data, *t.shape[1:])
-        stride = torch.empty(shape, device="meta").stride()
+        shape = [t.shape[0] * data, *t.shape[1:]]
         placements = [Shard(0)] if tensor == 1 else [Shard(0), Replicate()]
-        return DTensor.from_local(t, self._mesh, placements, run_check=False, shape=shape, stride=stride)
+        if tensor > 1 and width_dim is not None:
+            shape[width_dim] *= tensor
+            placements = [Shard(0), Shard(width_dim)]
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            t, self._mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        )
 
     # ------------------------------------------------------------------ save
     def save(self, run_dir: Path, step: int, model, optimizer, scheduler, trainer_state, meta, keep_last):
@@ -493,10 +498,11 @@ def _check_buffers(saved: dict, want: dict[str, torch.Tensor], path: Path) -> di
     return {k: v.to(want[k].device) for k, v in saved.items()}
 
 
-def expert_slices(model: nn.Module) -> set[str]:
-    """Names of the expert weights that expert parallelism split over the ranks."""
+def expert_slices(model: nn.Module) -> dict[str, int | None]:
+    """Names of the expert weights that expert parallelism split over the ranks -> the dimension tensor
+    parallelism split each by width (None: whole in a tensor-parallel group)."""
     return {
-        f"{name}.experts.{pname}"
+        f"{name}.experts.{pname}": WIDTH_DIM[pname] if getattr(layer.experts, "width_parts", 1) > 1 else None
         for name, layer in moe_layers(model)
         if isinstance(layer.dispatch, ExpertParallelDispatch)
         for pname, _ in layer.experts.named_parameters()

@@ -12,7 +12,11 @@ One MoE forward on every rank:
   4. weight and scatter-add them per token, exactly as `GroupedDispatch` does.
 An expert that receives no row still runs (on 0 rows) and gets a zero gradient, so no rank waits
 on another. The model code is untouched: `apply_expert_parallel` swaps each MoE layer's `dispatch`
-and keeps the rank's slice of the stacked expert weights (plain tensors, E / W along dim 0).
+and keeps the rank's slice of the stacked expert weights (plain tensors, E / W along dim 0). Under
+tensor parallelism the ranks of a group (the same tokens, at the same place in their expert-parallel
+groups) each keep 1 / P of those experts' width as well, so their outputs are partial sums: they travel
+back and are weighted like whole ones (both linear), and the layer's exit sums them over the group
+(tformer.distributed.expert_width).
 """
 
 from __future__ import annotations
@@ -84,29 +88,46 @@ class ExpertParallelDispatch(Dispatch):
         return torch.zeros(n, d, device=x.device, dtype=weighted.dtype).index_add(0, token, weighted), dropped
 
 
-def shard_experts(experts: Experts, rank: int, world_size: int) -> list[nn.Parameter]:
-    """Keep this rank's E / W experts of every stacked weight (E, out, in) and bias (E, out)."""
+# where the width F sits in each stacked expert weight: gate/up (E, F, D), down (E, D, F)
+WIDTH_DIM = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+
+def shard_experts(
+    experts: Experts, rank: int, world_size: int, width: tuple[int, int] | None = None
+) -> list[nn.Parameter]:
+    """Keep this rank's E / W experts of every stacked weight (E, out, in) and bias (E, out); with
+    `width` = (index, parts), of those only the index-th of `parts` equal slices of each expert's width
+    (tensor parallelism: tformer.distributed.expert_width; weights without biases only).
+    `experts.width_parts` records the split (1: whole)."""
     n_local = experts.n_experts // world_size
     lo, kept = rank * n_local, []
+    index, parts = width or (0, 1)
     for name, p in list(experts.named_parameters(recurse=False)):
-        local = nn.Parameter(p.detach()[lo : lo + n_local].clone(), requires_grad=p.requires_grad)
+        piece = p.detach()[lo : lo + n_local]
+        if parts > 1:
+            if name not in WIDTH_DIM:
+                raise ValueError(f"only bias-free experts are split by width, got {name}")
+            piece = piece.tensor_split(parts, dim=WIDTH_DIM[name])[index]
+        local = nn.Parameter(piece.clone(), requires_grad=p.requires_grad)
         setattr(experts, name, local)
         kept.append(local)
-    experts.n_experts = n_local
+    experts.n_experts, experts.width_parts = n_local, parts
     return kept
 
 
 def apply_expert_parallel(
-    model: nn.Module, rank: int, world_size: int, group=None
+    model: nn.Module, rank: int, world_size: int, group=None, width: tuple[int, int, set[str]] | None = None
 ) -> dict[str, nn.Parameter]:
     """The expert-parallel plan: in every MoE layer, swap `dispatch` for `ExpertParallelDispatch` and keep
-    this rank's slice of the experts. Returns the sliced parameters by name (they are rank-local:
+    this rank's slice of the experts (with `width` = (index, parts, layer names), the named layers' experts
+    also cut to their index-th width slice). Returns the sliced parameters by name (they are rank-local:
     data parallelism must leave them alone)."""
     sharded: dict[str, nn.Parameter] = {}
     for name, layer in moe_layers(model):
         n_experts = layer.experts.n_experts
         layer.dispatch = ExpertParallelDispatch(layer.dispatch.capacity, n_experts, rank, world_size, group)
-        shard_experts(layer.experts, rank, world_size)
+        by_width = width[:2] if width is not None and name in width[2] else None
+        shard_experts(layer.experts, rank, world_size, by_width)
         for pname, p in layer.experts.named_parameters():
             sharded[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = p
     return sharded

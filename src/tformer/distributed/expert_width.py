@@ -23,8 +23,11 @@ routing weights' (N, K) all-reduce in backward (each rank's gradient of them is 
 router's own gradients must be whole). Before, routed and shared experts were reduced separately (two
 (N, D) all-reduces forward and two backward, plus a whole-sequence gather and slice under sequence
 parallelism). Expert weights with biases, or a width P does not divide, stay whole (the earlier
-behaviour, the shared experts then split by the plan's styles), as does expert parallelism
-(`experts=shard` splits experts over the data dimension and keeps them whole in a group).
+behaviour, the shared experts then split by the plan's styles). Under expert parallelism
+(`experts=shard`, the experts split over the data dimension) each rank keeps its width slice of its
+data rank's experts (plain rank-local tensors, cut by `expert_parallel.shard_experts`): the tokens
+travel to the experts' ranks and their partial outputs back, then leave the layer as above. (Until
+2026-12-01 expert-parallel experts stayed whole in a group: every rank of it computed them all.)
 """
 
 from __future__ import annotations
@@ -39,10 +42,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from tformer.distributed.expert_parallel import WIDTH_DIM
 from tformer.distributed.sequence import SEQ
 from tformer.model.moe import MoE, NoShared, moe_layers
-
-WIDTH_DIM = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}  # where F sits in each stacked weight
 
 
 class CopyToGroup(torch.autograd.Function):
@@ -130,11 +132,9 @@ def whole_experts_reason(layer: MoE, degree: int) -> str | None:
     return None
 
 
-def width_split_layers(model: nn.Module, degree: int, expert_parallel: bool) -> list[tuple[str, MoE]]:
-    """The MoE layers of `model` whose experts tensor parallelism of `degree` splits by width (none under
-    expert parallelism); warns once about the ones it keeps whole."""
-    if expert_parallel:
-        return []
+def width_split_layers(model: nn.Module, degree: int) -> list[tuple[str, MoE]]:
+    """The MoE layers of `model` whose experts tensor parallelism of `degree` splits by width; warns once
+    about the ones it keeps whole."""
     split, kept_whole = [], []
     for name, layer in moe_layers(model):
         reason = whole_experts_reason(layer, degree)
@@ -150,10 +150,11 @@ def width_split_layers(model: nn.Module, degree: int, expert_parallel: bool) -> 
 
 def split_expert_width(layers: list[tuple[str, MoE]], mesh: DeviceMesh) -> None:
     """Split the routed and shared experts of each of `layers` (from `width_split_layers`) by width over
-    `mesh` and hook the layer's entry and exit."""
+    `mesh` and hook the layer's entry and exit. Expert-parallel experts were cut to their width slice
+    when they were split over the data dimension (plain rank-local tensors: `shard_experts`)."""
     for _, layer in layers:
         experts = layer.experts
-        for name in experts.projections:
+        for name in experts.projections if getattr(experts, "width_parts", 1) == 1 else ():
             whole = getattr(experts, name)
             shard = distribute_tensor(whole.detach(), mesh, [Shard(WIDTH_DIM[name])])
             setattr(experts, name, nn.Parameter(shard, requires_grad=whole.requires_grad))

@@ -46,7 +46,7 @@ class ProcessCollectives:
         self,
         env: Local,
         device: torch.device,
-        rank_local: set[int],
+        rank_local: dict[int, int],
         data_group=None,
         logits: LogitSplit | None = None,
     ) -> None:
@@ -100,8 +100,10 @@ class ProcessCollectives:
                 sharded += g.to_local().detach().double().square().sum() / copies
                 continue
             sq = g.detach().double().square().sum()
-            if id(p) in self.rank_local:  # an expert slice: the same on the ranks of a tensor-parallel group
-                sharded += sq / (self.env.world_size // self.env.data_world_size)
+            if (
+                id(p) in self.rank_local
+            ):  # an expert slice, held by this many ranks (of a tensor-parallel group)
+                sharded += sq / self.rank_local[id(p)]
             else:
                 replicated += sq
         dist.all_reduce(sharded)
@@ -137,7 +139,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, env: Local, device: torch.
     if plan.data == "none":
         return Parallelized(model)
     rank_local = shard_experts_over(model, plan, env.rank, env.world_size)
-    comm = ProcessCollectives(env, device, {id(p) for p in rank_local.values()})
+    comm = ProcessCollectives(env, device, holders(model, rank_local, 1))
     if plan.data == "ddp":
         # MoE token counters are rank-local buffers: DDP leaves them out of the broadcast it makes when it
         # is built (counts restored before wrapping stay this rank's), and never synchronises buffers in
@@ -164,22 +166,30 @@ def parallelize_tensor(
         device.type, (env.world_size // plan.tensor, plan.tensor), mesh_dim_names=("data", "tensor")
     )
     set_mesh_timeout(mesh, env)
+    by_width = width_split_layers(model, plan.tensor)  # MoE layers whose experts each rank splits by width
     # expert parallelism over the data dimension: the ranks of a tensor-parallel group hold the same
-    # experts and exchange tokens with the other groups' ranks at their place
-    rank_local = shard_experts_over(model, plan, env.data_rank, env.data_world_size, mesh["data"].get_group())
-    logits = apply_tensor_parallel(model, plan, mesh["tensor"])
+    # experts (each its slice of their width, where they are split) and exchange tokens with the other
+    # groups' ranks at their place
+    width = (mesh["tensor"].get_local_rank(), plan.tensor, {name for name, _ in by_width})
+    rank_local = shard_experts_over(
+        model, plan, env.data_rank, env.data_world_size, mesh["data"].get_group(), width
+    )
+    logits = apply_tensor_parallel(model, plan, mesh["tensor"], by_width)
     data_group = None
     if plan.data == "fsdp":
         apply_fsdp(model, plan, mesh["data"], set(rank_local.values()))
         data_group = mesh["data"].get_group()
-    comm = ProcessCollectives(env, device, {id(p) for p in rank_local.values()}, data_group, logits)
+    comm = ProcessCollectives(env, device, holders(model, rank_local, plan.tensor), data_group, logits)
     return Parallelized(model, comm, mesh, rank_local)
 
 
-def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: int, group=None) -> dict:
+def shard_experts_over(
+    model: nn.Module, plan: ParallelPlan, rank: int, size: int, group=None, width=None
+) -> dict:
     """Expert parallelism over `size` ranks (when the plan asks for it): the rank's slices of the
     experts, by name. Their gradients, summed over those ranks by the all-to-all's backward, are
-    divided by `size` (the data-parallel averaging that DDP / FSDP2 apply to the other parameters)."""
+    divided by `size` (the data-parallel averaging that DDP / FSDP2 apply to the other parameters).
+    `width`: (index, parts, layer names) of a tensor-parallel group's split by width (apply_expert_parallel)."""
     if not plan.expert_parallel:
         return {}
     layers = moe_layers(model)
@@ -192,17 +202,30 @@ def shard_experts_over(model: nn.Module, plan: ParallelPlan, rank: int, size: in
             f"parallel.experts=shard splits each MoE layer's {n_experts} experts over the {size} {over}: "
             f"model.moe.n_experts must be divisible by {size}"
         )
-    rank_local = apply_expert_parallel(model, rank, size, group)
+    rank_local = apply_expert_parallel(model, rank, size, group, width)
     for p in rank_local.values():
         p.register_hook(lambda g: g / size)
     return rank_local
 
 
+def holders(model: nn.Module, rank_local: dict[str, nn.Parameter], group: int) -> dict[int, int]:
+    """id -> how many ranks hold the same piece, of every expert-parallel slice: the ranks of a
+    tensor-parallel group of `group` share a slice kept whole, and each holds its own of one split by
+    width."""
+    ids = {id(p) for p in rank_local.values()}
+    return {
+        id(p): group // getattr(layer.experts, "width_parts", 1)
+        for _, layer in moe_layers(model)
+        for p in layer.experts.parameters()
+        if id(p) in ids
+    }
+
+
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     """Tensor parallelism splits heads and FFN width evenly; in MoE layers every rank of a group routes
     the same (whole) sequence and computes its slice of every expert's width
-    (tformer.distributed.expert_width; experts with biases or a width the degree does not divide, and
-    expert-parallel ones, run whole)."""
+    (tformer.distributed.expert_width; experts with biases or a width the degree does not divide run
+    whole)."""
     cfg = model.cfg
     for name, value in (
         ("model.n_heads", cfg.n_heads),
@@ -213,11 +236,14 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
             raise ConfigError(f"parallel.tensor={degree} must divide {name}={value}")
 
 
-def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> LogitSplit | None:
+def apply_tensor_parallel(
+    model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, by_width: list[tuple[str, nn.Module]]
+) -> LogitSplit | None:
     """Column-split q/k/v and the FFN's input layers, row-split o and the FFN's output layer (activations
     between them stay local to each rank; one all-reduce after each pair), and the LM head by vocabulary
     (tformer.distributed.vocab: returns its switch, None where no head is split). With plan.sequence the
-    residual stream between them is split over the sequence as well (tformer.distributed.sequence)."""
+    residual stream between them is split over the sequence as well (tformer.distributed.sequence).
+    `by_width`: the MoE layers whose experts are split by width (expert_width.width_split_layers)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "rowwise_reduced": RowwiseParallel}
@@ -225,7 +251,6 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
         styles["rowwise"] = partial(RowwiseParallel, output_layouts=Partial(), use_local_output=False)
     tied = shared_weights(model)  # splitting one user of a shared weight would untie it: both stay whole
     # MoE layers split by width (tformer.distributed.expert_width) split their shared experts themselves
-    by_width = width_split_layers(model, mesh.size(), plan.expert_parallel)
     own_shared = tuple(f"{name}.shared." for name, _ in by_width)
     chosen = {
         name: (style, module)
@@ -240,7 +265,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh
         model, mesh, {name: styles[style]() for name, (style, _) in chosen.items() if style in styles}
     )
     heads = [split_head(module, mesh) for style, module in chosen.values() if style == "vocab"]
-    split_expert_width(by_width, mesh)  # in each group (expert parallelism keeps experts whole)
+    split_expert_width(by_width, mesh)  # in each group
     if model.cfg.attn_dropout > 0:  # each rank drops its own heads' weights (a group shares one RNG stream)
         split_attention_dropout(model, mesh)
     if plan.sequence:
