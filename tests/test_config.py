@@ -415,3 +415,16 @@ def test_data_paths_resolve_from_the_config_file_then_the_working_directory(tmp_
         resolve_train_config(args, default_preset="tiny-lm").data.corpus
         == get_train_preset("tiny-lm").data.corpus
     )
+
+
+def test_an_override_into_an_unknown_or_plain_key_names_it_and_lists_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError, match=r"^unknown key 'unknown' in TrainConfig \(override 'unknown.key'\); allowed: task, model, data"):  # fmt: skip
+        TrainConfig().with_overrides({"unknown.key": 1})
+    with pytest.raises(ConfigError, match=r"^unknown key 'foo' in TrainConfig.model \(override 'model.foo.bar'\); allowed: arch,"):  # fmt: skip
+        TrainConfig().with_overrides({"model.foo.bar": 1})
+    with pytest.raises(
+        ConfigError, match=r"^TrainConfig.steps is a setting, not a section: override 'steps.key'"
+    ):
+        TrainConfig().with_overrides({"steps.key": 1})
+    moe = TrainConfig().with_overrides({"model.moe.top_k": 1})  # a null section is filled in, not refused
+    assert moe.model.moe.top_k == 1

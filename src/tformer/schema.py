@@ -177,11 +177,18 @@ class Config:
                     if part in node and node[part] is None:
                         node[part] = {}
                     else:
-                        where = ".".join(parts[: i + 1])
-                        raise ConfigError(f"unknown or non-nested key {where!r} in override {dotted!r}")
+                        raise ConfigError(self._bad_section(dotted, parts[: i + 1], node))
                 node = node[part]
             node[parts[-1]] = value
         return type(self).from_dict(data)
+
+    def _bad_section(self, dotted: str, parts: list[str], node: dict[str, Any]) -> str:
+        """Why override `dotted` cannot reach inside `parts[-1]` of `node` (the section named by the parts
+        before it): a key that is not there (the section's keys listed), or a plain setting."""
+        where = ".".join([type(self).__name__, *parts[:-1]])
+        if parts[-1] in node:
+            return f"{where}.{parts[-1]} is a setting, not a section: override {dotted!r} reaches inside it"
+        return f"unknown key {parts[-1]!r} in {where} (override {dotted!r}); allowed: {', '.join(node)}"
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
