@@ -170,6 +170,11 @@ def test_greedy_says_which_sampling_options_it_ignores(trained_run: Path, capsys
     assert out == plain
     assert main([*argv, "--temperature", "0", "--repetition-penalty", "1.3"]) == 0  # both read by greedy
     assert "ignored" not in capsys.readouterr().err
+    for bad, needle in (("--top-p", "--top-p must be in (0, 1]"), ("--temperature", "--temperature must be")):
+        value = "2" if bad == "--top-p" else "nan"  # an invalid value is an error, ignored or not (a
+        assert main([*argv, bad, value]) == 2  # NaN temperature had only been warned about)
+        err = capsys.readouterr().err
+        assert needle in err and "ignored" not in err, err
 
 
 def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, capsys, monkeypatch) -> None:

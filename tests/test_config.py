@@ -388,6 +388,7 @@ def test_data_paths_resolve_from_the_config_file_then_the_working_directory(tmp_
     the same data."""
     from tformer.cli.main import build_parser
     from tformer.cli.options import resolve_train_config
+    from tformer.train.resume import absolute_data_paths
 
     conf = tmp_path / "configs"
     conf.mkdir()
@@ -404,9 +405,8 @@ def test_data_paths_resolve_from_the_config_file_then_the_working_directory(tmp_
     args = build_parser().parse_args(
         ["train", "--config", str(conf / "run.yaml"), "--set", "data.corpus=pairs:de-en.tsv"]
     )
-    assert (
-        resolve_train_config(args, default_preset="tiny-lm").data.corpus == f"pairs:{elsewhere / 'de-en.tsv'}"
-    )
+    cfg = absolute_data_paths(resolve_train_config(args, default_preset="tiny-lm"))  # as the Trainer does
+    assert cfg.data.corpus == f"pairs:{elsewhere / 'de-en.tsv'}" and cfg.data.path == str(conf / "pkg")
 
     args = build_parser().parse_args(["train", "--preset", "tiny-lm", "--set", "data.corpus=text:/abs/x.txt"])
     assert resolve_train_config(args, default_preset="tiny-lm").data.corpus == "text:/abs/x.txt"

@@ -339,7 +339,10 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     assert sums == first[0]["tp_dense_sync"]["param_sums"]
 
     cfg = lm_config(corpus, moe=moe).replace(steps=5)
-    two = Trainer(cfg, tmp_path / "ep_fsdp_moe_async_two_proc", make_task("lm"), resume=True, progress=False)
+    with pytest.warns(UserWarning, match=r"step_000004 was saved by 2 data-parallel rank\(s\), this run has 1: batch_size is per rank, so each step now trains on 1/2"):  # fmt: skip
+        two = Trainer(
+            cfg, tmp_path / "ep_fsdp_moe_async_two_proc", make_task("lm"), resume=True, progress=False
+        )
     assert two.state.step == 4
     assert_same_state(full_state(two), load_file(tmp_path / "two_proc.safetensors"))  # 2 -> 1
     assert two.fit()["step"] == 5  # and trains on (4 optimizer groups there, 2 here)

@@ -301,3 +301,69 @@ def test_a_guarded_stream_is_the_stream_it_guards_for_tqdm(capsys) -> None:
     gone.write("x")
     gone.write("y")  # told at each write after the loss (a later fit of the same trainer stops too)
     assert lost == [1, 1]
+
+
+def test_a_full_disk_names_the_failed_save_and_keeps_the_last_checkpoint(
+    corpus_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A write that fails mid-save (ENOSPC from the file a checkpoint is writing) had printed "No space
+    left on device" alone: the error names the step's checkpoint and the whole one a --resume takes, and
+    leaves no partial step directory; the run then resumes from that checkpoint once there is room."""
+    import errno
+
+    import tformer.train.checkpoint as checkpoint
+    from tformer.cli.main import main
+
+    real = checkpoint._write_file
+
+    def fills_up(directory, name, data, manifest):
+        if directory.name.startswith(".tmp-step_000008"):  # the second save: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(directory, name, data, manifest)
+
+    out = tmp_path / "full"
+    argv = ["train", "--preset", "tiny-lm", "--set", f"data.corpus=text:{corpus_dir}", "--set", "steps=8"]
+    argv += [
+        "--set",
+        "save_every=4",
+        "--set",
+        "eval_every=100",
+        "--no-progress",
+        "--no-sample",
+        "--out",
+        str(out),
+    ]
+    monkeypatch.setattr(checkpoint, "_write_file", fills_up)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"tformer train: error: {out / 'checkpoints' / 'step_000008'}: saving this checkpoint failed: No space "
+        "left on device; the last checkpoint, step_000004, is whole: make room, then --resume"
+    )
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000004"]
+    monkeypatch.undo()
+    assert main([*argv, "--resume"]) == 0
+    assert latest_checkpoint(out).name == "step_000008"
+
+
+def test_a_fresh_run_that_cannot_write_its_config_leaves_no_directory(tmp_path: Path) -> None:
+    """A file-size limit (or a full disk) at the run's first file: the error names the file, and the
+    directory the run made is removed (the config had been written before the clean-up's guard)."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():  # 1 KiB per file: config.json is larger (Python ignores SIGXFSZ, so write() fails)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    out = tmp_path / "made" / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tformer", "train", "--preset", "tiny-lm", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"tformer train: error: {out / 'config.json.tmp'}: File too large"
+    assert not (tmp_path / "made").exists()

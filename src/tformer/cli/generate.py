@@ -34,14 +34,10 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     given = [name for name in SAMPLING_DEFAULTS if getattr(args, name) is not None]
     if args.temperature == 0:  # greedy as a temperature: what --greedy means
         given.remove("temperature")
-    if args.greedy and given:  # they change nothing: greedy draws nothing (scripts may pass them anyway)
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        verb = "applies" if len(given) == 1 else "apply"
-        warn("generate", f"{flags} {verb} to sampling only: ignored with --greedy")
     value = {name: SAMPLING_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
              for name in SAMPLING_DEFAULTS}  # fmt: skip
-    return SamplingConfig(
-        temperature=0.0 if args.greedy else value["temperature"],
+    cfg = SamplingConfig(  # every value given is checked, one --greedy ignores too: an error, not a warning
+        temperature=value["temperature"],
         top_k=value["top_k"],
         top_p=value["top_p"],
         repetition_penalty=args.repetition_penalty,
@@ -53,6 +49,13 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
         seed=value["seed"],
         stop_strings=tuple(newlines(utf8_text(s, "--stop")) for s in args.stop),  # "\n" as in prompts
     )
+    if not args.greedy:
+        return cfg
+    if given:  # valid, but they change nothing: greedy draws nothing (scripts may pass them anyway)
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        verb = "applies" if len(given) == 1 else "apply"
+        warn("generate", f"{flags} {verb} to sampling only: ignored with --greedy")
+    return cfg.replace(temperature=0.0)
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from tformer.data.corpus_base import decode_text, read_text
 from tformer.schema import ConfigError, yaml_value
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
+from tformer.train.resume import absolute_data_paths
 
 
 @contextlib.contextmanager
@@ -100,40 +100,19 @@ def resolve_train_config(
 
         own, last = resume_dir / "config.json", latest_checkpoint(resume_dir)
         if own.is_file():
-            return anchor_paths(
-                TrainConfig.load(own).with_overrides(parse_overrides(args.overrides)), Path.cwd()
-            )
+            return TrainConfig.load(own).with_overrides(parse_overrides(args.overrides))
         if last is not None and "train_config" in (meta := checkpoint_meta(last)):
-            cfg = TrainConfig.from_dict(meta["train_config"]).with_overrides(parse_overrides(args.overrides))
-            return anchor_paths(cfg, Path.cwd())
+            return TrainConfig.from_dict(meta["train_config"]).with_overrides(parse_overrides(args.overrides))
     if args.config is not None and args.preset is not None:
         raise ConfigError("give either --preset or --config, not both")
     if args.config is not None:
         if not args.config.is_file():
             raise FileNotFoundError(f"config file {args.config} does not exist or is not a file")
-        cfg = anchor_paths(TrainConfig.load(args.config), args.config.parent)
+        # the file's relative data paths from its folder (the Trainer reads --set's from the working one)
+        cfg = absolute_data_paths(TrainConfig.load(args.config), base=args.config.parent)
     else:
         cfg = get_train_preset(args.preset or default_preset)
-    return anchor_paths(cfg.with_overrides(parse_overrides(args.overrides)), Path.cwd())
-
-
-def anchor_paths(cfg: TrainConfig, base: Path) -> TrainConfig:
-    """The data's relative paths (a corpus `text:notes/`, `pairs:`, `labels:`, and data.path) made
-    absolute against `base`: a config file's are read from the file's folder (as its author sees them),
-    --set's and a preset's from the working directory. The run's saved config then names the same data
-    wherever a later command (--resume, eval) starts; `~` is the user's home."""
-    from tformer.data.corpora import user_corpus
-
-    def absolute(path: str) -> str:
-        return os.path.abspath(base / Path(path).expanduser()) if path else path
-
-    changes = {}
-    if (user := user_corpus(cfg.data.corpus)) is not None:
-        changes["corpus"] = f"{user[0]}:{absolute(user[1])}"
-    if cfg.data.path is not None:
-        changes["path"] = absolute(cfg.data.path)
-    changes = {k: v for k, v in changes.items() if v != getattr(cfg.data, k)}
-    return cfg.replace(data=cfg.data.replace(**changes)) if changes else cfg
+    return cfg.with_overrides(parse_overrides(args.overrides))
 
 
 def utf8_text(text: str, where: str) -> str:

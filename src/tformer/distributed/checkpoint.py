@@ -422,6 +422,14 @@ class DCPCheckpointer:
             state["loader"] = rescale_loader_state(
                 state["loader"], saved_data_world, self.env.data_world_size
             )
+        if saved_data_world != self.env.data_world_size and self.env.is_main:
+            warnings.warn(
+                f"{path.name} was saved by {saved_data_world} data-parallel rank(s), this run has "
+                f"{self.env.data_world_size}: batch_size is per rank, so each step now trains on "
+                f"{self.env.data_world_size}/{saved_data_world} of the batch it did (the losses go on, not as "
+                "the run would have; keep the rank count, or scale batch_size or grad_accum, to keep it)",
+                stacklevel=3,
+            )
         return state
 
     def _check_dcp_files(self, reader: _Reader) -> None:

@@ -55,6 +55,7 @@ from tformer.train.run_dir import (
     release_run_dir,
     restore_run_tokenizer,
     take_over,
+    writing,
 )
 from tformer.train.step import NonFiniteError, autocast_context, train_step
 
@@ -155,13 +156,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run_dir(self.run_dir, self, exclusive=self.env.is_main)
         self._holds = True
-        if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
-            for name in RUN_TOKENIZERS:
-                (self.run_dir / name).unlink(missing_ok=True)
-            self._write_config(cfg)  # first: the files that follow belong to a run (refuse_foreign_files)
         try:
+            if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
+                for name in RUN_TOKENIZERS:
+                    (self.run_dir / name).unlink(missing_ok=True)
+                self._write_config(cfg)  # first: the files that follow belong to a run (refuse_foreign_files)
             self._build(task, cfg, meta, resume_from)
-        except BaseException:  # bad data or model settings, a missing package: leave no directory behind
+        except BaseException:  # bad data or model settings, a missing package, a full disk: leave no
+            # directory behind
             self._release_lock()
             if created is not None and self.env.is_main:  # the outermost directory this run made
                 shutil.rmtree(created, ignore_errors=True)
@@ -205,7 +207,8 @@ class Trainer:
 
     def _write_config(self, cfg: TrainConfig) -> None:
         tmp = self.run_dir / "config.json.tmp"
-        tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
+        with writing(tmp):
+            tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
         tmp.replace(self.run_dir / "config.json")
 
     def _build(self, task, cfg: TrainConfig, meta: dict | None, resume_from: Path | None) -> None:
@@ -254,24 +257,40 @@ class Trainer:
         s = self.state
         if self._saved is not None and self._saved[0] == s.step:
             return self._saved[1]
-        path = self.checkpointer.save(
-            self.run_dir,
-            s.step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            trainer_state={**asdict(s), "loader": self.loader.state_dict()},
-            meta={
-                "train_config": self.cfg.replace(model=self.model_cfg).to_dict(),
-                "model_config": self.model_cfg.to_dict(),
-                "task": self.cfg.task,
-                "tokenizer": self.task.tokenizer_json(),
-                **({"src_tokenizer": src} if (src := self._src_tokenizer_json()) is not None else {}),
-            },
-            keep_last=self.cfg.keep_last,
-        )
+        try:
+            path = self.checkpointer.save(
+                self.run_dir,
+                s.step,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                trainer_state={**asdict(s), "loader": self.loader.state_dict()},
+                meta={
+                    "train_config": self.cfg.replace(model=self.model_cfg).to_dict(),
+                    "model_config": self.model_cfg.to_dict(),
+                    "task": self.cfg.task,
+                    "tokenizer": self.task.tokenizer_json(),
+                    **({"src_tokenizer": src} if (src := self._src_tokenizer_json()) is not None else {}),
+                },
+                keep_last=self.cfg.keep_last,
+            )
+        except OSError as e:  # a full disk, a file-size limit: say which save failed and what is kept
+            raise self._save_failed(e) from e
         self._saved = (s.step, path)
         return path
+
+    def _save_failed(self, e: OSError) -> OSError:
+        """The error of a checkpoint save that failed (its temporary directory is gone: the checkpointer
+        never leaves one that looks whole), naming the step and the checkpoint a --resume would take."""
+        last = latest_checkpoint(self.run_dir)
+        kept = (
+            f"the last checkpoint, {last.name}, is whole: make room, then --resume"
+            if last is not None
+            else "no checkpoint of this run was saved before"
+        )
+        where = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
+        reason = f"{e.strerror}" + (f" ({e.filename})" if e.filename else "") if e.strerror else str(e)
+        return OSError(e.errno, f"saving this checkpoint failed: {reason}; {kept}", str(where))
 
     def _src_tokenizer_json(self) -> str | None:
         """A task's separate source vocabulary (translation with data.tokenizer=separate), else None."""

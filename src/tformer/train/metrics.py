@@ -26,7 +26,9 @@ class MetricsLog:
         return self.tb
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
+        from tformer.train.run_dir import writing
+
+        with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         tb = self._writer()
         if tb is not None and "step" in record:

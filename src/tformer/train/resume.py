@@ -22,18 +22,22 @@ RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "
              "spike_factor", "sample_every", "sample_tokens", "device", "compile", "parallel"}  # fmt: skip
 
 
-def absolute_data_paths(cfg: TrainConfig) -> TrainConfig:
+def absolute_data_paths(cfg: TrainConfig, base: str | os.PathLike | None = None) -> TrainConfig:
     """cfg with a relative user-corpus path (`text:`, `pairs:`, `labels:`) and data.path made absolute
-    against the working directory: a resume, `tformer eval` or another rank started elsewhere finds
-    the same files."""
+    against `base` (default: the working directory; the command line passes a config file's folder for the
+    paths the file names): a resume, `tformer eval` or another rank started elsewhere finds the same
+    files."""
     from tformer.data.corpora import user_corpus
+
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.join(base or os.getcwd(), os.path.expanduser(path)))
 
     data, changes = cfg.data, {}
     user = user_corpus(data.corpus)
     if user is not None and user[1] and not os.path.isabs(os.path.expanduser(user[1])):
-        changes["corpus"] = f"{user[0]}:{os.path.abspath(os.path.expanduser(user[1]))}"
+        changes["corpus"] = f"{user[0]}:{absolute(user[1])}"
     if data.path is not None and not os.path.isabs(os.path.expanduser(data.path)):
-        changes["path"] = os.path.abspath(os.path.expanduser(data.path))
+        changes["path"] = absolute(data.path)
     return cfg.replace(data=data.replace(**changes)) if changes else cfg
 
 

@@ -3,11 +3,13 @@ what a fresh run may replace there (tformer.train.loop uses these; checkpoints: 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,18 @@ RUN_FILES = (
     "tensorboard",
     "report.json",
 )
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """An OSError raised while writing `path` names it: a failed write() (a full disk, a file-size limit)
+    carries no file name of its own, and "No space left on device" alone does not say what was lost."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
 
 
 def outermost_missing(path: Path) -> Path | None:
