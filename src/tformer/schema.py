@@ -188,7 +188,14 @@ class Config:
         where = ".".join([type(self).__name__, *parts[:-1]])
         if parts[-1] in node:
             return f"{where}.{parts[-1]} is a setting, not a section: override {dotted!r} reaches inside it"
-        return f"unknown key {parts[-1]!r} in {where} (override {dotted!r}); allowed: {', '.join(node)}"
+        section: Any = type(self)  # the section's own fields (a null section was filled in empty)
+        for name in parts[:-1]:
+            hint = typing.get_type_hints(section)[name]
+            section = next(
+                a for a in (hint, *get_args(hint)) if isinstance(a, type) and issubclass(a, Config)
+            )
+        allowed = ", ".join(section.field_names())
+        return f"unknown key {parts[-1]!r} in {where} (override {dotted!r}); allowed: {allowed}"
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)

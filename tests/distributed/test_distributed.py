@@ -245,6 +245,15 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
             assert d["bias_moved"] and d["bias_diff"] <= 1e-6, (key, d)
         for key in ("ep_tp_sp", "moe_tp_sp"):
             assert r[key]["checkpoint"]["reloaded_equal"], (key, r[key]["checkpoint"])
+        # experts with biases under expert x tensor parallelism: whole in each pair (2 of 4, full width),
+        # counted once per pair in the gradient norm; the same checks against one process
+        d = r["ep_tp_whole"]
+        assert d["experts_held"][0] == [2, 64, 32] and d["warned"] and not r["ep_tp"]["warned"], (
+            d,
+            r["ep_tp"],
+        )
+        assert max(d["grad_diff"]) <= 1e-6 and d["grad_norm_diff"] <= 1e-6, d
+        assert d["loss_diff"] <= 1e-6 and d["param_diff"] <= STEP_PARAM_TOL and d["bias_diff"] <= 1e-6, d
     # those checkpoints (experts split over the data ranks, or by width over the tensor one; the rest
     # FSDP2 x TP) opened in one process
     opened = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -297,8 +298,6 @@ def tensor_moe(plan, tp_env, bias: bool = False) -> dict:
     every expert's width (with biases: the experts whole on every rank, with a warning). Loss with the
     balance loss, gradients (router included), and the routing statistics (counted once, not once per
     rank of the group) vs one process."""
-    import warnings
-
     from tformer.distributed.parallelize import global_routing_stats
     from tformer.model.moe import moe_aux_loss, moe_routing_stats
 
@@ -517,9 +516,13 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         out["moe_tp_sp" if sequence else "moe_tp"] = tensor2d_experts(
             env, tp_env, sequence, out_dir, "replicate"
         )
+        if not sequence:  # experts with biases stay whole in each pair: each rank computes its share whole
+            out["ep_tp_whole"] = tensor2d_experts(env, tp_env, sequence, out_dir, bias=True)
 
 
-def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path, experts: str = "shard") -> dict:
+def tensor2d_experts(
+    env, tp_env, sequence: bool, out_dir: Path, experts: str = "shard", bias: bool = False
+) -> dict:
     """Expert parallelism over the data dimension with tensor parallelism in pairs (FSDP2 over the data
     dimension for the rest): an MoE decoder (bias updates, a shared expert; no balance loss, which each
     data rank computes on its own tokens) vs one process on the whole batch, as `tensor2d`; each rank
@@ -531,11 +534,14 @@ def tensor2d_experts(env, tp_env, sequence: bool, out_dir: Path, experts: str = 
     plan = make_plan(
         ParallelConfig(tensor=2, data="fsdp", experts=experts, sequence=sequence), env.world_size
     )
-    ref, model = twins(cfg)
-    par = parallelize(model, plan, tp_env, torch.device("cpu"))
+    ref, model = twins(cfg.replace(bias=bias))
+    with warnings.catch_warnings(record=True) as caught:  # biased experts: kept whole, with a warning
+        warnings.simplefilter("always")
+        par = parallelize(model, plan, tp_env, torch.device("cpu"))
     dp = tp_env.data_world_size
     whole = partial(global_batch, dp)
-    d = compare_steps(ref, model, par, whole, lambda step: rank_part(whole(step), tp_env.data_rank),
+    d = {"warned": [str(w.message) for w in caught if "keep their experts whole" in str(w.message)]}
+    d |= compare_steps(ref, model, par, whole, lambda step: rank_part(whole(step), tp_env.data_rank),
                       dp / whole(0).targets.numel())  # fmt: skip
     up = model.blocks[0].ffn.experts.up_proj
     d["experts_held"] = [

@@ -303,44 +303,57 @@ def test_a_guarded_stream_is_the_stream_it_guards_for_tqdm(capsys) -> None:
     assert lost == [1, 1]
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
 def test_a_full_disk_names_the_failed_save_and_keeps_the_last_checkpoint(
-    corpus_dir: Path, tmp_path: Path, monkeypatch, capsys
+    fmt: str, corpus_dir: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """A write that fails mid-save (ENOSPC from the file a checkpoint is writing) had printed "No space
-    left on device" alone: the error names the step's checkpoint and the whole one a --resume takes, and
-    leaves no partial step directory; the run then resumes from that checkpoint once there is room."""
+    """A write that fails mid-save (ENOSPC from a file of the checkpoint; under DCP, EFBIG from DCP's own
+    writers) had printed "No space left on device" alone: the error names the step and the whole
+    checkpoint a --resume takes, and no step directory of the failed save is left; the run then resumes
+    from that checkpoint once there is room."""
     import errno
+
+    import torch.distributed.checkpoint as dcp
 
     import tformer.train.checkpoint as checkpoint
     from tformer.cli.main import main
 
-    real = checkpoint._write_file
+    real_write, real_save = checkpoint._write_file, dcp.save
 
     def fills_up(directory, name, data, manifest):
         if directory.name.startswith(".tmp-step_000008"):  # the second save: the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(directory, name, data, manifest)
+        real_write(directory, name, data, manifest)
+
+    def too_large(state, checkpoint_id, **kwargs):
+        if Path(checkpoint_id).name.startswith(".tmp-step_000008"):
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
 
     out = tmp_path / "full"
     argv = ["train", "--preset", "tiny-lm", "--set", f"data.corpus=text:{corpus_dir}", "--set", "steps=8"]
-    argv += [
-        "--set",
-        "save_every=4",
-        "--set",
-        "eval_every=100",
-        "--no-progress",
-        "--no-sample",
-        "--out",
-        str(out),
-    ]
-    monkeypatch.setattr(checkpoint, "_write_file", fills_up)
+    argv += ["--set", "save_every=4", "--set", "eval_every=100", "--set", f"parallel.checkpoint={fmt}"]
+    argv += ["--no-progress", "--no-sample", "--out", str(out)]
+    if fmt == "dcp":
+        monkeypatch.setattr(dcp, "save", too_large)
+    else:
+        monkeypatch.setattr(checkpoint, "_write_file", fills_up)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (
-        f"tformer train: error: {out / 'checkpoints' / 'step_000008'}: saving this checkpoint failed: No space "
-        "left on device; the last checkpoint, step_000004, is whole: make room, then --resume"
-    )
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000004"]
+    if fmt == "dcp":  # DCP's error, wrapped, names its directory
+        assert err.startswith(
+            "tformer train: error: the checkpoint save at step 8 failed: "
+            f"{out / 'checkpoints' / '.tmp-step_000008-dcp'}: DCP save failed: "
+        ), err
+        assert err.endswith(
+            "File too large; the last checkpoint, step_000004, is whole: make room, then --resume"
+        )
+    else:
+        assert err == (
+            f"tformer train: error: {out / 'checkpoints'}: the checkpoint save at step 8 failed: No space left "
+            "on device; the last checkpoint, step_000004, is whole: make room, then --resume"
+        )
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_000004"]
     monkeypatch.undo()
     assert main([*argv, "--resume"]) == 0
     assert latest_checkpoint(out).name == "step_000008"

@@ -15,7 +15,6 @@ from tformer.data.corpus_base import decode_text, read_text
 from tformer.schema import ConfigError, yaml_value
 from tformer.train.config import TrainConfig
 from tformer.train.presets import TRAIN_PRESETS, get_train_preset
-from tformer.train.resume import absolute_data_paths
 
 
 @contextlib.contextmanager
@@ -108,6 +107,8 @@ def resolve_train_config(
     if args.config is not None:
         if not args.config.is_file():
             raise FileNotFoundError(f"config file {args.config} does not exist or is not a file")
+        from tformer.train.resume import absolute_data_paths  # (imports torch: not for --help)
+
         # the file's relative data paths from its folder (the Trainer reads --set's from the working one)
         cfg = absolute_data_paths(TrainConfig.load(args.config), base=args.config.parent)
     else:

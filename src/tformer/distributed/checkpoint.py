@@ -422,14 +422,6 @@ class DCPCheckpointer:
             state["loader"] = rescale_loader_state(
                 state["loader"], saved_data_world, self.env.data_world_size
             )
-        if saved_data_world != self.env.data_world_size and self.env.is_main:
-            warnings.warn(
-                f"{path.name} was saved by {saved_data_world} data-parallel rank(s), this run has "
-                f"{self.env.data_world_size}: batch_size is per rank, so each step now trains on "
-                f"{self.env.data_world_size}/{saved_data_world} of the batch it did (the losses go on, not as "
-                "the run would have; keep the rank count, or scale batch_size or grad_accum, to keep it)",
-                stacklevel=3,
-            )
         return state
 
     def _check_dcp_files(self, reader: _Reader) -> None:
@@ -533,6 +525,14 @@ def match_groups(scheduler_state: dict[str, Any], n_groups: int, path: Path) -> 
                 )
             out[key] = [value[0]] * n_groups
     return out
+
+
+def saved_data_world_size(path: str | Path) -> int | None:
+    """How many data-parallel ranks saved the checkpoint at `path` (None: a single-process checkpoint)."""
+    if not is_dcp_checkpoint(path):
+        return None
+    trainer = _Reader(Path(path), verify=False).pair("trainer")
+    return int(trainer.get("data_world_size", trainer["world_size"]))
 
 
 def rescale_loader_state(state: dict[str, int], saved_world: int, world: int) -> dict[str, int]:

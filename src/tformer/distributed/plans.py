@@ -44,8 +44,8 @@ TP_STYLES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)(attn|cross_attn)\.o_proj$", "rowwise"),
     (r"(^|\.)ffn\.(gate_proj|up_proj)$", "colwise"),
     (r"(^|\.)ffn\.down_proj$", "rowwise"),
-    # the shared experts of an MoE layer whose routed experts stay whole (biases, an indivisible width, expert
-    # parallelism): split like a dense FFN, their output all-reduced inside the layer (layers split by width
+    # the shared experts of an MoE layer whose routed experts stay whole (biases, an indivisible width):
+    # split like a dense FFN, their output all-reduced inside the layer (layers split by width
     # split theirs in tformer.distributed.expert_width and reduce them with the routed experts')
     (r"(^|\.)ffn\.shared\.(gate_proj|up_proj)$", "colwise"),
     (r"(^|\.)ffn\.shared\.down_proj$", "rowwise_reduced"),

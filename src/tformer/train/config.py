@@ -115,7 +115,8 @@ class ParallelConfig(Config):
         `fully_shard` on every block and the root: parameters, gradients, optimizer state sharded).
     experts: "replicate" (every rank holds every expert) or "shard" (expert parallelism: the MoE
         experts split evenly over the data-parallel ranks, tokens exchanged with all-to-all; composes
-        with both, and with `tensor`, whose groups' ranks then hold the same experts).
+        with both, and with `tensor`, whose groups' ranks then hold the same experts, each its slice of
+        their width where tensor parallelism splits them: tformer.distributed.expert_width).
     param_dtype: FSDP2 mixed precision, the dtype blocks compute in ("bfloat16"); gradients are reduced
         and the optimizer steps in float32.
     checkpoint: "auto" (single-process safetensors format at world size 1, DCP above), "safetensors"
