@@ -128,6 +128,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
+    """A run directory's newest checkpoint (or the checkpoint `path` names): model in eval mode on
+    `device`, tokenizer(s), configs, step. The global RNG state is left as it was."""
     device = resolve_device(str(device))  # "auto", or a clear error for a device this machine lacks
     ckpt = find_checkpoint(path)
     try:
@@ -153,7 +155,8 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         raise CheckpointError(f"{ckpt / 'meta.json'}: run metadata without the key {err}") from None
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
-    model = build_model(model_cfg)
+    with torch.random.fork_rng(devices=[]):  # the weights' random init is overwritten: the caller's
+        model = build_model(model_cfg)  # RNG stream stays where it was (seed, load, then sample)
     if checkpoint_format(ckpt) == DCP_FORMAT:  # a torch.distributed.checkpoint directory (a torchrun run)
         from tformer.distributed.checkpoint import load_dcp_weights
 

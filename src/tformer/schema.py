@@ -171,6 +171,8 @@ class Config:
             )
         data = self.to_dict()
         for dotted, value in overrides.items():
+            if not isinstance(dotted, str):
+                raise TypeError(f"override keys are dotted field names (str), got {dotted!r}")
             node, parts = data, dotted.split(".")
             for i, part in enumerate(parts[:-1]):
                 if not isinstance(node.get(part), dict):

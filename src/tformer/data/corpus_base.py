@@ -247,8 +247,20 @@ def split_by_hash(
     return {s: tuple(x for i, x in enumerate(items) if split_of[i] == s) for s in SPLITS}
 
 
+def check_fractions(val_frac: float, test_frac: float) -> None:
+    """Held-out fractions each in [0, 1), together below 1 (train keeps the rest): else a ValueError."""
+    for name, frac in (("val_frac", val_frac), ("test_frac", test_frac)):
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise ValueError(f"{name} must be a fraction in [0, 1), got {frac!r}")
+    if val_frac + test_frac >= 1:
+        raise ValueError(
+            f"val_frac {val_frac} + test_frac {test_frac} leave nothing to train on (their sum must be < 1)"
+        )
+
+
 def fraction_counts(n: int, val_frac: float, test_frac: float, min_each: int) -> tuple[int, int]:
     """(val, test) counts for n units at these fractions, at least `min_each` each, train keeping one."""
+    check_fractions(val_frac, test_frac)
     n_val, n_test = max(min_each, round(n * val_frac)), max(min_each, round(n * test_frac))
     if n - n_val - n_test < 1:
         raise ValueError(

@@ -13,9 +13,11 @@ Masks are key-padding masks: bool, True = real token. Padded target positions ho
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -143,6 +145,9 @@ class Seq2SeqDataset(Dataset):
     def __init__(
         self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_src_len: int, max_tgt_len: int
     ):
+        for name, value, least in (("max_src_len", max_src_len, 1), ("max_tgt_len", max_tgt_len, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.kept = [
             i
             for i, (s, t) in enumerate(pairs)
@@ -215,6 +220,12 @@ class ClassificationDataset(Dataset):
     def __init__(self, ids: Sequence[Sequence[int]], labels: Sequence[int], max_len: int):
         if len(ids) != len(labels):
             raise ValueError(f"{len(ids)} sequences but {len(labels)} labels")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
+        labels = labels.tolist() if isinstance(labels, (torch.Tensor, np.ndarray)) else labels
+        bad = [(i, y) for i, y in enumerate(labels) if isinstance(y, bool) or not isinstance(y, numbers.Integral) or y < 0]  # fmt: skip
+        if bad:  # a float label had been truncated to a class id
+            raise ValueError(f"labels must be class ids (ints >= 0): label {bad[0][0]} is {bad[0][1]!r}")
         empty = [i for i, seq in enumerate(ids) if len(seq) == 0]
         if empty:
             raise ValueError(f"{len(empty)} empty sequences (first at index {empty[0]})")

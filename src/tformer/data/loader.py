@@ -242,6 +242,8 @@ def make_bucket_loader(
 ) -> ResumableLoader:
     """Length-bucketed batches (by count or token budget); lengths default to `dataset.lengths()`."""
     lengths = dataset.lengths() if lengths is None else lengths
+    if len(lengths) != len(dataset):  # the sampler would batch len(lengths) items: the rest never seen
+        raise ValueError(f"lengths has {len(lengths)} entries for a dataset of {len(dataset)} items")
     sampler = BucketBatchSampler(
         lengths, batch_size, max_tokens, shuffle, seed, pool_batches, rank, world_size
     )

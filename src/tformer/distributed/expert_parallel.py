@@ -121,7 +121,18 @@ def apply_expert_parallel(
     """The expert-parallel plan: in every MoE layer, swap `dispatch` for `ExpertParallelDispatch` and keep
     this rank's slice of the experts (with `width` = (index, parts, layer names), the named layers' experts
     also cut to their index-th width slice). Returns the sliced parameters by name (they are rank-local:
-    data parallelism must leave them alone)."""
+    data parallelism must leave them alone). Needs the process group of `group` (the default one when
+    None): the forward exchanges tokens with all-to-all."""
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "expert parallelism exchanges tokens between processes: initialise a process group first "
+            "(torchrun and torch.distributed.init_process_group, or tformer's Trainer under torchrun)"
+        )
     sharded: dict[str, nn.Parameter] = {}
     for name, layer in moe_layers(model):
         n_experts = layer.experts.n_experts

@@ -41,7 +41,13 @@ def _metrics(tokenize: str):
         raise MissingDataError(
             "sacrebleu (BLEU and chrF)", "python package 'sacrebleu'", SACREBLEU_INSTALL
         ) from None
-    return BLEU(tokenize=tokenize), CHRF()
+    try:
+        return BLEU(tokenize=tokenize), CHRF()
+    except KeyError:  # sacrebleu's own error is the bare name
+        import sacrebleu.metrics.bleu as bleu_module
+
+        known = ", ".join(getattr(bleu_module, "_TOKENIZERS", ())) or "13a, zh, intl, char, none, ..."
+        raise ValueError(f"unknown BLEU tokenize {tokenize!r}; sacrebleu has {known}") from None
 
 
 def score_translations(
@@ -49,6 +55,11 @@ def score_translations(
 ) -> TranslationScores:
     """Corpus-level BLEU (with sacrebleu's `tokenize`, see `bleu_tokenizer`) and chrF of `hypotheses`
     against one reference each."""
+    for name, texts in (("hypotheses", hypotheses), ("references", references)):
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):  # a str would score by letter
+            raise TypeError(f"{name} must be a list of sentences (one str each), got {type(texts).__name__}")
+        if (bad := next((t for t in texts if not isinstance(t, str)), None)) is not None:
+            raise TypeError(f"{name} must hold one str per sentence, got {type(bad).__name__}")
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not references:

@@ -6,6 +6,7 @@ true class and columns the predicted one.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +39,29 @@ def _safe_div(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def _class_ids(ids, name: str) -> list[int]:
+    """Class ids from a list, a 1-D NumPy array or tensor; anything else that is not whole numbers is
+    refused by name."""
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # numpy arrays, torch tensors
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a sequence of class ids, got {type(ids).__name__}")
+    bad = next((x for x in ids if isinstance(x, bool) or not isinstance(x, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(f"{name} must hold class ids (ints), got {bad!r}")
+    return [int(x) for x in ids]
+
+
 def score_classification(
     y_true: Sequence[int], y_pred: Sequence[int], labels: Sequence[str]
 ) -> ClassificationScores:
+    y_true, y_pred = _class_ids(y_true, "y_true"), _class_ids(y_pred, "y_pred")
     if len(y_true) != len(y_pred):
         raise ValueError(f"{len(y_true)} true labels but {len(y_pred)} predictions")
     if not y_true:
         raise ValueError("nothing to score: no examples")
+    if isinstance(labels, str) or len(set(labels)) != len(labels):  # per_class is keyed by name
+        raise ValueError(f"labels must be distinct class names, one per class id, got {labels!r}")
     c = len(labels)
     matrix = [[0] * c for _ in range(c)]
     for t, p in zip(y_true, y_pred):

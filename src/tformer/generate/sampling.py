@@ -36,13 +36,20 @@ def _check_logits(logits: torch.Tensor) -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         kind = f"a {logits.dtype} tensor" if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise TypeError(f"logits must be a floating-point tensor (B, V), got {kind}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.size(1) == 0:
+        raise ValueError(f"logits must be (B, V) with V >= 1, got shape {tuple(logits.shape)}")
+
+
+def _number(name: str, value: object) -> None:
+    """A TypeError naming `name` unless `value` is a real number (a bool or str is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature, (B, V) -> (B, V). temperature must be > 0 (0 means greedy: see sample_next)."""
     _check_logits(logits)
+    _number("temperature", temperature)
     if not 0 < temperature < math.inf:
         raise ValueError(
             f"temperature must be finite and > 0 here (0 means greedy, handled by sample_next), got {temperature}"
@@ -83,6 +90,7 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     logits unchanged. (B, V) -> (B, V).
     """
     _check_logits(logits)
+    _number("top_p", top_p)
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_p == 1.0:
@@ -107,6 +115,7 @@ def apply_repetition_penalty(
     1 leaves the logits unchanged. Returns (B, V).
     """
     _check_logits(logits)
+    _number("penalty", penalty)
     if not penalty > 0:
         raise ValueError(f"repetition penalty must be > 0, got {penalty}")
     if not isinstance(prev_ids, torch.Tensor) or prev_ids.dtype not in (torch.long, torch.int32):
@@ -136,8 +145,12 @@ def apply_repetition_penalty(
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch.Generator on `device` seeded with `seed`."""
-    return torch.Generator(device=device).manual_seed(seed)
+    """A torch.Generator on `device` seeded with `seed` (an int in torch.manual_seed's [-2**63, 2**64))."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (torch.manual_seed's range), got {seed}")
+    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 def sample_next(
@@ -155,6 +168,10 @@ def sample_next(
     `generator`, which the caller seeds: same seed, same tokens.
     """
     _check_logits(logits)
+    _number("temperature", temperature)
+    _number("top_p", top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
     # -inf is a masked token; NaN / +inf break argmax and the softmax. A row's max is NaN or +inf exactly

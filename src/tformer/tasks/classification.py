@@ -44,7 +44,7 @@ from tformer.tasks.corpus import (
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum
-from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
+from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.tasks.translation import run_dir_of
 from tformer.train.config import TrainConfig
 
@@ -166,6 +166,7 @@ class ClassificationTask:
         return int(batch.mask.sum())
 
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        check_eval_args(max_batches, split)
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
         result, scores = evaluate_dataset(
             model, ds, self.collate, self.labels, self.cfg.batch_size, max_batches
@@ -264,6 +265,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run (or its path) on a
     split; the matrix also goes to <run>/eval_confusion_<split>.png (training's evaluations write
     confusion_val.png)."""
+    check_eval_args(max_batches, split)
     run = require_task(run, "classification", "classification")
     classifier = load_classifier(run)
     cfg = run.train_config

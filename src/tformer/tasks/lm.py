@@ -28,7 +28,7 @@ from tformer.tasks.corpus import (
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum
-from tformer.tasks.stream import BatchStream
+from tformer.tasks.stream import BatchStream, check_eval_args
 from tformer.train.config import TrainConfig
 
 SAMPLE_PROMPT = "ROMEO.\n"
@@ -108,6 +108,7 @@ class LMTask:
         return batch.ids.numel()
 
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        check_eval_args(max_batches, split)
         ds, chars = (self.val_ds, self.val_chars) if split == "val" else self.split_dataset(split)
         return evaluate_lm(model, ds, chars, self.cfg.batch_size, max_batches, self.device)
 
@@ -147,12 +148,18 @@ class LMTask:
 
 @torch.no_grad()
 def evaluate_lm(
-    model: nn.Module, ds: PackedLMDataset, chars: int, batch_size: int, max_batches: int, device: torch.device
+    model: nn.Module,
+    ds: PackedLMDataset,
+    chars: int,
+    batch_size: int,
+    max_batches: int | None,
+    device: torch.device,
 ) -> dict[str, float]:
     """Loss over up to max_batches * batch_size windows spread evenly over the split (all when it fits);
-    `windows` / `windows_scored` and `predictions` say how much of it was scored."""
+    `windows` / `windows_scored` and `predictions` say how much of it was scored (max_batches None: all)."""
+    check_eval_args(max_batches)
     n = len(ds)
-    take = min(n, max_batches * batch_size)
+    take = n if max_batches is None else min(n, max_batches * batch_size)
     index = torch.linspace(0, n - 1, take).round().long().unique().tolist()
     total, count = 0.0, 0
     for i in range(0, len(index), batch_size):

@@ -18,6 +18,22 @@ def spread(items: Sequence, n: int | None) -> list:
     return [items[i * len(items) // n] for i in range(n)]
 
 
+SPLITS = ("train", "val", "test")
+
+
+def check_eval_args(max_batches: int | None, split: str = "val") -> None:
+    """An evaluation's arguments, refused by name: `max_batches` an integer >= 1 (None: the whole split;
+    0 had scored nothing and read as a perfect score), `split` one of SPLITS."""
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    ):
+        raise ValueError(
+            f"max_batches must be an integer >= 1 (or None: the whole split), got {max_batches!r}"
+        )
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; the splits are {', '.join(SPLITS)}")
+
+
 class BatchStream:
     """`next_batch(device)` walks epochs forever; `state_dict()` says where the next batch comes from."""
 

@@ -37,7 +37,7 @@ from tformer.tasks.corpus import (
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum
-from tformer.tasks.stream import BatchStream, bucketed_train_stream, spread
+from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.train.config import DataConfig, TrainConfig
 
 SRC_TOKENIZER = "src_tokenizer.json"
@@ -224,6 +224,7 @@ class TranslationTask:
         return Translator(model, self.src_tok, self.tgt_tok, self.cfg.data.seq_len)
 
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
+        check_eval_args(max_batches, split)
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
         result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
         pairs = spread(list(self.corpus[split]), max_batches * self.cfg.batch_size)
@@ -318,6 +319,7 @@ def evaluate_run(
     """Beam-search BLEU / chrF of a run (or its path) on a split of its corpus, with the copy-the-source
     baseline and the loss; the translations go to <run>/translations_<split>.txt (where max_batches took a
     sample of the split: translations_<split>_sample.txt; a file that cannot be written is warned about)."""
+    check_eval_args(max_batches, split)
     run = require_task(run, "translation", "translation")
     cfg = run.train_config
     translator = load_translator(run)

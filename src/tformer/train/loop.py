@@ -129,6 +129,13 @@ class Trainer:
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
+        serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
+        if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
+            raise ValueError(
+                f"this task object holds the data and tokenizer of the run in {serves}; give each run its "
+                f"own (task={cfg.task!r}, or make_task({cfg.task!r})): sharing one, that run would go on "
+                "with this run's vocabulary and data"
+            )
         self.device = self.env.device(cfg.device)
         torch.manual_seed(cfg.seed)
         take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
@@ -378,11 +385,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> dict[str, float]:
+        """The task's evaluation of the model now (cfg.eval_batches batches of the validation split); the
+        model's mode is left as it was."""
+        self._check_open()
+        was_training = self.model.training
         self.model.eval()
-        with torch.no_grad(), self.autocast:
-            result = self.task.evaluate(self.model, self.cfg.eval_batches)
-        self.model.train()
-        return result
+        try:
+            with torch.no_grad(), self.autocast:
+                return self.task.evaluate(self.model, self.cfg.eval_batches)
+        finally:
+            self.model.train(was_training)
 
     def fit(self, until: int | None = None) -> dict[str, Any]:
         """Train to cfg.steps (or stop after step `until`, leaving a checkpoint, as an interruption would).
@@ -572,6 +584,7 @@ class Trainer:
     def sample(self) -> str:
         """The task's sample of what the model does now (`sample_tokens` new tokens for a language model;
         its own seeded generator: the training RNG streams are untouched, so an exact resume stays exact)."""
+        self._check_open()
         was_training = self.model.training
         self.model.eval()
         try:
