@@ -11,8 +11,25 @@ import torch
 from tformer.cli.main import main
 from tformer.config import ModelConfig, MoEConfig
 from tformer.experiments import moe, norm
-from tformer.experiments.report import Report, Verdict, all_hold, fmt, text_table
-from tformer.experiments.runner import ArmLog, Setting, layer_groups, prepare_run_dir
+from tformer.experiments.report import (
+    Report,
+    Verdict,
+    all_hold,
+    fmt,
+    less,
+    lower,
+    stopped_note,
+    text_table,
+    training_units,
+)
+from tformer.experiments.runner import (
+    ArmLog,
+    Setting,
+    drop_previous_study,
+    layer_groups,
+    prepare_run_dir,
+    restore_previous_study,
+)
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.model.stats import count_params, flops_per_token
@@ -171,6 +188,17 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     with pytest.raises(ValueError, match="already holds an experiment run; pass --overwrite"):
         prepare_run_dir(study, overwrite=False)
     assert prepare_run_dir(study, overwrite=True) == study
+    # the old study aside (given back if the new one fails before its first arm), the user's files kept
+    assert sorted(p.name for p in study.iterdir()) == [".previous-study", "notes.txt", "photo.png"]
+    assert sorted(p.name for p in (study / ".previous-study").iterdir()) == [
+        "arms", "data.json", "norm_loss.png", "report.html", "report.md", "setting.json", "tokenizer.json"
+    ]  # fmt: skip
+    (study / "setting.json").write_text("new")  # the new study fails before an arm finished
+    assert restore_previous_study(study)
+    assert (study / "setting.json").read_text() == "old" and (study / "report.md").exists()
+    assert not (study / ".previous-study").exists() and not restore_previous_study(study)
+    prepare_run_dir(study, overwrite=True)
+    drop_previous_study(study)  # the new study got under way: the old one goes
     assert sorted(p.name for p in study.iterdir()) == ["notes.txt", "photo.png"]
     other = tmp_path / "thesis"
     other.mkdir()
@@ -200,7 +228,7 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         (["--batch-size", "100000"], "makes no full batch per process"),
         (
             ["--steps", "3"],
-            "--steps 3 is below the study's 4 warm-up steps: give --warmup-steps too (at most 3)",
+            "--steps 3 is below the study's 4 warm-up steps, which must leave 2 steps after it: give --warmup-steps too (at most 1)",
         ),
     ],
 )
@@ -230,3 +258,76 @@ def test_moe_train_loads_weight_each_routing_window_by_its_steps():
     ]
     loads = train_loads(ArmLog("a", 0, {}, {}, records))["blocks.1"]
     assert loads == pytest.approx([50 / 60, 10 / 60])
+
+
+def test_comparisons_treat_nan_as_diverged_or_undecided():
+    """NaN compares False to everything: a rule written as `a < b` had decided claims on diverged or
+    missing numbers (a study at lr 1e300 came out "reproduced")."""
+    assert lower(1.0, 2.0) is True and lower(2.0, 1.0) is False
+    assert lower(1.0, math.nan) is True and lower(math.nan, 1.0) is False  # a diverged loss is the worst
+    assert lower(math.inf, 1.0) is False and lower(math.nan, math.inf) is None and lower(None, 1.0) is None
+    assert less(1.0, 2.0) is True and less(math.nan, 2.0) is None and less(1.0, None) is None
+
+
+def norm_grid(eval_loss: dict, train_after: float, steps: int = 6) -> list:
+    """Arms of a one-depth, one-seed norm study: each with init gradients, `steps` train records (loss 5
+    at step 1, then train_after) and a final eval loss eval_loss[(placement, warmup)]."""
+    arms = []
+    for (placement, warmup), final in eval_loss.items():
+        grads = {"blocks.0": 1.0, "blocks.1": 2.0 if placement == "post" else 0.5}
+        records = [{"kind": "init_grads", "layer_grad_norms": grads}]
+        records += [
+            {"kind": "train", "step": i, "loss": 5.0 if i == 1 else train_after, "grad_norm": float(i)}
+            for i in range(1, steps + 1)
+        ]
+        records.append({"kind": "eval", "step": steps, "eval_loss": final})
+        tags = {"placement": placement, "depth": 2, "warmup": warmup}
+        arms.append(ArmLog(f"{placement}-{warmup}", 0, tags, {}, records))
+    return arms
+
+
+def test_norm_verdicts_on_diverged_arms_are_not_reproduced_by_nan():
+    s = norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=2)
+    nan_everywhere = {(p, w): math.nan for p in ("post", "pre") for w in (True, False)}
+    checks = {v.claim: v for v in norm.verdicts(norm_grid(nan_everywhere, math.nan), s)}
+    assert checks["Pre-Norm converges faster"].holds is None  # both diverged: nothing to compare
+    assert checks["Post-Norm needs learning-rate warm-up more than Pre-Norm"].holds is None
+    assert checks["Post-Norm without warm-up diverges"].holds is False  # Pre-Norm diverged too
+    # Post-Norm diverging without warm-up (only there) is what the warm-up claim says
+    post_fails = {("post", True): 3.0, ("post", False): math.nan, ("pre", True): 2.9, ("pre", False): 2.95}
+    checks = {v.claim: v for v in norm.verdicts(norm_grid(post_fails, 4.0), s)}
+    assert checks["Post-Norm needs learning-rate warm-up more than Pre-Norm"].holds is True
+    assert checks["Pre-Norm converges faster"].holds is True
+    with pytest.raises(ValueError, match=r"warmup_steps \(--warmup-steps\) 5 leaves 1 of the 6 steps"):
+        norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=5)  # no gradient variation to measure
+
+
+def test_the_report_names_stopped_arms_and_the_works_trained_on(tmp_path):
+    arms = norm_grid({("post", False): math.nan, ("pre", False): 3.0}, 4.0)
+    arms[0].records.append({"kind": "stopped", "step": 11, "reason": "10 non-finite steps in a row"})
+    assert stopped_note(arms).startswith(
+        "**1 of 2 arms stopped before the budget**: post-False at step 11 (10 non-finite steps in a row)."
+    )
+    assert stopped_note(arms[1:]) is None
+    (tmp_path / "data.json").write_text('{"counts": {"train": 38, "val": 2, "test": 2}}')
+    assert training_units(tmp_path, 1000, "works") == "all 38 training works (1,000 asked)"
+    assert training_units(tmp_path, 2, "works") == "2 of the 38 training works"
+    assert training_units(tmp_path, None, "works") == "all 38 training works"
+    assert training_units(tmp_path / "none", 5, "pairs") == "5 training pairs"  # no manifest: as asked
+
+
+def test_a_failed_overwrite_gives_the_finished_study_back(tmp_path, capsys):
+    """--overwrite had deleted the finished study before the new one failed on its data: nothing of either
+    was left to --resume or report."""
+    study = tmp_path / "study"
+    (study / "arms" / "a").mkdir(parents=True)
+    for name in ("setting.json", "data.json", "tokenizer.json", "report.md", "norm_loss.png"):
+        (study / name).write_text("old")
+    argv = ["experiment", "norm", "--quick", "--threads", "1", "--batch-size", "100000", "--overwrite"]
+    assert main([*argv, "--out", str(study)]) == 2
+    assert "makes no full batch per process" in capsys.readouterr().err
+    assert sorted(p.name for p in study.iterdir()) == [
+        "arms", "data.json", "norm_loss.png", "report.md", "setting.json", "tokenizer.json"
+    ]  # fmt: skip
+    assert all((study / n).read_text() == "old" for n in ("setting.json", "report.md", "tokenizer.json"))
+    assert [p.name for p in (study / "arms").iterdir()] == ["a"]

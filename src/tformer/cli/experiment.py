@@ -116,10 +116,17 @@ def resolve_setting(args: argparse.Namespace, module):
         flags = ", ".join("--" + k.replace("_", "-") for k in unused)
         raise ValueError(f"experiment {args.study} has no option {flags}")
     warmup = getattr(setting, "warmup_steps", None)
-    if args.steps is not None and args.warmup_steps is None and warmup is not None and args.steps < warmup:
+    after = getattr(module, "STEPS_AFTER_WARMUP", 0)  # steps a study's measures read after the warm-up
+    if (
+        args.steps is not None
+        and args.warmup_steps is None
+        and warmup is not None
+        and args.steps - after < warmup
+    ):
+        leaves = f", which must leave {after} steps after it" if after else ""
         raise ValueError(
-            f"--steps {args.steps} is below the study's {warmup} warm-up steps: give --warmup-steps too "
-            f"(at most {args.steps})"
+            f"--steps {args.steps} is below the study's {warmup} warm-up steps{leaves}: give --warmup-steps "
+            f"too (at most {args.steps - after})"
         )
     return setting.replace(**changes)
 
@@ -140,7 +147,14 @@ def torch_threads(n: int | None) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
-    from tformer.experiments.runner import check_complete, prepare_run_dir, read_setting, write_setting
+    from tformer.experiments.runner import (
+        check_complete,
+        drop_previous_study,
+        prepare_run_dir,
+        read_setting,
+        restore_previous_study,
+        write_setting,
+    )
     from tformer.train.run_dir import outermost_missing
 
     module = importlib.import_module(STUDIES[args.study])
@@ -184,8 +198,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             with torch_threads(args.threads), flags_named(args):
                 module.run(setting, out)
-        except Exception:  # failed before an arm finished (data, batch size): leave nothing behind
-            if created is not None and len(list((out / "arms").glob("*"))) <= 1:  # at most the failed arm
+        except BaseException as err:  # failed or stopped before an arm finished (data, batch size): a
+            # study that --overwrite moved aside comes back; else a failed run leaves nothing behind (an
+            # interrupted one stays, for --resume)
+            early = len(list((out / "arms").glob("*"))) <= 1  # at most the arm in flight
+            if (
+                early
+                and not restore_previous_study(out)
+                and created is not None
+                and isinstance(err, Exception)
+            ):
                 shutil.rmtree(created, ignore_errors=True)
             raise
         print(f"trained in {time.perf_counter() - t0:.1f} s")
@@ -193,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     check_complete(out, module.make_arms(saved), saved.steps)
     report, summary = module.report(out)
     md, page = report.write(out)
+    drop_previous_study(out)  # a study --overwrite replaced: this one is whole now
     print(summary)
     print(f"report: {md} and {page}")
     return 0

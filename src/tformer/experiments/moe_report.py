@@ -15,12 +15,16 @@ from tformer.experiments.report import (
     all_hold,
     fmt,
     fmt_count,
+    less,
+    lower,
     mean,
     panels,
     pyplot,
     save_figure,
     series_style,
+    stopped_note,
     text_table,
+    training_units,
     verdict_lines,
 )
 from tformer.experiments.runner import ArmLog, read_arms, read_setting
@@ -108,9 +112,12 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
     got = by_name(arms)
     seeds = range(s.seeds)
 
-    def less(a: str, b: str, measure=lambda x: x.final_eval) -> list[bool | None]:
+    def below(a: str, b: str, measure=lambda x: x.final_eval, compare=lower) -> list[bool | None]:
+        """Arm a's measure below arm b's, per seed (`lower`: losses, a diverged one worst; `less`: others)."""
         return [
-            None if (a, sd) not in got or (b, sd) not in got else measure(got[a, sd]) < measure(got[b, sd])
+            None
+            if (a, sd) not in got or (b, sd) not in got
+            else compare(measure(got[a, sd]), measure(got[b, sd]))
             for sd in seeds
         ]
 
@@ -126,8 +133,10 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
     no_shared = [
         None
         if ("deepseekmoe", sd) not in got or one(got["deepseekmoe", sd], "no_shared") is None
-        else one(got["deepseekmoe", sd], "no_shared")["loss"]
-        > one(got["deepseekmoe", sd], "no_shared")["base_loss"]
+        else lower(
+            one(got["deepseekmoe", sd], "no_shared")["base_loss"],
+            one(got["deepseekmoe", sd], "no_shared")["loss"],
+        )
         for sd in seeds
     ]
     increase = mean(
@@ -148,7 +157,7 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
     redundancy = [
         None
         if ("deepseekmoe", sd) not in got or ("gshard", sd) not in got
-        else disable_increase(got["deepseekmoe", sd], r) > disable_increase(got["gshard", sd], r)
+        else less(disable_increase(got["gshard", sd], r), disable_increase(got["deepseekmoe", sd], r))
         for sd in seeds
         for r in compared
     ]
@@ -158,14 +167,14 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
             "MoE raises capacity at constant compute",
             "Switch, GShard and DeepSeekMoE each reach a lower final validation loss than the dense model "
             "with the same active parameters and FLOPs per token, for every seed",
-            all_hold(less("switch", "dense") + less("gshard", "dense") + less("deepseekmoe", "dense")),
+            all_hold(below("switch", "dense") + below("gshard", "dense") + below("deepseekmoe", "dense")),
             "final val loss (mean over seeds): " + show(("dense", "switch", "gshard", "deepseekmoe")),
             "Switch / GShard: lower loss than dense at equal FLOPs",
         ),
         Verdict(
             "DeepSeekMoE beats GShard at equal total and active parameters",
             "DeepSeekMoE's final validation loss is lower than GShard's, for every seed",
-            all_hold(less("deepseekmoe", "gshard")),
+            all_hold(below("deepseekmoe", "gshard")),
             "final val loss: " + show(("gshard", "deepseekmoe")),
             "DeepSeekMoE 2B: Pile loss 1.808 vs GShard 1.867",
         ),
@@ -173,7 +182,7 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
             "Shared expert isolation helps (trained without it)",
             "DeepSeekMoE's final validation loss is lower than the same model trained without the shared "
             "expert, for every seed",
-            all_hold(less("deepseekmoe", "deepseekmoe-noshared")),
+            all_hold(below("deepseekmoe", "deepseekmoe-noshared")),
             "final val loss: " + show(("deepseekmoe", "deepseekmoe-noshared")),
             "DeepSeekMoE ablation: isolating a shared expert lowers the loss",
         ),
@@ -207,7 +216,7 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
             "Auxiliary-loss-free balancing balances the load better",
             "the loss-free arm's held-out MaxVio (mean over MoE layers) is lower than the auxiliary-loss "
             "arm's, for every seed",
-            all_hold(less("deepseekmoe-lossfree", "deepseekmoe", max_vio_global)),
+            all_hold(below("deepseekmoe-lossfree", "deepseekmoe", max_vio_global, less)),
             "MaxVio_global: " + show(("deepseekmoe", "deepseekmoe-lossfree"), max_vio_global, 3),
             "Wang et al. 2024 (1B): MaxVio_global 0.04 (loss-free) vs 0.72 (aux loss)",
         ),
@@ -215,7 +224,7 @@ def verdicts(arms: list[ArmLog], s: MoESetting) -> list[Verdict]:
             "... without costing loss",
             "the loss-free arm's final validation loss is no higher than the auxiliary-loss arm's, for "
             "every seed",
-            all_hold([None if x is None else not x for x in less("deepseekmoe", "deepseekmoe-lossfree")]),
+            all_hold([None if x is None else not x for x in below("deepseekmoe", "deepseekmoe-lossfree")]),
             "final val loss: " + show(("deepseekmoe", "deepseekmoe-lossfree")),
             "Wang et al. 2024 (1B): perplexity 9.50 (loss-free) vs 9.56",
         ),
@@ -439,7 +448,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.bullets(
         [
             f"Data: {s.corpus} language modelling, BPE vocabulary {s.vocab_size}, "
-            f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len}; "
+            f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len}; "
             f"validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works.",
             f"Model: decoder, {s.n_layers} layers (every FFN slot MoE in the MoE arms), d_model {s.d_model}, "
             f"{s.n_heads} heads, SwiGLU experts, Pre-Norm RMSNorm, RoPE, no dropout; active FFN width {s.d_ff} in "
@@ -456,6 +465,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Verdicts")
     r.text("Decided by the stated rule on this run's logged numbers (arms/*/metrics.jsonl).")
     r.verdicts(checks)
+    if (note := stopped_note(arms)) is not None:
+        r.text(note)
     r.heading("Size and compute per arm")
     r.text(
         "From `tformer.model.stats`: parameters (total, and active per token) and forward matmul FLOPs per "

@@ -24,11 +24,15 @@ from tformer.experiments.report import (
     Verdict,
     all_hold,
     fmt,
+    less,
+    lower,
     mean,
     panels,
     pyplot,
     save_figure,
+    stopped_note,
     text_table,
+    training_units,
     verdict_lines,
 )
 from tformer.experiments.runner import (
@@ -58,6 +62,9 @@ TRANSLATION_CORPUS = "trans-de-en"
 COLORS = {"post": "tab:red", "pre": "tab:blue"}
 
 
+STEPS_AFTER_WARMUP = 2  # the gradient-norm variation needs two steps after the warm-up window
+
+
 @dataclass(frozen=True)
 class NormSetting(Setting):
     depths: tuple[int, ...] = (6, 12, 24)
@@ -75,6 +82,12 @@ class NormSetting(Setting):
             raise ValueError(
                 f"warmup_steps (--warmup-steps) must be >= 1: the study compares arms with and without a "
                 f"warm-up of that many steps, got {self.warmup_steps}"
+            )
+        if self.steps - self.warmup_steps < STEPS_AFTER_WARMUP:  # nothing for the measures to read
+            raise ValueError(
+                f"warmup_steps (--warmup-steps) {self.warmup_steps} leaves {max(0, self.steps - self.warmup_steps)} "
+                f"of the {self.steps} steps (--steps) after the warm-up window; the divergence and gradient-"
+                f"variation measures read those: leave at least {STEPS_AFTER_WARMUP}"
             )
 
 
@@ -243,10 +256,17 @@ class Grid:
                     out.append(None if post is None or pre is None else fn(post, pre))
         return out
 
-    def cost(self, placement: str, depth: int, seed: int, measure) -> float | None:
-        """measure(no warm-up arm) - measure(warm-up arm)."""
+    def cost(self, placement: str, depth: int, seed: int, measure, diverges: bool = False) -> float | None:
+        """measure(no warm-up arm) - measure(warm-up arm); None where an arm is missing or the measure has
+        no value (NaN). `diverges`: a loss, whose non-finite value without warm-up (and a finite one with)
+        is a cost of +inf."""
         with_w, no_w = (self.arms.get((placement, depth, warm, seed)) for warm in (True, False))
-        return None if with_w is None or no_w is None else measure(no_w) - measure(with_w)
+        if with_w is None or no_w is None:
+            return None
+        after, before = measure(no_w), measure(with_w)
+        if diverges and not math.isfinite(after) and math.isfinite(before):
+            return math.inf
+        return after - before if math.isfinite(after) and math.isfinite(before) else None
 
     def by_depth(self, fn, placement: str, warmup: bool = True, digits: int = 3) -> str:
         """'L6 x, L12 y': fn averaged over seeds at each depth."""
@@ -262,13 +282,15 @@ class Grid:
         return ", ".join(f"L{d} {fmt(mean([c for c in v if c is not None]), 3)}" for d, v in costs.items())
 
 
-def warmup_cost_rule(g: Grid, measure, sign: float) -> list[bool | None]:
-    """Dropping warm-up costs Post-Norm (sign * cost > 0) more than it costs Pre-Norm, per depth and seed."""
+def warmup_cost_rule(g: Grid, measure, sign: float, diverges: bool = False) -> list[bool | None]:
+    """Dropping warm-up costs Post-Norm (sign * cost > 0) more than it costs Pre-Norm, per depth and seed
+    (None where a cost is unknown, or both arms diverged without warm-up: neither costs more)."""
     out = []
     for seed in range(g.s.seeds):
         for depth in g.s.depths:
-            post, pre = g.cost("post", depth, seed, measure), g.cost("pre", depth, seed, measure)
-            out.append(None if post is None or pre is None else sign * post > max(0.0, sign * pre))
+            post, pre = (g.cost(p, depth, seed, measure, diverges) for p in ("post", "pre"))
+            unknown = post is None or pre is None or post == pre == math.inf
+            out.append(None if unknown else sign * post > max(0.0, sign * pre))
     return out
 
 
@@ -279,11 +301,17 @@ def divergence_rule(g: Grid) -> list[bool | None]:
         post = g.arms.get(("post", max(g.s.depths), False, seed))
         pre = [a for k, a in g.arms.items() if k[0] == "pre" and k[3] == seed]
         calm = not any(divergence_events(a, g.w) for a in pre)
-        out.append(None if post is None else bool(divergence_events(post, g.w)) and calm)
+        observed = post is not None and any(r["step"] > g.w for r in post.kind("train"))
+        out.append(bool(divergence_events(post, g.w)) and calm if observed else None)  # no step after warm-up
     return out
 
 
 XIONG = "Xiong et al. 2020"
+
+
+def init_grows(post: float, pre: float) -> bool | None:
+    """Post-Norm's ratio > 1 >= Pre-Norm's; None if either is NaN (no gradient norms logged)."""
+    return None if math.isnan(post) or math.isnan(pre) else post > 1.0 >= pre
 
 
 def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
@@ -296,7 +324,7 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
             "At initialisation Post-Norm's gradients grow toward the output layer; Pre-Norm's do not",
             "gradient norm of the last block / the first block (of the decoder, for an encoder-decoder) at "
             "initialisation is > 1 for Post-Norm and <= 1 for Pre-Norm, at every depth and seed",
-            all_hold(g.cases(lambda post, pre: init_ratio(post) > 1.0 >= init_ratio(pre))),
+            all_hold(g.cases(lambda post, pre: init_grows(init_ratio(post), init_ratio(pre)))),
             f"ratio last/first (mean over seeds): Post {g.by_depth(init_ratio, 'post')}; "
             f"Pre {g.by_depth(init_ratio, 'pre')}",
             f"{XIONG}, Fig. 3: Post-LN gradients grow with the layer index, Pre-LN's stay flat",
@@ -305,7 +333,7 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
             "Pre-Norm converges faster",
             "Pre-Norm's final validation loss (the end point of the same budget, standing in for speed) is "
             "lower than Post-Norm's at every depth, with and without warm-up, for every seed",
-            all_hold(g.cases(lambda post, pre: pre.final_eval < post.final_eval, (True, False))),
+            all_hold(g.cases(lambda post, pre: lower(pre.final_eval, post.final_eval), (True, False))),
             "final val loss (mean over seeds), with warm-up: "
             f"Post {g.by_depth(lambda a: a.final_eval, 'post', digits=4)}; "
             f"Pre {g.by_depth(lambda a: a.final_eval, 'pre', digits=4)}; without: "
@@ -317,7 +345,7 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
             "Post-Norm needs learning-rate warm-up more than Pre-Norm",
             "dropping warm-up raises Post-Norm's final validation loss, and by more than it raises (or "
             "lowers) Pre-Norm's, at every depth and seed",
-            all_hold(warmup_cost_rule(g, lambda a: a.final_eval, +1.0)),
+            all_hold(warmup_cost_rule(g, lambda a: a.final_eval, +1.0, diverges=True)),
             f"val loss without - with warm-up: Post {g.cost_by_depth('post', lambda a: a.final_eval)}; "
             f"Pre {g.cost_by_depth('pre', lambda a: a.final_eval)}",
             f"{XIONG}: Post-LN without warm-up 8.45 BLEU vs about 34 with warm-up (IWSLT14 De-En)",
@@ -334,7 +362,9 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
             "Pre-Norm's gradients are steadier during training",
             "coefficient of variation of the gradient norm after the warm-up window is lower for Pre-Norm "
             "than for Post-Norm at every depth, schedule and seed",
-            all_hold(g.cases(lambda post, pre: grad_norm_cv(pre, w) < grad_norm_cv(post, w), (True, False))),
+            all_hold(
+                g.cases(lambda post, pre: less(grad_norm_cv(pre, w), grad_norm_cv(post, w)), (True, False))
+            ),
             f"CV with warm-up: Post {g.by_depth(lambda a: grad_norm_cv(a, w), 'post')}; "
             f"Pre {g.by_depth(lambda a: grad_norm_cv(a, w), 'pre')}",
         ),
@@ -473,18 +503,18 @@ def arm_rows(arms: list[ArmLog], s: NormSetting) -> list[list[str]]:
     return rows
 
 
-def data_line(s: NormSetting) -> str:
+def data_line(s: NormSetting, run_dir: Path) -> str:
     if s.arch == "encoder_decoder":
-        pairs = "all" if s.max_train_pairs is None else s.max_train_pairs
+        pairs = training_units(run_dir, s.max_train_pairs, "pairs")
         return (
-            f"Data: {TRANSLATION_CORPUS} German -> English, {pairs} training pairs, joint BPE vocabulary "
+            f"Data: {TRANSLATION_CORPUS} German -> English, {pairs}, joint BPE vocabulary "
             f"{s.vocab_size}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on "
             f"{s.eval_batches * s.batch_size} validation pairs spread over the split; depth = layers in the "
             "encoder and in the decoder."
         )
     return (
         f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {s.vocab_size}, "
-        f"{'all' if s.max_train_docs is None else s.max_train_docs} training works, windows of {s.seq_len} "
+        f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len} "
         f"tokens; validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works."
     )
 
@@ -496,7 +526,7 @@ ARM_HEADERS = [
     "warm-up",
     "seed",
     "initial loss",
-    "final train loss",
+    "train loss (mean of the last 10 steps)",
     "final val loss",
     "divergence events",
     "init grad last/first",
@@ -530,7 +560,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Setup")
     r.bullets(
         [
-            data_line(s),
+            data_line(s, run_dir),
             f"Model: {s.arch.replace('_', '-')}, d_model {s.d_model}, {s.n_heads} heads, ReLU FFN {s.d_ff}, LayerNorm, sinusoidal "
             f"positions, Xavier init, no dropout; depths {', '.join(map(str, s.depths))}.",
             f"Budget (every arm): {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, AdamW lr {s.lr}, "
@@ -548,6 +578,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
         "Small models trained for minutes test the direction of an effect, not its published size."
     )
     r.verdicts(checks)
+    if (note := stopped_note(arms)) is not None:
+        r.text(note)
     r.heading("Arms")
     r.table(
         ARM_HEADERS + (["final BLEU (greedy, 0-100)"] if s.arch == "encoder_decoder" else []),

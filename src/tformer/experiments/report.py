@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -92,6 +93,53 @@ class Verdict:
     @property
     def status(self) -> str:
         return {True: "reproduced", False: "not reproduced", None: "inconclusive"}[self.holds]
+
+
+def lower(a: float | None, b: float | None) -> bool | None:
+    """a < b for losses and perplexities, a diverged value (NaN or inf) worse than every finite one; None
+    (undecided) when one is missing or neither is finite: NaN compares False to everything, so a rule
+    written as `a < b` would decide on it."""
+    if a is None or b is None:
+        return None
+    fa, fb = math.isfinite(a), math.isfinite(b)
+    if fa and fb:
+        return a < b
+    return None if not (fa or fb) else fa
+
+
+def less(a: float | None, b: float | None) -> bool | None:
+    """a < b for measures with no "diverged" end (ratios, variations, load shares): None unless both
+    are numbers (NaN: the measure had no data, e.g. no step after the warm-up window)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return None
+    return a < b
+
+
+def training_units(run_dir: Path, asked: int | None, unit: str) -> str:
+    """How many training documents (works, pairs) the study trained on, from its data.json: "all 38
+    works", or "2 of 38" (asking for more than the split holds trains on all of them, and says so)."""
+    try:
+        have = json.loads((Path(run_dir) / "data.json").read_text())["counts"]["train"]
+    except (OSError, ValueError, KeyError, TypeError):  # a run without its manifest: what was asked
+        return f"{'all' if asked is None else asked} training {unit}"
+    if asked is None or asked >= have:
+        more = f" ({asked:,} asked)" if asked is not None and asked > have else ""
+        return f"all {have:,} training {unit}{more}"
+    return f"{asked:,} of the {have:,} training {unit}"
+
+
+def stopped_note(arms) -> str | None:
+    """A sentence naming the arms that stopped before the budget (the non-finite rule), with the step and
+    the reason, or None: their numbers (NaN, or from fewer steps) read otherwise like any arm's."""
+    stopped = [(a.name, a.kind("stopped")[-1]) for a in arms if a.stopped]
+    if not stopped:
+        return None
+    each = "; ".join(f"{name} at step {r['step']} ({r.get('reason', 'stopped')})" for name, r in stopped)
+    return (
+        f"**{len(stopped)} of {len(arms)} arms stopped before the budget**: {each}. Their numbers come "
+        "from the steps they ran (a non-finite loss reads NaN); a rule that meets a diverged loss counts it "
+        "worse than any finite one, and one with nothing to compare is inconclusive."
+    )
 
 
 def all_hold(flags: Sequence[bool | None]) -> bool | None:

@@ -35,11 +35,14 @@ from tformer.experiments.report import (
     Verdict,
     all_hold,
     fmt,
+    lower,
     mean,
     panels,
     save_figure,
     series_style,
+    stopped_note,
     text_table,
+    training_units,
     verdict_lines,
 )
 from tformer.experiments.runner import Arm, ArmLog, Setting, StudyData, read_arms, read_setting, run_arms
@@ -254,7 +257,7 @@ def verdicts(c: dict, s: RopeSetting) -> list[Verdict]:
         return [
             None
             if (a, seed, n) not in c or (b, seed, n) not in c
-            else beyond(c[a, seed, n], L) < beyond(c[b, seed, n], L)
+            else lower(beyond(c[a, seed, n], L), beyond(c[b, seed, n], L))
             for seed in seeds
             for n in longer
         ]
@@ -291,7 +294,9 @@ def verdicts(c: dict, s: RopeSetting) -> list[Verdict]:
             )
         )
     learned_fail = [
-        None if ("learned", sd, n) not in c else beyond(c["learned", sd, n], L) > ppl(c["learned", sd, n][:L])
+        None
+        if ("learned", sd, n) not in c
+        else lower(ppl(c["learned", sd, n][:L]), beyond(c["learned", sd, n], L))
         for sd in seeds
         for n in longer
     ]
@@ -446,7 +451,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.bullets(
         [
             f"Data: {s.corpus} language modelling, BPE vocabulary {s.vocab_size}, "
-            f"{'all' if s.max_train_docs is None else s.max_train_docs} training works; trained on windows of "
+            f"{training_units(run_dir, s.max_train_docs, 'works')}; trained on windows of "
             f"L = {s.seq_len} tokens.",
             f"Model: decoder, {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, SwiGLU {s.d_ff}, Pre-Norm "
             "RMSNorm, Xavier init, embeddings scaled by sqrt(d_model) (unit scale, like the added position "
@@ -465,6 +470,8 @@ def report(run_dir: Path) -> tuple[Report, str]:
         "per-position losses (arms/*/metrics.jsonl, records `position_eval`)."
     )
     r.verdicts(checks)
+    if (note := stopped_note(arms)) is not None:
+        r.text(note)
     r.heading("Perplexity by evaluation length")
     r.table(headers, rows)
     r.heading("Training")

@@ -154,13 +154,42 @@ class Arm:
 
 
 STUDY_FILES = (SETTING, MANIFEST, "tokenizer.json", "src_tokenizer.json", "report.md", "report.html")
+PREVIOUS = ".previous-study"  # where --overwrite keeps the study it replaces until the new one is under way
+
+
+def _study_files(run_dir: Path) -> list[Path]:
+    """Everything a study writes in its directory: arms, setting, data manifest, tokenizers, report, plots."""
+    names = [run_dir / "arms", *(run_dir / n for n in STUDY_FILES)]
+    plots = [p for study in ("norm", "rope", "moe") for p in sorted(run_dir.glob(f"{study}_*.png"))]
+    return [p for p in names if p.exists()] + plots
+
+
+def restore_previous_study(run_dir: Path) -> bool:
+    """Undo `prepare_run_dir(overwrite=True)`: the new study's files removed, the replaced study's put
+    back (a new study that failed before its first arm finished). False if there was none to restore."""
+    kept = run_dir / PREVIOUS
+    if not kept.is_dir():
+        return False
+    for path in _study_files(run_dir):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in kept.iterdir():
+        path.rename(run_dir / path.name)
+    kept.rmdir()
+    return True
+
+
+def drop_previous_study(run_dir: Path) -> None:
+    """The replaced study is gone for good (the new one has a finished arm, or its report)."""
+    shutil.rmtree(Path(run_dir) / PREVIOUS, ignore_errors=True)
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
-    """Create the run directory. A previous study there is an error unless `overwrite`, which removes
-    everything a study writes (arms, setting, data manifest, tokenizer, report and plots), so nothing of
-    it (a tokenizer of another vocabulary or corpus) leaks into the new one. A training run's directory,
-    or stray tokenizer files, are refused: a study would read their tokenizer as its own."""
+    """Create the run directory. A previous study there is an error unless `overwrite`, which moves
+    everything a study writes (arms, setting, data manifest, tokenizer, report and plots) aside into
+    .previous-study/, so nothing of it (a tokenizer of another vocabulary or corpus) leaks into the new
+    one, and a new study that fails before its first arm finishes (data, batch size) gives it back
+    (`restore_previous_study`). A training run's directory, or stray tokenizer files, are refused: a study
+    would read their tokenizer as its own."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file; choose a directory")
@@ -174,12 +203,10 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
                 f"{run_dir} already holds an experiment run that did not finish (it has no report); continue "
                 "it with --resume, or pass --overwrite or choose another --out"
             )
-        shutil.rmtree(run_dir / "arms", ignore_errors=True)
-        for name in STUDY_FILES:
-            (run_dir / name).unlink(missing_ok=True)
-        for study in ("norm", "rope", "moe"):  # each study names its plots <study>_*.png
-            for plot in run_dir.glob(f"{study}_*.png"):
-                plot.unlink()
+        drop_previous_study(run_dir)  # an older replaced study, whose replacement got under way
+        (run_dir / PREVIOUS).mkdir()
+        for path in _study_files(run_dir):
+            path.rename(run_dir / PREVIOUS / path.name)
     else:
         foreign = [n for n in ("config.json", "checkpoints", "tokenizer.json") if (run_dir / n).exists()]
         if foreign:
