@@ -123,3 +123,18 @@ def test_an_override_key_that_is_not_a_name_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="override keys are dotted field names"):
         TrainConfig().with_overrides({1: 5})
     assert issubclass(ConfigError, ValueError)
+
+
+def test_beam_and_sample_search_check_their_ids_as_search_does() -> None:
+    from tformer import build_model
+    from tformer.generate.beam import beam_search, sample_search
+    from tformer.presets import tiny
+
+    model = build_model(tiny("encoder_decoder").replace(vocab_size=30)).eval()
+    src = torch.randint(4, 30, (2, 5))
+    with pytest.raises(ValueError, match="banned id .*50"):  # had raised IndexError from the logits
+        beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[50])
+    with pytest.raises(ValueError, match="eos_id .*99"):  # had been accepted: no output could end
+        sample_search(model, src, None, bos_id=1, eos_id=99, max_len=4)
+    with pytest.raises(ValueError, match="eos_id 2 is among the banned ids"):
+        beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[2])

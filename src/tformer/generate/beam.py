@@ -191,6 +191,24 @@ def _next_log_probs(
     return logp
 
 
+def _check_ids(model: nn.Module, bos_id: int, eos_id: int, banned: Sequence[int]) -> list[int]:
+    """BOS, EOS and the banned ids inside the model's vocabulary, some id left to choose, EOS not banned;
+    the banned ids as a list."""
+    if isinstance(banned, (str, bytes)) or not hasattr(banned, "__iter__"):
+        raise TypeError(f"banned must be a list of token ids, got {type(banned).__name__}")
+    banned = list(banned)
+    vocab = model.cfg.vocab_size
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("banned id", b) for b in banned)):
+        check_token_id(value, vocab, name)
+    if len({int(b) for b in banned}) >= vocab:
+        raise ValueError(
+            f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
+        )
+    if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
+        raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
+    return banned
+
+
 def _check(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_lens: Tensor) -> None:
     if src.dim() != 2 or src.shape[0] == 0 or src.shape[1] == 0:
         raise ValueError(f"src must be a non-empty (B, S) batch of token ids, got shape {tuple(src.shape)}")
@@ -262,6 +280,7 @@ def beam_search(
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
+    banned = _check_ids(model, bos_id, eos_id, banned)  # an id outside the vocabulary had indexed past it
     k = beam_size
     memory = model.encode(src, src_mask)
     steps = (CachedSteps if cached else FullPrefixSteps)(
@@ -343,6 +362,7 @@ def sample_search(
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
+    banned = _check_ids(model, bos_id, eos_id, banned)
     steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1, flat)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -416,18 +436,8 @@ def search(
         raise ValueError(
             f"src_mask must be a bool tensor of src's shape {tuple(src.shape)} (True = real token)"
         )
-    if isinstance(banned, (str, bytes)) or not hasattr(banned, "__iter__"):
-        raise TypeError(f"banned must be a list of token ids, got {type(banned).__name__}")
-    banned = list(banned)
+    banned = _check_ids(model, bos_id, eos_id, banned)
     vocab = model.cfg.vocab_size
-    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("banned id", b) for b in banned)):
-        check_token_id(value, vocab, name)
-    if len({int(b) for b in banned}) >= vocab:
-        raise ValueError(
-            f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
-        )
-    if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
-        raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
     if cfg.min_len and len({int(b) for b in banned} | {int(eos_id)}) >= vocab:
         raise ValueError(
             f"every id but eos_id {eos_id} is banned: min_len {cfg.min_len} tokens cannot come before it (min_len=0)"
