@@ -583,12 +583,25 @@ def test_a_rank_whose_peer_failed_says_one_line(monkeypatch, capsys) -> None:
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38577")
 
     monkeypatch.setattr(evaluate, "run", peer_gone)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):  # rank 0 had printed gloo's traceback when rank 1 failed
+        monkeypatch.setenv("RANK", rank)
+        assert main(["eval", "--run", "x"]) == 1
+        assert capsys.readouterr().err == (
+            f"tformer eval: rank {rank} stopped: another rank failed or exited (its error, if it raised one, "
+            "is above)\n"
+        )
+
+    def timed_out(args):
+        raise RuntimeError(
+            "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation"
+        )
+
+    monkeypatch.setattr(evaluate, "run", timed_out)
     assert main(["eval", "--run", "x"]) == 1
-    assert (
-        capsys.readouterr().err == "tformer eval: rank 1 stopped: another rank failed (its error is above)\n"
-    )
-    monkeypatch.setenv("RANK", "0")  # rank 0, or another error: not hidden
+    assert "rank 0 stopped: a collective timed out (parallel.timeout_s)" in capsys.readouterr().err
+    monkeypatch.setattr(evaluate, "run", peer_gone)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process, or another error: not hidden
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         main(["eval", "--run", "x"])
 

@@ -25,7 +25,12 @@ from tests.tasks.conftest import write_bbc, write_dictionary
 from tests.words import write_word_corpus
 from tformer.cli.main import main
 from tformer.config import MoEConfig
-from tformer.distributed.checkpoint import DCPCheckpointer, export_single_process, is_dcp_checkpoint
+from tformer.distributed.checkpoint import (
+    DCPCheckpointer,
+    export_single_process,
+    is_dcp_checkpoint,
+    saved_data_world_size,
+)
 from tformer.distributed.env import Local
 from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
@@ -348,7 +353,7 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     assert sums == first[0]["tp_dense_sync"]["param_sums"]
 
     cfg = lm_config(corpus, moe=moe).replace(steps=5)
-    with pytest.warns(UserWarning, match=r"step_000004 was saved by 2 data-parallel rank\(s\), this run has 1: batch_size is per rank, so each step now trains on 1/2"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"step_000004 was trained by 2 data-parallel rank\(s\), this run has 1: batch_size is per rank, so each step now trains on 1/2"):  # fmt: skip
         two = Trainer(
             cfg, tmp_path / "ep_fsdp_moe_async_two_proc", make_task("lm"), resume=True, progress=False
         )
@@ -363,6 +368,10 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
     run = load_run(tmp_path / "x")
     dumped = load_file(tmp_path / "two_proc.safetensors")
     assert run.step == 4
+    # the export keeps the tokens seen and the saving run's 2 data ranks (its resume warns of the batch)
+    exported = json.loads((tmp_path / "x" / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert exported["tokens_seen"] == exported["trainer_state"]["tokens_seen"] > 0
+    assert saved_data_world_size(tmp_path / "x" / "checkpoints" / "step_000004") == 2
     assert all(
         torch.equal(v, dumped[f"model.{k}"])
         for k, v in run.model.state_dict().items()

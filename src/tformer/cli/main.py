@@ -215,6 +215,8 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        if int(os.environ.get("RANK", "0") or 0):  # under torchrun every rank parses the same command line:
+            self.exit(2)  # rank 0 says it once
         if "unrecognized arguments" in message:
             options = sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")})
             message += f"; allowed options: {', '.join(options)}"
@@ -266,6 +268,7 @@ PEER_GONE = (
     "remote worker crashing",
     "NCCL communicator was aborted",
 )
+TIMED_OUT = ("Timed out waiting", "collective operation timeout")  # gloo, NCCL's watchdog
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,13 +307,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tformer {args.command}: error{where}: {_words(err)}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as err:
-        if rank and any(peer in str(err) for peer in PEER_GONE):  # under torchrun: another rank failed first
-            print(
-                f"tformer {args.command}: rank {rank} stopped: another rank failed (its error is above)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
+        # under torchrun, a rank waiting in a collective when another rank failed, exited or hung: one line
+        # (the other rank's error, if it raised one, is printed by that rank; torchrun names a killed one)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            why = None
+            if any(peer in str(err) for peer in PEER_GONE):
+                why = "another rank failed or exited (its error, if it raised one, is above)"
+            elif any(t in str(err) for t in TIMED_OUT):
+                why = "a collective timed out (parallel.timeout_s): another rank hung, stopped or failed"
+            if why is not None:
+                print(f"tformer {args.command}: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
+                return 1
         raise
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         if not rank:

@@ -527,11 +527,16 @@ def match_groups(scheduler_state: dict[str, Any], n_groups: int, path: Path) -> 
     return out
 
 
+EXPORTED_FROM = "exported_from"  # trainer_state of an exported checkpoint: the saving run's rank counts
+
+
 def saved_data_world_size(path: str | Path) -> int | None:
-    """How many data-parallel ranks saved the checkpoint at `path` (None: a single-process checkpoint)."""
-    if not is_dcp_checkpoint(path):
-        return None
+    """How many data-parallel ranks trained the checkpoint at `path`: a DCP checkpoint's, or the DCP one a
+    single-process checkpoint was exported from (`export_single_process`); None for one saved by one
+    process."""
     trainer = _Reader(Path(path), verify=False).pair("trainer")
+    if not is_dcp_checkpoint(path):
+        return (trainer.get("trainer_state") or {}).get(EXPORTED_FROM, {}).get("data_world_size")
     return int(trainer.get("data_world_size", trainer["world_size"]))
 
 
@@ -578,8 +583,19 @@ def export_single_process(checkpoint: str | Path, out_run_dir: str | Path) -> Pa
     optimizer = make_optimizer(model, train_cfg.optim)
     scheduler = make_scheduler(optimizer, train_cfg.steps, train_cfg.optim)
     state = DCPCheckpointer(Local(), train_cfg.seed).load(path, model, optimizer, scheduler)
-    step = int(reader.pair("trainer")["step"])
+    trainer = reader.pair("trainer")
+    step = int(trainer["step"])
     rng = capture_rng_state()
+    # the saving run's rank counts: a resume of the export says when its batch changes (batch_size is per rank)
+    ranks = {"world_size": int(trainer["world_size"]), "data_world_size": saved_data_world_size(path)}
     return save_checkpoint(
-        out_run_dir, step, model, optimizer, scheduler, trainer_state=state, rng_state=rng, meta=meta
+        out_run_dir,
+        step,
+        model,
+        optimizer,
+        scheduler,
+        tokens_seen=int(state.get("tokens_seen", 0)),
+        trainer_state={**state, EXPORTED_FROM: ranks},
+        rng_state=rng,
+        meta=meta,
     )

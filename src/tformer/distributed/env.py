@@ -135,14 +135,13 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
             ProcessGroup(False, parallel.tensor, parallel.timeout_s) if dist.get_world_size() > 1 else Local()
         )
     if world_size_from_env() <= 1:
+        # every setting but the checkpoint format (DCP works in one process, async saves with it) waits
+        # for more processes
+        defaults, one_process = type(parallel)(), {"checkpoint"} | ({"async_save"} if parallel.checkpoint == "dcp" else set())  # fmt: skip
         unused = [
-            f"parallel.{name}={value}"
-            for name, value, default in (
-                ("data", parallel.data, "ddp"),
-                ("experts", parallel.experts, "replicate"),
-                ("tensor", parallel.tensor, 1),
-            )
-            if value != default
+            f"parallel.{name}={getattr(parallel, name)}"
+            for name in type(parallel).field_names()
+            if name not in one_process and getattr(parallel, name) != getattr(defaults, name)
         ]
         if unused:
             warnings.warn(

@@ -332,7 +332,7 @@ class Trainer:
         saved_ranks = saved_data_world_size(path)
         if saved_ranks not in (None, self.env.data_world_size) and self.env.is_main:
             warnings.warn(
-                f"{path.name} was saved by {saved_ranks} data-parallel rank(s), this run has "
+                f"{path.name} was trained by {saved_ranks} data-parallel rank(s), this run has "
                 f"{self.env.data_world_size}: batch_size is per rank, so each step now trains on "
                 f"{self.env.data_world_size}/{saved_ranks} of the batch it did (the run goes on, not as it "
                 "would have with its rank count)",
