@@ -136,5 +136,8 @@ def test_beam_and_sample_search_check_their_ids_as_search_does() -> None:
         beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[50])
     with pytest.raises(ValueError, match="eos_id .*99"):  # had been accepted: no output could end
         sample_search(model, src, None, bos_id=1, eos_id=99, max_len=4)
-    with pytest.raises(ValueError, match="eos_id 2 is among the banned ids"):
-        beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[2])
+    with pytest.raises(ValueError, match="banned ids cover the whole vocabulary of 30 tokens"):
+        beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=range(30))
+    assert (
+        len(beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[2])) == 2
+    )  # runs to max_len

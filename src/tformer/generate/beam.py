@@ -192,8 +192,9 @@ def _next_log_probs(
 
 
 def _check_ids(model: nn.Module, bos_id: int, eos_id: int, banned: Sequence[int]) -> list[int]:
-    """BOS, EOS and the banned ids inside the model's vocabulary, some id left to choose, EOS not banned;
-    the banned ids as a list."""
+    """BOS, EOS and the banned ids inside the model's vocabulary, some id left to choose; the banned ids
+    as a list. (The low-level searches may ban EOS: every hypothesis then runs to its max length, as the
+    benchmarks want; `search` refuses it.)"""
     if isinstance(banned, (str, bytes)) or not hasattr(banned, "__iter__"):
         raise TypeError(f"banned must be a list of token ids, got {type(banned).__name__}")
     banned = list(banned)
@@ -204,8 +205,6 @@ def _check_ids(model: nn.Module, bos_id: int, eos_id: int, banned: Sequence[int]
         raise ValueError(
             f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
         )
-    if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
-        raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
     return banned
 
 
@@ -438,6 +437,8 @@ def search(
         )
     banned = _check_ids(model, bos_id, eos_id, banned)
     vocab = model.cfg.vocab_size
+    if eos_id in {int(b) for b in banned}:  # no hypothesis could ever finish
+        raise ValueError(f"eos_id {eos_id} is among the banned ids: no output could end")
     if cfg.min_len and len({int(b) for b in banned} | {int(eos_id)}) >= vocab:
         raise ValueError(
             f"every id but eos_id {eos_id} is banned: min_len {cfg.min_len} tokens cannot come before it (min_len=0)"
