@@ -26,6 +26,13 @@ def test_evaluation_arguments_are_named_before_any_run_is_read() -> None:
                 module.evaluate_run("no/such/run", "test", max_batches=bad)
 
 
+def test_evaluation_counts_may_be_numpy_integers() -> None:
+    from tformer.tasks.stream import check_eval_args
+
+    for fine in (np.int64(3), 3, None):  # the whole split with None
+        check_eval_args(fine, "test")
+
+
 def test_a_trained_runs_task_evaluation_and_load_run(trained_run) -> None:
     from tformer.runs import load_run
     from tformer.tasks import make_task

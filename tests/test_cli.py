@@ -574,6 +574,20 @@ def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
     assert capsys.readouterr().err == "tformer eval: interrupted\n"
 
 
+def test_a_command_line_error_is_said_by_rank_0_only(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("1", ""), ("0", "tformer train: error: unrecognized arguments: --lr 3")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            main(["train", "--lr", "3"])
+        assert stop.value.code == 2 and capsys.readouterr().err.startswith(said)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # RANK set outside torchrun (a scheduler's): said as usual
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit):
+        main(["train", "--lr", "3"])
+    assert "unrecognized arguments: --lr 3" in capsys.readouterr().err
+
+
 def test_a_rank_whose_peer_failed_says_one_line(monkeypatch, capsys) -> None:
     """Under torchrun, a rank waiting in a collective when another rank raised had printed gloo's
     traceback below the real error."""
@@ -598,8 +612,12 @@ def test_a_rank_whose_peer_failed_says_one_line(monkeypatch, capsys) -> None:
         )
 
     monkeypatch.setattr(evaluate, "run", timed_out)
+    monkeypatch.setenv("RANK", "1")
     assert main(["eval", "--run", "x"]) == 1
-    assert "rank 0 stopped: a collective timed out (parallel.timeout_s)" in capsys.readouterr().err
+    assert "rank 1 stopped: a collective timed out (parallel.timeout_s)" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")  # rank 0 keeps the traceback of a timeout: it may be a deadlock
+    with pytest.raises(RuntimeError, match="Timed out waiting"):
+        main(["eval", "--run", "x"])
     monkeypatch.setattr(evaluate, "run", peer_gone)
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process, or another error: not hidden
     with pytest.raises(RuntimeError, match="Connection closed by peer"):

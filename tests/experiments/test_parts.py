@@ -228,7 +228,7 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         (["--batch-size", "100000"], "makes no full batch per process"),
         (
             ["--steps", "3"],
-            "--steps 3 is below the study's 4 warm-up steps, which must leave 2 steps after it: give --warmup-steps too (at most 1)",
+            "--steps 3 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --warmup-steps at most 1, or more --steps",
         ),
     ],
 )
@@ -298,8 +298,11 @@ def test_norm_verdicts_on_diverged_arms_are_not_reproduced_by_nan():
     checks = {v.claim: v for v in norm.verdicts(norm_grid(post_fails, 4.0), s)}
     assert checks["Post-Norm needs learning-rate warm-up more than Pre-Norm"].holds is True
     assert checks["Pre-Norm converges faster"].holds is True
-    with pytest.raises(ValueError, match=r"warmup_steps \(--warmup-steps\) 5 leaves 1 of the 6 steps"):
-        norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=5)  # no gradient variation to measure
+    # a saved study without steps after its warm-up still reports: those measures are inconclusive
+    short = norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=6)
+    checks = {v.claim: v for v in norm.verdicts(norm_grid(post_fails, 4.0), short)}
+    assert checks["Pre-Norm's gradients are steadier during training"].holds is None
+    assert checks["Post-Norm without warm-up diverges"].holds is None
 
 
 def test_the_report_names_stopped_arms_and_the_works_trained_on(tmp_path):

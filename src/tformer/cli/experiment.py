@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,18 +116,21 @@ def resolve_setting(args: argparse.Namespace, module):
     if unused:
         flags = ", ".join("--" + k.replace("_", "-") for k in unused)
         raise ValueError(f"experiment {args.study} has no option {flags}")
-    warmup = getattr(setting, "warmup_steps", None)
+
+    def chosen(name: str):  # a setting after the flags (None: the study's own)
+        return changes[name] if changes.get(name) is not None else getattr(setting, name, None)
+
+    steps, warmup = chosen("steps"), chosen("warmup_steps")
     after = getattr(module, "STEPS_AFTER_WARMUP", 0)  # steps a study's measures read after the warm-up
-    if (
-        args.steps is not None
-        and args.warmup_steps is None
-        and warmup is not None
-        and args.steps - after < warmup
-    ):
-        leaves = f", which must leave {after} steps after it" if after else ""
+    if warmup is not None and steps - after < warmup:
+        need = f" and leave {after} steps after them for the study's measures" if after else ""
+        given = (
+            f"--warmup-steps {warmup}"
+            if args.warmup_steps is not None
+            else f"the study's {warmup} warm-up steps"
+        )
         raise ValueError(
-            f"--steps {args.steps} is below the study's {warmup} warm-up steps{leaves}: give --warmup-steps "
-            f"too (at most {args.steps - after})"
+            f"--steps {steps} must cover {given}{need}: give --warmup-steps at most {steps - after}, or more --steps"
         )
     return setting.replace(**changes)
 
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
     from tformer.experiments.runner import (
+        PREVIOUS,
         check_complete,
         drop_previous_study,
         prepare_run_dir,
@@ -199,9 +204,15 @@ def run(args: argparse.Namespace) -> int:
             with torch_threads(args.threads), flags_named(args):
                 module.run(setting, out)
         except BaseException as err:  # failed or stopped before an arm finished (data, batch size): a
-            # study that --overwrite moved aside comes back; else a failed run leaves nothing behind (an
-            # interrupted one stays, for --resume)
+            # study that --overwrite moved aside comes back (interrupted too); else a failed run leaves
+            # nothing behind (an interrupted one stays, for --resume)
             early = len(list((out / "arms").glob("*"))) <= 1  # at most the arm in flight
+            if not early and (out / PREVIOUS).is_dir():  # the new study is resumable: say where the old is
+                print(
+                    f"tformer experiment: the study this --overwrite replaces is kept in {out / PREVIOUS} until "
+                    "this one has its report (--resume continues this one; another --overwrite deletes it)",
+                    file=sys.stderr,
+                )
             if (
                 early
                 and not restore_previous_study(out)

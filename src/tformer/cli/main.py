@@ -215,12 +215,20 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if int(os.environ.get("RANK", "0") or 0):  # under torchrun every rank parses the same command line:
-            self.exit(2)  # rank 0 says it once
+        if _torchrun_rank() > 0:  # under torchrun every rank parses the same command line: rank 0 says it
+            self.exit(2)
         if "unrecognized arguments" in message:
             options = sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")})
             message += f"; allowed options: {', '.join(options)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _torchrun_rank() -> int:
+    """This process's rank under torchrun (WORLD_SIZE > 1), else 0."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    except ValueError:  # not numbers: not torchrun's
+        return 0
 
 
 def _words(err: Exception) -> str:
@@ -313,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             why = None
             if any(peer in str(err) for peer in PEER_GONE):
                 why = "another rank failed or exited (its error, if it raised one, is above)"
-            elif any(t in str(err) for t in TIMED_OUT):
+            elif rank and any(t in str(err) for t in TIMED_OUT):  # rank 0 keeps the traceback: a deadlock
                 why = "a collective timed out (parallel.timeout_s): another rank hung, stopped or failed"
             if why is not None:
                 print(f"tformer {args.command}: rank {rank} stopped: {why}", file=sys.stderr, flush=True)

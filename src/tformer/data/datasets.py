@@ -146,7 +146,7 @@ class Seq2SeqDataset(Dataset):
         self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_src_len: int, max_tgt_len: int
     ):
         for name, value, least in (("max_src_len", max_src_len, 1), ("max_tgt_len", max_tgt_len, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.kept = [
             i
@@ -220,7 +220,7 @@ class ClassificationDataset(Dataset):
     def __init__(self, ids: Sequence[Sequence[int]], labels: Sequence[int], max_len: int):
         if len(ids) != len(labels):
             raise ValueError(f"{len(ids)} sequences but {len(labels)} labels")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 1:
             raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
         labels = labels.tolist() if isinstance(labels, (torch.Tensor, np.ndarray)) else labels
         bad = [(i, y) for i, y in enumerate(labels) if isinstance(y, bool) or not isinstance(y, numbers.Integral) or y < 0]  # fmt: skip

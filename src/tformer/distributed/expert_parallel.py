@@ -21,6 +21,8 @@ back and are weighted like whole ones (both linear), and the layer's exit sums t
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -124,7 +126,7 @@ def apply_expert_parallel(
     data parallelism must leave them alone). Needs the process group of `group` (the default one when
     None): the forward exchanges tokens with all-to-all."""
     for name, value in (("world_size", world_size), ("rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")

@@ -20,6 +20,7 @@ Rank-local state (never averaged, never broadcast, saved per rank): buffers name
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class ParallelPlan:
 
 def make_plan(cfg: ParallelConfig, world_size: int) -> ParallelPlan:
     """The plan for a ParallelConfig at a world size (nothing to do for one process)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if world_size == 1:
         return ParallelPlan()

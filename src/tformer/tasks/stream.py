@@ -3,6 +3,7 @@ stream the sentence tasks (translation, classification) share."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +26,7 @@ def check_eval_args(max_batches: int | None, split: str = "val") -> None:
     """An evaluation's arguments, refused by name: `max_batches` an integer >= 1 (None: the whole split;
     0 had scored nothing and read as a perfect score), `split` one of SPLITS."""
     if max_batches is not None and (
-        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+        isinstance(max_batches, bool) or not isinstance(max_batches, numbers.Integral) or max_batches < 1
     ):
         raise ValueError(
             f"max_batches must be an integer >= 1 (or None: the whole split), got {max_batches!r}"

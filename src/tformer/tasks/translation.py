@@ -227,7 +227,8 @@ class TranslationTask:
         check_eval_args(max_batches, split)
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
         result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
-        pairs = spread(list(self.corpus[split]), max_batches * self.cfg.batch_size)
+        take = None if max_batches is None else max_batches * self.cfg.batch_size
+        pairs = spread(list(self.corpus[split]), take)
         hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH, warn=False)
         scores = score_translations(hyps, [p.tgt for p in pairs], bleu_tokenizer(self.cfg.data.direction))
         return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
@@ -274,7 +275,8 @@ def evaluate_loss(
     """Loss per target token (no smoothing) over up to max_batches * batch_size pairs spread evenly over
     the split, batched in length order."""
     lengths = ds.lengths()
-    order = sorted(spread(range(len(ds)), max_batches * batch_size), key=lambda i: lengths[i])
+    take = None if max_batches is None else max_batches * batch_size  # None: the whole split
+    order = sorted(spread(range(len(ds)), take), key=lambda i: lengths[i])
     total, count = 0.0, 0
     for start in range(0, len(order), batch_size):
         batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
