@@ -95,9 +95,19 @@ def _dcp_call(what: str, path: Path, fn, *args, **kwargs):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return fn(*args, **kwargs)
     except dcp.CheckpointException as e:
-        raise CheckpointError(f"{path}: DCP {what} failed: {_first_failure(e)}") from None
+        raise _carrying_errno(CheckpointError(f"{path}: DCP {what} failed: {_first_failure(e)}"), e) from None
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as e:
-        raise CheckpointError(f"{path}: DCP {what} failed: {e}") from None
+        raise _carrying_errno(CheckpointError(f"{path}: DCP {what} failed: {e}"), e) from None
+
+
+def _carrying_errno(error: CheckpointError, cause: BaseException) -> CheckpointError:
+    """`error` with the errno of the OSError under `cause` (itself, or a rank's failure in DCP's
+    CheckpointException), so a full disk reads as one after the wrapping (tformer.train.checkpoint.save_failed)."""
+    failures = [
+        f[0] if isinstance(f, tuple) else f for f in (getattr(cause, "failures", None) or {}).values()
+    ]
+    error.errno = next((c.errno for c in (cause, *failures) if isinstance(c, OSError)), None)
+    return error
 
 
 class _IndexUnpickler(pickle.Unpickler):

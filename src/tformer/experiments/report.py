@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tformer.json_files import read_json
 
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
@@ -119,8 +120,8 @@ def training_units(run_dir: Path, asked: int | None, unit: str) -> str:
     """How many training documents (works, pairs) the study trained on, from its data.json: "all 38
     works", or "2 of 38" (asking for more than the split holds trains on all of them, and says so)."""
     try:
-        have = json.loads((Path(run_dir) / "data.json").read_text())["counts"]["train"]
-    except (OSError, ValueError, KeyError, TypeError):  # a run without its manifest: what was asked
+        have = read_json(Path(run_dir) / "data.json")["counts"]["train"]  # tasks.corpus.MANIFEST
+    except (ValueError, KeyError, TypeError):  # a run without its manifest: what was asked
         return f"{'all' if asked is None else asked} training {unit}"
     if asked is None or asked >= have:
         more = f" ({asked:,} asked)" if asked is not None and asked > have else ""

@@ -20,6 +20,7 @@ tformer.train.state_io, which also captures and restores the RNG states).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -286,6 +287,26 @@ def why_none_committed(run_dir: str | Path) -> str:
     if damaged:
         return f"{damaged[-1]} has no readable commit manifest (damaged, or a save that did not finish)"
     return f"looked in {Path(run_dir) / CHECKPOINTS_DIR}"
+
+
+def save_failed(e: OSError | CheckpointError, run_dir: str | Path, step: int) -> OSError | CheckpointError:
+    """The error of a checkpoint save at `step` that failed (a full disk, a file-size limit, DCP's writers),
+    naming the step and the checkpoint a --resume takes: a failed save never leaves a directory that looks
+    whole. (An async save that failed surfaces at the next save: its own message names its step.) A
+    CheckpointError carries the errno of the OSError under it, where there was one."""
+    last = latest_checkpoint(run_dir)
+    room = getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    if last is not None and step_of(last) == step:  # committed; what failed came after (retention, fsync)
+        kept = f"{last.name} itself was committed and is whole"
+    elif last is not None:
+        kept = f"the last checkpoint, {last.name}, is whole: {'make room, then ' if room else ''}--resume"
+    else:
+        kept = "no checkpoint of this run was saved before"
+    if isinstance(e, OSError):
+        reason = f"{e.strerror} ({e.filename})" if e.strerror and e.filename else e.strerror or str(e)
+        where = Path(run_dir) / CHECKPOINTS_DIR
+        return OSError(e.errno, f"the checkpoint save at step {step} failed: {reason}; {kept}", str(where))
+    return CheckpointError(f"the checkpoint save at step {step} failed: {e}; {kept}")
 
 
 def refuse_unfinished(run_dir: str | Path, resume_from: Path | None) -> None:

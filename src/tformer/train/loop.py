@@ -14,11 +14,9 @@ are null objects (docs/distributed.md).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -30,18 +28,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer, saved_data_world_size
+from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer
 from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
 from tformer.train.checkpoint import (
-    CHECKPOINTS_DIR,
     CheckpointError,
     checkpoint_meta,
     latest_checkpoint,
     list_checkpoints,
     refuse_unfinished,
+    save_failed,
     step_of,
     why_none_committed,
 )
@@ -49,7 +47,12 @@ from tformer.train.config import TrainConfig, refuse_ignored_settings
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
-from tformer.train.resume import absolute_data_paths, check_resume_config, warn_compile_switch
+from tformer.train.resume import (
+    absolute_data_paths,
+    check_resume_config,
+    warn_compile_switch,
+    warn_rank_count_change,
+)
 from tformer.train.run_dir import (
     RUN_TOKENIZERS,
     lock_run_dir,
@@ -81,12 +84,6 @@ def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def _errno_in(message: str) -> int | None:
-    """The errno an OSError's text names ("[Errno 28] ..."), as DCP's wrapped errors carry it."""
-    found = re.search(r"\[Errno (\d+)\]", message)
-    return int(found.group(1)) if found else None
 
 
 class Trainer:
@@ -292,30 +289,9 @@ class Trainer:
             )
         except (OSError, CheckpointError) as e:  # a full disk, a file-size limit: say which save failed and
             # what is kept
-            raise self._save_failed(e) from e
+            raise save_failed(e, self.run_dir, s.step) from e
         self._saved = (s.step, path)
         return path
-
-    def _save_failed(self, e: OSError | CheckpointError) -> OSError | CheckpointError:
-        """The error of a checkpoint save that failed (a full disk, a file-size limit, DCP's writers), naming
-        the step and the checkpoint a --resume takes: the checkpointers never leave a directory that looks
-        whole. (An async save that failed surfaces at the next save: its own message names its step.)"""
-        last, step = latest_checkpoint(self.run_dir), self.state.step
-        errno_ = e.errno if isinstance(e, OSError) else _errno_in(str(e))
-        room = errno_ in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-        if last is not None and step_of(last) == step:  # committed; what failed came after (retention, fsync)
-            kept = f"{last.name} itself was committed and is whole"
-        elif last is not None:
-            kept = f"the last checkpoint, {last.name}, is whole: {'make room, then ' if room else ''}--resume"
-        else:
-            kept = "no checkpoint of this run was saved before"
-        if isinstance(e, OSError):
-            reason = f"{e.strerror} ({e.filename})" if e.strerror and e.filename else e.strerror or str(e)
-            where = self.run_dir / CHECKPOINTS_DIR
-            return OSError(
-                e.errno, f"the checkpoint save at step {step} failed: {reason}; {kept}", str(where)
-            )
-        return CheckpointError(f"the checkpoint save at step {step} failed: {e}; {kept}")
 
     def _src_tokenizer_json(self) -> str | None:
         """A task's separate source vocabulary (translation with data.tokenizer=separate), else None."""
@@ -329,15 +305,8 @@ class Trainer:
             raise
         except CheckpointError as e:
             raise self._name_the_previous(path, e) from None
-        saved_ranks = saved_data_world_size(path)
-        if saved_ranks not in (None, self.env.data_world_size) and self.env.is_main:
-            warnings.warn(
-                f"{path.name} was trained by {saved_ranks} data-parallel rank(s), this run has "
-                f"{self.env.data_world_size}: batch_size is per rank, so each step now trains on "
-                f"{self.env.data_world_size}/{saved_ranks} of the batch it did (the run goes on, not as it "
-                "would have with its rank count)",
-                stacklevel=3,
-            )
+        if self.env.is_main:
+            warn_rank_count_change(path, self.env.data_world_size)
         # fields a checkpoint predates (e.g. the spike detector's) keep their defaults
         self.state = TrainState(**{f.name: t[f.name] for f in fields(TrainState) if f.name in t})
         self.loader.load_state_dict(t["loader"])

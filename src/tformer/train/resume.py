@@ -13,7 +13,13 @@ from tformer.config import SEQ2SEQ_ONLY
 from tformer.train.checkpoint import CheckpointError
 from tformer.train.config import TrainConfig
 
-__all__ = ["RESUMABLE", "absolute_data_paths", "check_resume_config", "warn_compile_switch"]
+__all__ = [
+    "RESUMABLE",
+    "absolute_data_paths",
+    "check_resume_config",
+    "warn_compile_switch",
+    "warn_rank_count_change",
+]
 
 
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
@@ -126,4 +132,20 @@ def warn_compile_switch(cfg: TrainConfig, meta: dict[str, Any]) -> None:
             "bit-identical to a run that kept its compile setting",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def warn_rank_count_change(path: Path, data_world_size: int) -> None:
+    """A checkpoint trained by another number of data-parallel ranks (a DCP checkpoint, or its export)
+    resumed here: batch_size is per rank, so every step's batch changes with the count. Said, not silent."""
+    from tformer.distributed.checkpoint import saved_data_world_size
+
+    saved = saved_data_world_size(path)
+    if saved not in (None, data_world_size):
+        warnings.warn(
+            f"{path.name} was trained by {saved} data-parallel rank(s), this run has {data_world_size}: "
+            f"batch_size is per rank, so each step now trains on {data_world_size}/{saved} of the batch it "
+            "did (the run goes on, not as it would have with its rank count)",
+            UserWarning,
+            stacklevel=4,
         )
