@@ -303,9 +303,14 @@ class ModelConfig(Config):
         if self.positions == "rope":
             rot = int(self.resolved_head_dim * self.rope.fraction)
             if rot < 2 or rot % 2:
+                source = (
+                    f"ModelConfig.head_dim={self.head_dim}"
+                    if self.head_dim is not None
+                    else f"head_dim={self.resolved_head_dim} (d_model={self.d_model} / n_heads={self.n_heads})"
+                )
                 raise ConfigError(
                     f"ModelConfig.rope.fraction={self.rope.fraction} gives {rot} rotated features of "
-                    f"head_dim={self.resolved_head_dim}; must be an even number >= 2"
+                    f"{source}; must be an even number >= 2"
                 )
         if self.moe is not None:
             depth = max(

@@ -225,7 +225,10 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     [
         (["--lr", "nan"], "--lr must be a finite number"),  # named as the flag, not OptimConfig.lr
         (["--vocab-size", "10"], "--vocab-size must be from 260"),  # found while the first arm starts
-        (["--batch-size", "100000"], "makes no full batch per process"),
+        (
+            ["--batch-size", "100000"],
+            "makes no full batch per process (100000 samples) in epoch 0: lower the batch size",
+        ),
         (
             ["--steps", "3"],
             "--steps 3 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --warmup-steps at most 1, or more --steps",
@@ -239,6 +242,16 @@ def test_a_study_that_fails_before_training_leaves_no_directory(argv, needle, tm
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_width_rope_cannot_rotate_names_the_flag(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["experiment", "moe", "--quick", "--d-model", "36", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "gives 9 rotated features of head_dim=9 (--d-model=36 / n_heads=4)" in err and "Traceback" not in err
+    ), err
+    assert not out.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA would run it")

@@ -50,7 +50,14 @@ def flags_named(args: argparse.Namespace):
         def flag(m: re.Match) -> str:
             return "--" + m.group(2).replace("_", "-") if m.group(2) in given else m.group(0)
 
-        raise ConfigError(re.sub(r"\b(\w+Config)\.(\w+)", flag, str(err))) from None
+        text = re.sub(r"\b(\w+Config)\.(\w+)", flag, str(err))
+        if given:  # a bare `d_model=36` in a message about another field
+            text = re.sub(
+                rf"(?<![\w.-])({'|'.join(sorted(given))})(?==)",
+                lambda m: "--" + m.group(1).replace("_", "-"),
+                text,
+            )
+        raise ConfigError(text) from None
 
 
 def depth_list(text: str) -> tuple[int, ...]:

@@ -45,6 +45,10 @@ class EpochBatchSampler(Sampler[list[int]]):
     def _global_batches(self, generator: torch.Generator) -> list[list[int]]:
         raise NotImplementedError
 
+    def describe_batch(self) -> str:
+        """What one batch holds, for messages: "8 samples", "at most 4096 tokens"."""
+        raise NotImplementedError
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches for an epoch (cached for the latest epoch)."""
         if self._cache is None or self._cache[:2] != (self.seed, epoch):
@@ -83,6 +87,9 @@ class RandomBatchSampler(EpochBatchSampler):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
 
+    def describe_batch(self) -> str:
+        return f"{self.batch_size} samples"
+
     def _global_batches(self, generator: torch.Generator) -> list[list[int]]:
         order = torch.randperm(self.n, generator=generator) if self.shuffle else torch.arange(self.n)
         stop = self.n - self.n % self.batch_size if self.drop_last else self.n
@@ -115,6 +122,13 @@ class BucketBatchSampler(EpochBatchSampler):
         self.batch_size, self.max_tokens = batch_size, max_tokens
         mean = max(1, int(self.lengths.float().mean().item())) if len(self.lengths) else 1
         self.pool_size = pool_batches * (batch_size or max(1, max_tokens // mean))
+
+    def describe_batch(self) -> str:
+        return (
+            f"{self.batch_size} samples"
+            if self.batch_size is not None
+            else f"at most {self.max_tokens} tokens"
+        )
 
     def _global_batches(self, generator: torch.Generator) -> list[list[int]]:
         n = len(self.lengths)
@@ -189,9 +203,9 @@ class ResumableLoader:
                 world = self.batch_sampler.world_size
                 raise ValueError(
                     f"the training data ({len(self.loader.dataset)} samples) makes no full batch per process "
-                    f"in epoch {self.epoch}"
+                    f"({self.batch_sampler.describe_batch()}) in epoch {self.epoch}"
                     + (f" for {world} processes" if world > 1 else "")
-                    + ": lower batch_size (or data.max_tokens), or train on more data"
+                    + ": lower the batch size, or train on more data"
                 )
             yield from self
 
