@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tformer import build_model
-from tformer.generate.beam import SearchConfig, beam_search, length_penalty, sample_search, search
+from tformer.generate.beam import SearchConfig, beam_search, sample_search, search
 from tformer.model import linear as linear_module
 from tformer.model.attention import Memory
 from tformer.model.cache import KVCache
@@ -109,7 +109,8 @@ def test_large_beam_finds_the_brute_force_best(alpha: float) -> None:
     outputs = [[*body, EOS] for n in range(max_len) for body in itertools.product(words, repeat=n)]
     outputs += [list(body) for body in itertools.product(words, repeat=max_len)]
     assert len(outputs) == 15
-    scored = {tuple(o): sequence_log_prob(model, src, o) / length_penalty(len(o), alpha) for o in outputs}
+    # GNMT's penalty written out here, not the library's `length_penalty` (the code under test)
+    scored = {tuple(o): sequence_log_prob(model, src, o) / ((5 + len(o)) / 6) ** alpha for o in outputs}
     best = max(scored, key=scored.get)
     hyp = beam_search(
         model,
@@ -176,6 +177,26 @@ def test_length_penalty_can_prefer_the_longer_hypothesis() -> None:
     # [a, a] ends at step 3 with log(.5 * .55) / 3.16 = -0.408: the best.
     hyp = beam_search(ScriptedModel(table), src, None, alpha=4.0, **common)[0]
     assert hyp.tokens == [3, 3] and hyp.finished
+    assert hyp.score == pytest.approx(math.log(0.5 * 0.55) / ((5 + 3) / 6) ** 4)  # EOS counts in the length
+
+
+def test_a_negative_length_penalty_does_not_stop_the_search_early() -> None:
+    # alpha < 0 favours short outputs, so a live beam's best reachable score is its score over lp(t + 1),
+    # not over lp(max_len) (tiny for alpha -10: it would end the search after step 1 with []).
+    # [] scores log(.1) / lp(1) = -2.30; [a] ends at step 2 with log(.9 * .9) / lp(2) = -0.98: the best.
+    table = [[0, 0, 0.1, 0.9, 0.0], [0, 0, 0.9, 0.1, 0.0]]
+    hyp = beam_search(
+        ScriptedModel(table),
+        torch.tensor([[3, 2]]),
+        None,
+        bos_id=BOS,
+        eos_id=EOS,
+        max_len=30,
+        beam_size=2,
+        alpha=-10.0,
+    )[0]
+    assert hyp.tokens == [3] and hyp.finished
+    assert hyp.score == pytest.approx(math.log(0.9 * 0.9) / ((5 + 2) / 6) ** -10.0)
 
 
 def test_max_length_returns_the_best_unfinished_hypothesis() -> None:

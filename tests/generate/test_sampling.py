@@ -224,3 +224,20 @@ def test_the_sampling_helpers_name_what_they_cannot_use():
     ):
         with pytest.raises(ValueError, match="temperature must be finite"):
             call()
+
+
+def test_left_padding_is_not_history_for_the_repetition_penalty():
+    """A ragged batch is left-padded; the pad id must not count as a token the short row has seen."""
+    from tformer import build_model
+    from tformer.generate.engine import generate
+    from tformer.presets import llama_like
+
+    torch.manual_seed(0)
+    model = build_model(llama_like(97, 32, 2, 4, 2, 64, 64)).eval()
+    long, short = [5, 17, 33, 2, 9, 41], [60, 3]
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=50.0, max_new_tokens=8)
+    alone = generate(model, [short], cfg)[0]
+    pad = alone[0]  # the short row's own first pick: penalised 50x if its padding were history
+    batch = generate(model, [long, short], cfg, pad_id=pad)
+    assert batch[1] == alone
+    assert batch[0] == generate(model, [long], cfg)[0]

@@ -84,3 +84,38 @@ def test_an_all_padding_pair_adds_nothing_to_the_translation_loss() -> None:
     assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-6)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)  # batched sums: rounding only
     assert torch.isfinite(model(src, tgt_in, src_mask, None)).all()
+
+
+OUTPUTS = {  # what each task's model predicts for a batch, and the targets it is scored on
+    "lm": lambda model, b: (model(b.ids), b.targets),
+    "translation": lambda model, b: (model(b.src, b.tgt_in, b.src_mask, None), b.tgt_out),
+    "classification": lambda model, b: (model(b.ids, b.mask), b.labels),
+}
+
+
+@pytest.mark.parametrize("task", sorted(OUTPUTS))
+def test_the_configured_label_smoothing_reaches_the_task_loss(
+    task, dictionary_file, bbc_root, tmp_path
+) -> None:
+    from tformer.tasks import make_task
+    from tformer.train.loop import Trainer
+    from tformer.train.presets import tiny_classification, tiny_lm, tiny_translation
+
+    cfg = {"lm": tiny_lm, "translation": tiny_translation, "classification": tiny_classification}[task]()
+    path = {"translation": dictionary_file, "classification": bbc_root}.get(task)
+    if path is not None:
+        cfg = cfg.replace(data=cfg.data.replace(path=str(path)))
+    trainer = Trainer(cfg.replace(label_smoothing=0.1), tmp_path / "run", make_task(task), progress=False)
+    batch = trainer.loader.next_batch(trainer.device)
+    model = trainer.model.eval()  # no dropout: the two forwards below see the same logits
+    loss, n = trainer.task.loss(model, batch)
+    logits, targets = OUTPUTS[task](model, batch)
+
+    def torch_loss(smoothing: float) -> torch.Tensor:
+        flat = logits.flatten(0, -2).float(), targets.flatten()
+        return F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=smoothing)
+
+    assert n == int((targets != IGNORE_INDEX).sum())
+    torch.testing.assert_close(loss, torch_loss(0.1))
+    assert not torch.isclose(loss, torch_loss(0.0))  # the smoothing shows at this tolerance
+    trainer.close()

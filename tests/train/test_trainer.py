@@ -82,10 +82,10 @@ def test_tiny_model_overfits_one_batch(corpus_dir: Path, tmp_path: Path) -> None
 
 
 class NaNTask:
-    """Wraps the LM task; its loss is NaN from step `bad_from` on."""
+    """Wraps the LM task; its loss is NaN from step `bad_from` on, and at the steps in `bad_at`."""
 
-    def __init__(self, bad_from: int) -> None:
-        self.inner, self.calls, self.bad_from = make_task("lm"), 0, bad_from
+    def __init__(self, bad_from: int = 10**9, bad_at: tuple[int, ...] = ()) -> None:
+        self.inner, self.calls, self.bad_from, self.bad_at = make_task("lm"), 0, bad_from, bad_at
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -93,7 +93,7 @@ class NaNTask:
     def loss(self, model, batch):
         self.calls += 1
         loss, n = self.inner.loss(model, batch)
-        return (loss * math.nan if self.calls >= self.bad_from else loss), n
+        return (loss * math.nan if self.calls >= self.bad_from or self.calls in self.bad_at else loss), n
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_path: Path) -> None:
@@ -120,6 +120,15 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(corpus_dir: Path, tmp_pat
     assert not [w for w in seen if "legend" in str(w.message)]
 
 
+def test_only_consecutive_nonfinite_steps_stop_the_run(corpus_dir: Path, tmp_path: Path) -> None:
+    """A finite step resets the count: 5 bad steps in runs of 1 and 2 go on; the third in a row stops."""
+    cfg = small_config(corpus_dir, max_nonfinite=3, steps=10, save_every=10)
+    trainer = Trainer(cfg, tmp_path / "c", NaNTask(bad_at=(2, 4, 5, 7, 8, 9)), progress=False)
+    with pytest.raises(NonFiniteError, match="step 9: 3 consecutive steps with a non-finite loss"):
+        trainer.fit()
+    assert trainer.state.skipped_steps == 6
+
+
 def test_the_nonfinite_stop_names_the_ranks_under_torchrun() -> None:
     """The words a multi-rank stop uses (the 2-rank runs check `nonfinite_ranks` itself)."""
     from types import SimpleNamespace
@@ -137,8 +146,30 @@ def test_the_nonfinite_stop_names_the_ranks_under_torchrun() -> None:
     assert "rank" not in nonfinite_stop(7, 3, 1, on)  # one process: nothing to name
 
 
-def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: Path) -> None:
+def sgd_step_change(trainer: Trainer, micro: list) -> list[torch.Tensor]:
+    """Minus the gradient one train_step applies, read as the weight change of plain SGD at lr 1 (the
+    first AdamW update is g / (|g| + eps), which turns rounding in a tiny gradient into a large change)."""
     from tformer.train.step import autocast_context, train_step
+
+    sgd = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    train_step(
+        trainer.model,
+        trainer.task.loss,
+        micro,
+        trainer.task.count_targets,
+        sgd,
+        torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0),
+        0.0,
+        autocast_context(trainer.device, "float32"),
+    )
+    return [b - p.detach() for p, b in zip(trainer.model.parameters(), before)]
+
+
+def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: Path) -> None:
+    """The loss is divided by the step's target count, not averaged per micro-batch: the first micro-batch
+    scores half its targets (the rest IGNORE_INDEX), so the two readings differ."""
+    from tformer.data.datasets import IGNORE_INDEX, collate_lm
 
     grads = []
     for accum, bs in ((1, 8), (2, 4)):
@@ -149,26 +180,34 @@ def test_gradient_accumulation_equals_the_big_batch(corpus_dir: Path, tmp_path: 
             model=small_config(corpus_dir).model.replace(dropout=0.0),
         )
         trainer = Trainer(cfg, tmp_path / f"g{accum}", make_task("lm"), progress=False)
-        big = trainer.task.train_ds
-        from tformer.data.datasets import collate_lm
-
-        micro = [collate_lm([big[i] for i in range(j * bs, (j + 1) * bs)]) for j in range(accum)]
-        # plain SGD at lr 1 so the weight change is minus the gradient the step applied (the first AdamW
-        # update is g / (|g| + eps), which turns rounding in a tiny gradient into a large change)
-        sgd = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        train_step(
-            trainer.model,
-            trainer.task.loss,
-            micro,
-            trainer.task.count_targets,
-            sgd,
-            torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0),
-            0.0,
-            autocast_context(trainer.device, "float32"),
-        )
-        grads.append([b - p.detach() for p, b in zip(trainer.model.parameters(), before)])
+        examples = [trainer.task.train_ds[i] for i in range(8)]
+        half = examples[0][1].shape[0] // 2
+        examples = [(x, y.clone().index_fill_(0, torch.arange(half), IGNORE_INDEX) if i < 4 else y) for i, (x, y) in enumerate(examples)]  # fmt: skip
+        micro = [collate_lm(examples[j * bs : (j + 1) * bs]) for j in range(accum)]
+        assert accum == 1 or trainer.task.count_targets(micro[0]) * 2 == trainer.task.count_targets(micro[1])
+        grads.append(sgd_step_change(trainer, micro))
     assert max(float(g.abs().max()) for g in grads[0]) > 1e-3  # gradients that the tolerance can see
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_moe_aux_loss_is_averaged_over_micro_batches(corpus_dir: Path, tmp_path: Path) -> None:
+    """A batch given as two equal micro-batches steps as the batch whole: each micro-batch's balance loss
+    equals the whole one's (the same routing fractions), so the step takes their mean, not their sum."""
+    from tformer import MoEConfig
+    from tformer.data.datasets import collate_lm
+
+    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.5, seq_aux_loss_coef=0.5)
+    grads = []
+    for accum in (1, 2):
+        model = small_config(corpus_dir).model.replace(dropout=0.0, moe=moe)
+        cfg = small_config(corpus_dir, batch_size=4 // accum, grad_accum=accum, model=model)
+        trainer = Trainer(cfg, tmp_path / f"m{accum}", make_task("lm"), progress=False)
+        half = [trainer.task.train_ds[i] for i in range(2)]
+        micro = [collate_lm(half + half)] if accum == 1 else [collate_lm(half), collate_lm(half)]
+        grads.append(sgd_step_change(trainer, micro))
+    router_grads = [g for g, (name, _) in zip(grads[0], trainer.model.named_parameters()) if "router" in name]
+    assert router_grads and max(float(g.abs().max()) for g in router_grads) > 1e-4
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
