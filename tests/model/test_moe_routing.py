@@ -169,6 +169,33 @@ def test_aux_loss_is_averaged_over_layers_never_pooled() -> None:
     assert not torch.allclose(moe_aux_loss(layers), 0.5 * pooled)
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("term", ["aux_loss_coef", "seq_aux_loss_coef", "device_loss_coef"])
+def test_a_layers_balance_loss_is_its_term_on_normalised_scores_per_sequence(
+    score_func: str, term: str
+) -> None:
+    """The layer feeds each balance term the router's scores normalised to sum 1 (sigmoid scores do not),
+    and the sequence-wise term the layer's B sequences (not the batch as one sequence)."""
+    torch.manual_seed(0)
+    coefs = {"aux_loss_coef": 0.0} | {term: 0.3}
+    cfg = moe_cfg(n_experts=4, top_k=2, score_func=score_func, n_devices=2, **coefs)
+    moe = MoE(cfg, 0).train()
+    x = torch.randn(2, 6, 16)
+    moe(x)
+    route = moe.router(x.view(-1, 16))
+    probs = route.scores / route.scores.sum(-1, keepdim=True)  # (N, E)
+    formulas = {
+        "aux_loss_coef": lambda p: load_balance_loss(p, route.idx),
+        "seq_aux_loss_coef": lambda p: seq_balance_loss(p, route.idx, 2),
+        "device_loss_coef": lambda p: device_balance_loss(p, route.idx, 2),
+    }
+    torch.testing.assert_close(moe.last_aux, 0.3 * formulas[term](probs))
+    if score_func == "sigmoid":  # unnormalised scores would give another value
+        assert not torch.isclose(formulas[term](probs), formulas[term](route.scores))
+    if term == "seq_aux_loss_coef":  # the two sequences route differently: one sequence of 12 differs
+        assert not torch.isclose(formulas[term](probs), seq_balance_loss(probs, route.idx, 1))
+
+
 def test_z_loss_of_a_layer() -> None:
     moe = MoE(moe_cfg(n_experts=4, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.3), 0).train()
     x = torch.randn(2, 5, 16)

@@ -58,6 +58,22 @@ def test_classifier_overfits_a_tiny_set(pooling: str) -> None:
     assert bool((model.eval()(ids, mask).argmax(-1) == labels).all())
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_the_head_reads_the_pooled_states(pooling: str) -> None:
+    """cls: the first token's encoder state; mean: the mean over the real tokens (padding left out)."""
+    torch.manual_seed(0)
+    model = build_model(tiny("encoder").replace(d_model=32, n_heads=2, d_ff=64, n_classes=3, pooling=pooling))
+    ids = torch.randint(4, 128, (3, 7))
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3, [True] * 2 + [False] * 5])
+    model.eval()
+    h = model.encoder(ids, mask)  # (B, T, D)
+    if pooling == "cls":
+        pooled = h[:, 0]
+    else:
+        pooled = torch.stack([h[i, : int(mask[i].sum())].mean(0) for i in range(3)])
+    torch.testing.assert_close(model(ids, mask), model.head(pooled))
+
+
 @pytest.fixture(scope="module")
 def trained_run(bbc_root: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cls") / "run"

@@ -42,6 +42,21 @@ def test_bleu_and_chrf_of_identical_text_are_100() -> None:
         score_translations(refs[:1], refs)
 
 
+def test_bleu_and_chrf_score_hypotheses_against_references_as_sacrebleu_does() -> None:
+    """Shorter hypotheses than references: swapping the two changes both scores, so the order is pinned."""
+    import sacrebleu
+
+    hyps = ["The old dog sees the cat.", "The teacher calls the horse."]
+    refs = ["The old dog sees the cat today in the garden.", "The young teacher calls the horse again!"]
+    scores = score_translations(hyps, refs)
+    assert scores.bleu == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+    assert scores.chrf == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    swapped = score_translations(refs, hyps)
+    assert abs(swapped.bleu - scores.bleu) > 1 and abs(swapped.chrf - scores.chrf) > 10
+    copied = copy_baseline(hyps, refs)  # the sources are the "translation"
+    assert copied.bleu == pytest.approx(scores.bleu, abs=1e-9)
+
+
 def test_chinese_references_are_scored_with_sacrebleus_zh_tokenizer() -> None:
     assert [bleu_tokenizer(d) for d in ("en-zh", "zh-en", "de-en", "en-fr")] == ["zh", "13a", "13a", "13a"]
     ref, hyp = ["点击此处打开宏管理器对话框。"], ["点击此处打开对话框。"]
@@ -282,6 +297,37 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
 
     text = format_result(result | {"sources_truncated": 3})  # what the text output says of the JSON's fields
     assert "| 3 sources longer than the run's max length, truncated\nsacrebleu signature: " in text
+
+
+def test_scores_pair_each_translation_with_its_own_reference(trained_run: Path) -> None:
+    """`tformer eval` and the training-time evaluation score translation i against reference i, and the
+    copy baseline the sources against the references (chrF tells a misalignment even near BLEU 0, as the
+    tiny model's is: the scores are compared exactly)."""
+    from tformer.tasks.translation import evaluate_run, load_translation_corpus
+    from tformer.train.config import TrainConfig
+
+    cfg = TrainConfig.load(trained_run / "config.json")
+    pairs = list(load_translation_corpus(cfg.data)["val"])
+    srcs, refs = [p.src for p in pairs], [p.tgt for p in pairs]
+    result = evaluate_run(trained_run, split="val")
+    hyps = Path(result["translations"]).read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(refs) == result["sentences"]
+    mine = score_translations(hyps, refs)
+    assert (result["bleu"], result["chrf"]) == (mine.bleu, mine.chrf)
+    assert abs(score_translations(hyps, refs[::-1]).chrf - mine.chrf) > 1e-3  # the pairing shows (tiny model)
+    copied = score_translations(srcs, refs)
+    assert (result["copy_bleu"], result["copy_chrf"]) == (copied.bleu, copied.chrf)
+    Path(result["translations"]).unlink()
+
+    class Perfect:  # translates every validation source into its own reference
+        def translate(self, sources, search_cfg, warn=True):
+            return [dict(zip(srcs, refs))[s] for s in sources]
+
+    trainer = Trainer(cfg, trained_run, make_task("translation"), resume=True, progress=False)
+    trainer.task.translator = lambda model: Perfect()
+    during = trainer.task.evaluate(trainer.model, None, "val")
+    assert during["bleu"] == pytest.approx(100.0) and during["chrf"] == pytest.approx(100.0)
+    trainer.close()
 
 
 def test_bad_input_gives_one_line_errors(trained_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from tformer import ModelConfig, MoEConfig, build_model
 from tformer.train.config import OptimConfig
-from tformer.train.optim import lr_factor, param_groups
+from tformer.train.optim import lr_factor, make_optimizer, param_groups
 
 
 def test_biases_norms_and_embeddings_do_not_decay_even_stacked_expert_biases():
@@ -24,6 +24,18 @@ def test_biases_norms_and_embeddings_do_not_decay_even_stacked_expert_biases():
     assert all(not (n.endswith("bias") or "norm" in n or "embed" in n) for n in decayed), decayed
     assert "blocks.1.ffn.experts.up_proj" in decayed and "blocks.0.ffn.up_proj.weight" in decayed
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
+
+
+def test_the_optimizer_decays_the_matrices_alone_at_the_configured_rate():
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8, bias=True)
+    model = build_model(cfg)
+    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.25))
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_decay = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+    assert sorted(by_decay) == [0.0, 0.25] and by_decay[0.25] and by_decay[0.0]
+    assert by_decay[0.25] == {n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+    assert "tok_embed.weight" in by_decay[0.0] and "blocks.0.attn.q_proj.bias" in by_decay[0.0]
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)
 
 
 @pytest.mark.parametrize("warmup", [0, 3])
