@@ -61,6 +61,22 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(
 def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatch) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("to be")
+    greedy = [
+        "generate",
+        "--run",
+        str(trained_run),
+        "--prompt",
+        "to be",
+        "--max-new-tokens",
+        "30",
+        "--greedy",
+    ]
+    assert main(greedy) == 0
+    new = capsys.readouterr().out[len("to be") : -1]
+    stop = new[len(new) // 2 : len(new) // 2 + 2]  # two characters from the middle of the continuation
+    for stream in ([], ["--no-stream"]):  # streamed or printed at the end, the output ends before it
+        assert main([*greedy, "--stop", stop, *stream]) == 0
+        assert capsys.readouterr().out == "to be" + new[: new.find(stop)] + "\n", (stop, stream)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n\nthe question\n")
 

@@ -44,6 +44,34 @@ def test_an_unfinished_character_at_the_end_is_written_by_finish():
     assert out.getvalue() == tok.decode(ids)
 
 
+def test_streaming_with_stop_strings_never_writes_a_stop_string_or_what_follows():
+    tok = Tokenizer.train_bpe([TEXT * 3] * 5, 300, min_frequency=1000)  # one token per byte
+    text = "one ENDLESS two END three"
+    ids = tok.encode(text)
+    out = io.StringIO()
+    stream, seen = TextStream(tok.decode, out, ("END", "\n\n")), []
+    for t in ids:
+        stream.add(t)
+        seen.append(out.getvalue())
+    stream.finish()
+    assert out.getvalue() == "one "  # "ENDLESS" holds the stop string too
+    assert "one " in seen[: len("one ") + 1]  # written as it came, before the stop string began
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    held = io.StringIO()  # a tail that could begin a stop string waits, and is written once it cannot
+    stream = TextStream(tok.decode, held, ("END",))
+    for t in tok.encode("go EN"):
+        stream.add(t)
+    assert held.getvalue() == "go "
+    for t in tok.encode("ds"):
+        stream.add(t)
+    assert held.getvalue() == "go ENds"
+    stream.add(tok.encode(" E")[0])
+    stream.add(tok.encode(" E")[1])
+    assert held.getvalue() == "go ENds "
+    stream.finish()  # the run ended without the stop string: the held tail is written
+    assert held.getvalue() == "go ENds E"
+
+
 def test_stop_strings_on_the_command_line_read_backslash_n_as_a_newline():
     from tformer.cli.main import _generate_args
 

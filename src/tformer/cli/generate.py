@@ -90,10 +90,11 @@ def _named(message: str, names: list[str]) -> str:
 class TextStream:
     """Writes generated text as its tokens arrive. A character whose UTF-8 bytes span several byte-level
     tokens decodes to U+FFFD until its last byte arrives, so text ending in U+FFFD waits for the next
-    token (`finish` writes whatever is left)."""
+    token (`finish` writes whatever is left). With stop strings, text that could be the start of one
+    waits until it is known not to be, and nothing from a stop string on is written."""
 
-    def __init__(self, decode, out) -> None:
-        self.decode, self.out = decode, out
+    def __init__(self, decode, out, stops: tuple[str, ...] = ()) -> None:
+        self.decode, self.out, self.stops = decode, out, stops
         self.tokens: list[int] = []
         self.written = 0  # characters of decode(tokens) already written
 
@@ -108,9 +109,16 @@ class TextStream:
         text = self.decode(self.tokens)
         if text.endswith("\ufffd") and not final:
             return
-        self.out.write(text[self.written :])
-        self.out.flush()
-        self.written = len(text)
+        end = len(text)
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            end = cut
+        elif not final:  # hold back a tail that a stop string may still complete
+            end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if end > self.written:
+            self.out.write(text[self.written : end])
+            self.out.flush()
+            self.written = end
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(encoded[i])} tokens are used",
                 file=sys.stderr,
             )
-    stream = args.stream and len(prompts) == 1 and not sampling.stop_strings
-    streamed = TextStream(tok.decode, sys.stdout)
+    stream = args.stream and len(prompts) == 1
+    streamed = TextStream(tok.decode, sys.stdout, sampling.stop_strings)
 
     def on_step(ids) -> None:
         if int(ids[0]) >= 0 and int(ids[0]) != tok.eos_id:

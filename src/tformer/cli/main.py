@@ -93,8 +93,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="stop string, repeatable; \\n stands for a newline (\\\\ for a backslash). Looked for in the new "
-        "text only; "
-        "the text is printed once, cut before it (no streaming)",
+        "text only; the output ends before it (streamed text that may begin one waits until it does not)",
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed; default: 0")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
