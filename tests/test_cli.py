@@ -453,8 +453,11 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
     assert (
         main(["generate", "--run", str(out), "--prompt", "to be", "--max-new-tokens", "4", "--greedy"]) == 0
     )
+    capsys.readouterr()
     assert main(["eval", "--run", str(out), "--json"]) == 0
-    assert "perplexity" in capsys.readouterr().out
+    result = json.loads(capsys.readouterr().out)
+    assert result["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
+    assert result["bits_per_token"] == pytest.approx(result["eval_loss"] / math.log(2))
 
 
 def test_a_safetensors_run_resumed_with_dcp_saves_continues_exactly(
