@@ -64,6 +64,14 @@ def test_constant_schedule_and_cosine_midpoint():
     ]  # fmt: skip
     cfg = OptimConfig(schedule="cosine", warmup_steps=0, min_lr_ratio=0.0)
     assert lr_factor(5, 11, cfg) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    # the cosine's shape, not only its midpoint (a linear decay also passes 0.5 there): a quarter and
+    # three quarters of the way, with a floor of 0.1, after 3 warm-up steps
+    cfg = OptimConfig(schedule="cosine", warmup_steps=3, min_lr_ratio=0.1)
+    total = 3 + 8  # the decay spans steps 3..10: progress (step - 2) / 8
+    for step, progress in ((4, 0.25), (8, 0.75), (3, 1 / 8)):
+        want = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        assert lr_factor(step, total, cfg) == pytest.approx(want, rel=1e-12), step
+    assert lr_factor(3, total, cfg) < 1.0  # the first step after warm-up already decays
 
 
 def test_a_skipped_step_leaves_no_expert_counts_for_the_next_bias_update():

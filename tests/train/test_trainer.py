@@ -319,6 +319,27 @@ def test_clipping_bounds_the_norm_the_optimizer_sees(corpus_dir: Path, tmp_path:
     assert seen[1] <= max_norm + 1e-6 and seen[1] == pytest.approx(max_norm, rel=1e-4)
 
 
+def test_the_trainer_clips_at_the_configured_norm(corpus_dir: Path, tmp_path: Path) -> None:
+    for clip in (1e-3, 0.0):  # 0: no clipping, the raw norm (well above 1e-3 at the first step)
+        cfg = small_config(corpus_dir, steps=1, save_every=1, optim=OptimConfig(grad_clip=clip, fused=False))
+        trainer = Trainer(cfg, tmp_path / f"clip{clip}", make_task("lm"), progress=False)
+        seen, step = [], trainer.optimizer.step
+
+        def spy(*args, _step=step, _opt=trainer.optimizer, seen=seen, **kwargs):
+            grads = [p.grad for g in _opt.param_groups for p in g["params"] if p.grad is not None]
+            seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = spy
+        trainer.fit()
+        logged = [
+            json.loads(x) for x in (tmp_path / f"clip{clip}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        norm = next(r["grad_norm"] for r in logged if r["kind"] == "train")  # before clipping
+        assert len(seen) == 1 and norm > 0.01
+        assert seen[0] == pytest.approx(clip if clip else norm, rel=1e-4)
+
+
 def test_batch_with_every_target_ignored_has_zero_loss(corpus_dir: Path, tmp_path: Path) -> None:
     from tformer.data.datasets import IGNORE_INDEX
 
@@ -332,10 +353,13 @@ def test_batch_with_every_target_ignored_has_zero_loss(corpus_dir: Path, tmp_pat
 
 def test_a_loss_spike_is_logged_and_training_goes_on(corpus_dir: Path, tmp_path: Path) -> None:
     class SpikeTask(NaNTask):
+        """x50 at step 24 and at step 5 (inside the 20-step warm-up: not flagged); NaN at step 12 (skipped,
+        left out of the running mean, which would otherwise be NaN and flag nothing again)."""
+
         def loss(self, model, batch):
             self.calls += 1
             loss, n = self.inner.loss(model, batch)
-            return (loss * 50 if self.calls == self.bad_from else loss), n
+            return (loss * 50 if self.calls in (5, self.bad_from) else loss * math.nan if self.calls == 12 else loss), n  # fmt: skip
 
     cfg = small_config(
         corpus_dir, steps=26, eval_every=26, save_every=26, optim=OptimConfig(lr=1e-4, fused=False)
@@ -346,7 +370,13 @@ def test_a_loss_spike_is_logged_and_training_goes_on(corpus_dir: Path, tmp_path:
     spikes = [r for r in records if r["kind"] == "spike"]
     assert [r["step"] for r in spikes] == [24], spikes
     assert spikes[0]["loss"] > 3 * spikes[0]["running_mean"] > 0
-    assert trainer.state.step == 26 and trainer.state.skipped_steps == 0
+    assert trainer.state.step == 26 and trainer.state.skipped_steps == 1
+    losses = [r["loss"] for r in records if r["kind"] == "train" and r["step"] < 24]  # logged every step
+    assert len(losses) == 23 and math.isnan(losses.pop(11))  # steps 1-23; 12 skipped
+    mean = losses[0]
+    for loss in losses[1:]:  # the EMA of the finite losses before the spike, decay 0.95
+        mean = 0.95 * mean + 0.05 * loss
+    assert spikes[0]["running_mean"] == pytest.approx(mean, rel=1e-9)
     off = Trainer(cfg.replace(spike_factor=0.0), tmp_path / "s0", SpikeTask(bad_from=24), progress=False)
     off.fit()
     assert not [x for x in (tmp_path / "s0" / "metrics.jsonl").read_text().splitlines() if '"spike"' in x]
