@@ -197,6 +197,12 @@ def test_flops_per_token_by_hand() -> None:
     assert flops_per_token(tiny(), 64) == 2 * matmul + 2 * 64 * 2 * 64 * 2
     assert flops_per_token(tiny(), 64, causal=True) == 2 * matmul + 64 * 2 * 64 * 2
     assert flops_per_token(make(tiny()), 64) == flops_per_token(tiny(), 64)
+    # grouped-query attention: k/v projections shrink to n_kv_heads x head_dim, the score and value
+    # products still run for every query head (d_model 64, 4 heads of 16, 1 kv head)
+    gqa = tiny().replace(n_kv_heads=1)
+    per_layer = 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128  # q, o; k, v; SwiGLU
+    matmul = 2 * per_layer + 128 * 64
+    assert flops_per_token(gqa, 64) == 2 * matmul + 2 * 64 * 2 * 64 * 2
     # an encoder-decoder: only the decoder's self-attention is causal (the encoder's and the
     # cross-attention had been halved too)
     ed = tiny("encoder_decoder")
