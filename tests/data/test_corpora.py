@@ -109,6 +109,14 @@ def test_text_single_file_splits_by_chunks(tmp_path):
         d.text for d in sorted((d for s in SPLITS for d in corpus[s]), key=lambda d: int(d.id[9:]))
     )
     assert text == "".join(f"line {i} café\n" for i in range(2000))  # decoded and rejoined exactly
+    # chunks of at least len / 50 characters (here 28,890 / 50 = 577), each but the last, cut at line ends
+    pieces = sorted((d for s in SPLITS for d in corpus[s]), key=lambda d: int(d.id[9:]))
+    assert all(len(d.text) >= len(text) // 50 and d.text.endswith("\n") for d in pieces[:-1])
+    assert 40 <= len(pieces) <= 50 and corpus.split_rule.startswith(f"chunks of >= {len(text) // 50} chars")
+    for lines, size in ((400, 256), (60000, 4096)):  # the chunk size is kept within [256, 4096]
+        (tmp_path / f"{lines}.txt").write_text("".join(f"line number {i:07d}\n" for i in range(lines)))
+        rule = C.load_text(tmp_path / f"{lines}.txt").split_rule
+        assert rule.startswith(f"chunks of >= {size} chars"), rule
     # a language model reads chunks that stay adjacent in a split as one document (one EOS after the
     # run, not one per chunk: one file is not ~50 documents)
     for split in SPLITS:

@@ -139,6 +139,29 @@ def test_bucketing_covers_every_sample_once_per_epoch(mode):
     assert spread(per_epoch[0]) < 0.5 * spread(random_batches)  # similar lengths share a batch
 
 
+def test_token_capped_batches_by_hand():
+    """Sorted within a pool, a batch takes items while (its longest length) x (its size) <= max_tokens."""
+
+    def cut(lengths, max_tokens):
+        return BucketBatchSampler(lengths, max_tokens=max_tokens, shuffle=False).epoch_batches(0)
+
+    assert cut([3, 3, 3, 3], 12) == [[0, 1, 2, 3]]  # exactly max_tokens fits
+    assert cut([3, 3, 3, 3, 3], 12) == [[0, 1, 2, 3], [4]]
+    assert cut([5, 1, 2, 9, 2], 6) == [[1, 2, 4], [0], [3]]  # 1, 2, 2 (3 x 2); 5; 9 alone, over the cap
+
+
+def test_the_batch_order_is_shuffled_not_sorted_by_length():
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 200, (100,), generator=gen).tolist()
+    batches = BucketBatchSampler(lengths, batch_size=4, pool_batches=100, seed=0).epoch_batches(0)
+    longest = [max(lengths[i] for i in b) for b in batches]
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
+    assert all(
+        max(lengths[i] for i in b) - min(lengths[i] for i in b) < 30 for b in batches
+    )  # one pool, sorted
+
+
 def test_bucket_loader_resumes():
     data = Ids(101)
 
