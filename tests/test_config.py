@@ -10,7 +10,7 @@ import torch
 
 from tformer import PRESETS, ConfigError, ModelConfig, MoEConfig, RopeConfig, get_preset
 from tformer.cli.options import parse_overrides
-from tformer.train.config import TrainConfig
+from tformer.train.config import OptimConfig, TrainConfig
 from tformer.train.presets import get_train_preset
 
 
@@ -43,11 +43,37 @@ def test_defaults_are_the_paper_layer() -> None:
             "ModelConfig.n_encoder_layers is for arch 'encoder_decoder' only (arch 'encoder' uses n_layers)",
         ),
         ({"arch": "decoder", "src_vocab_size": 300}, "(arch 'decoder' uses vocab_size); leave it null"),
+        ({"attn_dropout": 1.0}, "ModelConfig.attn_dropout must be in [0, 1), got 1.0"),
+        (
+            {"positions": "rope", "n_heads": 64, "rope": RopeConfig(fraction=0.625)},
+            "gives 5 rotated features of head_dim=8 (d_model=512 / n_heads=64); must be an even number >= 2",
+        ),
     ],
 )
 def test_bad_values_name_the_field(changes: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
         ModelConfig(**changes)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "changes", "needle"),
+    [
+        (RopeConfig, {"factor": 2.0}, "RopeConfig.factor must be 1.0 when scaling is 'none', got 2.0"),
+        (RopeConfig, {"scaling": "linear", "factor": 0.5}, "RopeConfig.factor must be >= 1, got 0.5"),
+        (RopeConfig, {"fraction": 1.5}, "RopeConfig.fraction must be in (0, 1], got 1.5"),
+        (
+            RopeConfig,
+            {"scaling": "yarn", "factor": 4.0, "yarn_beta_fast": 1.0, "yarn_beta_slow": 32.0},
+            "RopeConfig.yarn_beta_fast must be > yarn_beta_slow > 0",
+        ),
+        (OptimConfig, {"min_lr_ratio": 1.5}, "OptimConfig.min_lr_ratio must be in [0, 1], got 1.5"),
+        (OptimConfig, {"decay_frac": 0.0}, "OptimConfig.decay_frac must be in (0, 1], got 0.0"),
+    ],
+)
+def test_bad_rope_and_optimizer_values_name_the_field(cls, changes: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        cls(**changes)
     assert needle in str(err.value)
 
 
