@@ -347,3 +347,46 @@ def test_a_failed_overwrite_gives_the_finished_study_back(tmp_path, capsys):
     ]  # fmt: skip
     assert all((study / n).read_text() == "old" for n in ("setting.json", "report.md", "tokenizer.json"))
     assert [p.name for p in (study / "arms").iterdir()] == ["a"]
+
+
+def moe_grid(final: dict, max_vio: dict, no_shared_rise: float, disable_rise: dict) -> list:
+    """One seed of the MoE study's arms: final eval losses, held-out MaxVio, the no-shared ablation's
+    loss rise (DeepSeekMoE) and the loss rises when each token's top experts are disabled."""
+    arms = []
+    for name, loss in final.items():
+        records = [{"kind": "eval", "step": 10, "eval_loss": loss}]
+        if name in max_vio:
+            records.append({"kind": "routing_eval", "layers": {"blocks.0.ffn": {"max_vio": max_vio[name]}}})
+        if name == "deepseekmoe":
+            records.append({"kind": "no_shared", "base_loss": loss, "loss": loss + no_shared_rise})
+        for ratio in (0.25,):
+            if name in disable_rise:
+                rec = {
+                    "kind": "disable_top",
+                    "ratio": ratio,
+                    "base_loss": loss,
+                    "loss": loss + disable_rise[name],
+                }
+                records.append(rec | {"n_disabled": 1})
+        arms.append(ArmLog(name, 0, {"ffn": name}, {}, records))
+    return arms
+
+
+def test_moe_verdicts_follow_their_rules_both_ways():
+    from tformer.experiments import moe_report
+
+    s = moe.FULL.replace(seeds=1, disable_ratios=(0.25,))
+    final = {"dense": 3.0, "switch": 2.9, "gshard": 2.8, "deepseekmoe": 2.7, "deepseekmoe-noshared": 2.75,
+             "deepseekmoe-lossfree": 2.69}  # fmt: skip
+    vio = {"deepseekmoe": 0.7, "deepseekmoe-lossfree": 0.05, "gshard": 0.5}
+    holds = {v.claim: v.holds for v in moe_report.verdicts(moe_grid(final, vio, 0.3, {"gshard": 0.1, "deepseekmoe": 0.4}), s)}  # fmt: skip
+    assert all(h is True for h in holds.values()), holds
+    # each claim's numbers turned around
+    worse = final | {
+        "deepseekmoe": 2.85,
+        "deepseekmoe-lossfree": 2.9,
+    }  # above GShard and no-shared; loss-free costs
+    turned = moe_report.verdicts(moe_grid(worse, {"deepseekmoe": 0.05, "deepseekmoe-lossfree": 0.7}, -0.1, {"gshard": 0.4, "deepseekmoe": 0.1}), s)  # fmt: skip
+    holds = {v.claim: v.holds for v in turned}
+    assert holds.pop("MoE raises capacity at constant compute") is True  # all still below dense
+    assert all(h is False for h in holds.values()), holds
