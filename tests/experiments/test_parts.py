@@ -390,3 +390,36 @@ def test_moe_verdicts_follow_their_rules_both_ways():
     holds = {v.claim: v.holds for v in turned}
     assert holds.pop("MoE raises capacity at constant compute") is True  # all still below dense
     assert all(h is False for h in holds.values()), holds
+
+
+def test_rope_verdicts_follow_their_rules_both_ways():
+    """Per-position losses (3.0 inside the trained length L, the given value beyond it): each claim holds
+    on numbers that support it and fails on the same numbers turned around."""
+    from tformer.experiments import rope
+
+    s = rope.QUICK.replace(seeds=1, eval_factors=(1, 2))
+    L = s.seq_len
+
+    def grid(beyond: dict, inside: float = 3.0) -> dict:
+        return {(v, 0, n): [inside] * L + [loss] * (n - 1) * L for v, loss in beyond.items() for n in (1, 2)}
+
+    good = {
+        "sinusoidal": 6.0,
+        "rope": 5.0,
+        "rope+linear": 4.0,
+        "rope+ntk": 4.5,
+        "rope+yarn": 3.5,
+        "learned": 7.0,
+    }
+    holds = {v.claim: v.holds for v in rope.verdicts(grid(good), s)}
+    assert len(holds) == 5 and all(h is True for h in holds.values()), holds
+    bad = {
+        "sinusoidal": 4.0,
+        "rope": 5.0,
+        "rope+linear": 6.0,
+        "rope+ntk": 5.5,
+        "rope+yarn": 7.0,
+        "learned": 2.0,
+    }
+    holds = {v.claim: v.holds for v in rope.verdicts(grid(bad), s)}
+    assert all(h is False for h in holds.values()), holds
