@@ -423,3 +423,23 @@ def test_rope_verdicts_follow_their_rules_both_ways():
     }
     holds = {v.claim: v.holds for v in rope.verdicts(grid(bad), s)}
     assert all(h is False for h in holds.values()), holds
+
+
+def test_norm_gradient_verdicts_follow_their_rules_both_ways():
+    """The init-gradient and gradient-steadiness claims on synthetic arms: Post-Norm's last/first block
+    gradient 2.0 vs Pre-Norm's 0.5, and steady vs jumpy gradient norms after warm-up, then turned around."""
+    s = norm.NormSetting(depths=(2,), seeds=1, steps=8, warmup_steps=2)
+    finals = {(p, w): 3.0 for p in ("post", "pre") for w in (True, False)}
+    claims = ("At initialisation Post-Norm's gradients grow toward the output layer; Pre-Norm's do not",
+              "Pre-Norm's gradients are steadier during training")  # fmt: skip
+    for turned in (False, True):
+        arms = norm_grid(finals, 4.0, steps=8)
+        for arm in arms:
+            jumpy = (arm.tags["placement"] == "post") != turned
+            for r in arm.records:
+                if r["kind"] == "train":
+                    r["grad_norm"] = (1.0 if r["step"] % 2 else 3.0) if jumpy else 2.0
+                if r["kind"] == "init_grads" and turned:
+                    r["layer_grad_norms"]["blocks.1"] = 0.5 if arm.tags["placement"] == "post" else 2.0
+        holds = {v.claim: v.holds for v in norm.verdicts(arms, s)}
+        assert [holds[c] for c in claims] == [not turned] * 2, holds
