@@ -352,6 +352,26 @@ def test_bench_reports_speed(capsys) -> None:
     assert (result["device"], result["dtype"], result["batch"]) == ("cpu", "float32", [2, 16])
 
 
+def test_bench_mfu_is_three_forward_flops_per_token_over_the_measured_matmul_rate(
+    capsys, monkeypatch
+) -> None:
+    """Every timed call made to take 0.5 s: the MFU is then fixed by the FLOP counts alone."""
+    from tformer.cli import bench
+    from tformer.model.stats import flops_per_token
+    from tformer.train.presets import get_train_preset
+
+    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device: (fn(), (0.5, 0.5))[1])
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--new-tokens", "2", "--batch-size", "2"]
+    assert main([*argv, "--seq-len", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    m, k, n = result["matmul_shape"]
+    peak = 20 * 2 * m * k * n / 0.5  # 20 products of (M, K) @ (K, N) in one timed call
+    assert result["matmul_peak_gflops"] == pytest.approx(peak / 1e9)
+    flops = 3 * flops_per_token(get_train_preset("tiny-lm").model, 16, causal=True) * 2 * 16  # fwd + bwd
+    assert result["train_mfu"] == pytest.approx(flops / 0.5 / peak, rel=1e-9)
+    assert result["train_tokens_per_s"] == pytest.approx(2 * 16 / 0.5)
+
+
 def test_bench_times_compiled_decoding_when_asked(capsys, monkeypatch) -> None:
     """--compile-decoding times generate(compile=True) beside the eager decoding (its program run eagerly
     here, so the test does not compile; tests/generate/test_compiled_step.py compiles it)."""
