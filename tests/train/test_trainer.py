@@ -298,6 +298,12 @@ def test_bf16_autocast_tracks_float32(corpus_dir: Path, tmp_path: Path) -> None:
     assert curves["float32"] != curves["bfloat16"]
 
 
+def grad_norm(optimizer: torch.optim.Optimizer) -> float:
+    """The global norm of the gradients an optimizer is about to apply."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
 def test_clipping_bounds_the_norm_the_optimizer_sees(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, model=small_config(corpus_dir).model.replace(dropout=0.0))
     trainer = Trainer(cfg, tmp_path / "c", make_task("lm"), progress=False)
@@ -305,8 +311,7 @@ def test_clipping_bounds_the_norm_the_optimizer_sees(corpus_dir: Path, tmp_path:
 
     class Spy(torch.optim.SGD):
         def step(self, closure=None):
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            seen.append(grad_norm(self))
             return super().step(closure)
 
     spy = Spy(trainer.model.parameters(), lr=0.0)
@@ -326,8 +331,7 @@ def test_the_trainer_clips_at_the_configured_norm(corpus_dir: Path, tmp_path: Pa
         seen, step = [], trainer.optimizer.step
 
         def spy(*args, _step=step, _opt=trainer.optimizer, seen=seen, **kwargs):
-            grads = [p.grad for g in _opt.param_groups for p in g["params"] if p.grad is not None]
-            seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            seen.append(grad_norm(_opt))
             return _step(*args, **kwargs)
 
         trainer.optimizer.step = spy

@@ -109,11 +109,8 @@ class TextStream:
         text = self.decode(self.tokens)
         if text.endswith("\ufffd") and not final:
             return
-        end = len(text)
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-        if cut >= 0:
-            end = cut
-        elif not final:  # hold back a tail that a stop string may still complete
+        end = len(truncate_at_stop(text, self.stops))
+        if end == len(text) and not final:  # no stop string yet: hold back a tail that may begin one
             end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         if end > self.written:
             self.out.write(text[self.written : end])
