@@ -64,6 +64,7 @@ def test_generate_and_eval_read_a_dcp_run(trained_run: Path, tmp_path: Path, cap
     direct = load_run(out)
     assert (direct.checkpoint / ".metadata").is_file() and direct.step == 2
     exported = load_run(export_single_process(direct.checkpoint, tmp_path / "exported"))
+    assert not direct.model.training and not exported.model.training  # ready to run: dropout off
     for (name, a), b in zip(direct.model.state_dict().items(), exported.model.state_dict().values()):
         assert torch.equal(a, b), name
     capsys.readouterr()

@@ -285,3 +285,67 @@ def test_a_relative_data_path_is_recorded_absolute(corpus_dir: Path, tmp_path: P
     assert load_run(tmp_path / "r").train_config.data.corpus == saved
     longer = TrainConfig.load(tmp_path / "r" / "config.json").replace(steps=3)
     assert Trainer(longer, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()["step"] == 3
+
+
+def test_what_a_resume_may_change(corpus_dir: Path, tmp_path: Path) -> None:
+    """Cadence and retention may change; the seed (it drew the steps so far: dropout, batch order) and what
+    the data is may not; where a user corpus lives may (a moved folder, the same kind)."""
+    from tformer.train.checkpoint import CheckpointError, checkpoint_meta
+    from tformer.train.resume import check_resume_config
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    ckpt = latest_checkpoint(tmp_path / "r")
+    meta = checkpoint_meta(ckpt)
+    cadence = cfg.replace(steps=9, eval_every=3, save_every=3, keep_last=5, log_every=5, max_nonfinite=7)
+    check_resume_config(cadence, meta, ckpt, model=False)
+    moved = cfg.data.replace(corpus=f"text:{tmp_path / 'moved'}")
+    check_resume_config(cfg.replace(data=moved), meta, ckpt, model=False)
+    for changed, needle in (
+        (cfg.replace(seed=cfg.seed + 1), rf"seed: {cfg.seed} in the checkpoint, {cfg.seed + 1} now"),
+        (cfg.replace(data=cfg.data.replace(corpus=f"pairs:{corpus_dir}")), r"data.corpus: 'text:.*'pairs:"),
+    ):
+        with pytest.raises(CheckpointError, match=needle):
+            check_resume_config(changed, meta, ckpt, model=False)
+
+
+def test_a_missing_tokenizer_is_restored_not_retrained(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The vocabulary of a resumed run is the checkpoint's, written back byte for byte (a new one trained
+    on the data as it is now could differ)."""
+    from tformer.train.checkpoint import checkpoint_meta
+
+    cfg = small_config(corpus_dir, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    (tmp_path / "r" / "tokenizer.json").unlink()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a resumed run trained a new tokenizer")
+
+    monkeypatch.setattr("tformer.tasks.lm.train_tokenizer", no_training)
+    with pytest.warns(UserWarning, match="tokenizer.json was missing: restored"):
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()
+    saved = checkpoint_meta(latest_checkpoint(tmp_path / "r"))["tokenizer"]
+    assert (tmp_path / "r" / "tokenizer.json").read_text(encoding="utf-8") == saved
+
+
+def test_a_write_that_dies_while_metrics_are_rewound_keeps_the_old_records(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A resume rewinds metrics.jsonl to its step through a temporary file: a crash in that write leaves
+    the records as they were."""
+    from tformer.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6)]
+    path.write_text("".join(lines))
+
+    def dies(self, data, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", dies)
+    with pytest.raises(OSError, match="disk full"):
+        MetricsLog(tmp_path, tensorboard=False).truncate_after(3)
+    monkeypatch.undo()
+    assert path.read_text() == "".join(lines)
