@@ -44,6 +44,12 @@ def test_defaults_are_the_paper_layer() -> None:
         ),
         ({"arch": "decoder", "src_vocab_size": 300}, "(arch 'decoder' uses vocab_size); leave it null"),
         ({"attn_dropout": 1.0}, "ModelConfig.attn_dropout must be in [0, 1), got 1.0"),
+        ({"dropout": 1.0}, "ModelConfig.dropout must be in [0, 1), got 1.0"),
+        ({"d_model": True}, "ModelConfig.d_model must be int, got True"),  # a bool is no count
+        (  # one shared embedding cannot have two vocabulary sizes
+            {"arch": "encoder_decoder", "share_embeddings": True, "src_vocab_size": 300},
+            "ModelConfig.src_vocab_size must equal vocab_size=32000 when share_embeddings is true, got 300",
+        ),
         (
             {"positions": "rope", "n_heads": 64, "rope": RopeConfig(fraction=0.625)},
             "gives 5 rotated features of head_dim=8 (d_model=512 / n_heads=64); must be an even number >= 2",
@@ -65,6 +71,12 @@ def test_bad_values_name_the_field(changes: dict, needle: str) -> None:
         (
             RopeConfig,
             {"scaling": "yarn", "factor": 4.0, "yarn_beta_fast": 1.0, "yarn_beta_slow": 32.0},
+            "RopeConfig.yarn_beta_fast must be > yarn_beta_slow > 0",
+        ),
+        (RopeConfig, {"theta": 1.0}, "RopeConfig.theta must be > 1, got 1.0"),  # every angle 0
+        (
+            RopeConfig,
+            {"scaling": "yarn", "factor": 4.0, "yarn_beta_fast": 8.0, "yarn_beta_slow": 8.0},
             "RopeConfig.yarn_beta_fast must be > yarn_beta_slow > 0",
         ),
         (OptimConfig, {"min_lr_ratio": 1.5}, "OptimConfig.min_lr_ratio must be in [0, 1], got 1.5"),
@@ -453,3 +465,39 @@ def test_an_override_into_an_unknown_or_plain_key_names_it_and_lists_the_allowed
         TrainConfig().with_overrides({"model.moe.foo.bar": 1})  # a null section: its class's fields
     moe = TrainConfig().with_overrides({"model.moe.top_k": 1})  # a null section is filled in, not refused
     assert moe.model.moe.top_k == 1
+
+
+def test_a_yml_config_file_reads_as_yaml(tmp_path) -> None:
+    path = tmp_path / "run.yml"
+    path.write_text("steps: 7\nmodel:\n  d_model: 64\n  n_heads: 4\n")
+    cfg = TrainConfig.load(path)
+    assert cfg.steps == 7 and cfg.model.d_model == 64
+
+
+def test_set_values_keep_what_follows_the_first_equals_sign_and_an_empty_one_is_null() -> None:
+    assert parse_overrides(["data.corpus=text:a=b.txt", "model.moe=", " steps = 5"]) == {
+        "data.corpus": "text:a=b.txt",
+        "model.moe": None,
+        "steps": 5,
+    }
+
+
+def test_preset_and_config_together_are_refused(tmp_path, capsys) -> None:
+    from tformer.cli.main import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\n")
+    argv = [
+        "train",
+        "--preset",
+        "tiny-lm",
+        "--config",
+        str(path),
+        "--out",
+        str(tmp_path / "r"),
+        "--no-progress",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "give either --preset or --config, not both" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()

@@ -178,3 +178,54 @@ def test_long_runs_without_spaces_train_in_pieces(monkeypatch):
     monkeypatch.setattr(T, "_pieces", lambda texts: iter(texts))
     _, uncut = train([spaces, *normal], 600)
     assert uncut > 2 * cut, (uncut, cut)
+
+
+def test_the_size_and_frequency_limits_hold_at_their_edges():
+    """260 (256 bytes + 4 specials) is the smallest vocabulary, 259 is refused; min_frequency 0 trains."""
+    texts = ["some text to learn from"] * 10
+    assert Tokenizer.train_bpe(texts, 260).vocab_size == 260
+    with pytest.raises(ValueError, match="vocab_size 259 < 256 bytes"):
+        Tokenizer.train_bpe(texts, 259)
+    assert (
+        Tokenizer.train_bpe(texts, 280, min_frequency=0).decode(Tokenizer.train_bpe(texts, 280).encode("x"))
+        == "x"
+    )
+    from tformer.data.tokenizer import MAX_BPE_VOCAB
+
+    with pytest.raises(ValueError, match="is above the"):
+        Tokenizer.train_bpe(texts, MAX_BPE_VOCAB + 1)
+
+
+def test_ids_stop_at_the_vocabulary_size_in_every_decode():
+    tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
+    last = tok.vocab_size - 1
+    tok.decode([last])
+    for call in (lambda: tok.decode([tok.vocab_size]), lambda: tok.decode_batch([[5], [tok.vocab_size]])):
+        with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is outside"):
+            call()
+
+
+def test_decode_batch_keeps_special_tokens_when_asked():
+    tok = Tokenizer.train_bpe(["some text to learn from"] * 10, 270)
+    rows = tok.encode_batch(["some", "text"], add_bos=True, add_eos=True)
+    assert tok.decode_batch(rows, skip_special=False) == ["<bos>some<eos>", "<bos>text<eos>"]
+    assert tok.decode_batch(rows) == ["some", "text"]
+    with pytest.raises(TypeError, match="add_eos must be True or False, got 2"):
+        tok.encode_batch(["a"], add_eos=2)  # would add two EOS tokens
+
+
+def test_a_tokenizer_file_whose_special_tokens_sit_elsewhere_is_refused(tmp_path):
+    """pad / bos / eos / unk must be ids 0..3: a file that puts them elsewhere would make the model's
+    padding and stopping ids ordinary tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.add_tokens(["a", "b"])  # ordinary tokens take ids 0 and 1
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    (tmp_path / "shifted.json").write_text(backend.to_str())
+    with pytest.raises(
+        ValueError, match=r"4 special tokens with ids 0..3 in the order \(pad, bos, eos, unk\)"
+    ):
+        Tokenizer.load(tmp_path / "shifted.json")

@@ -34,6 +34,8 @@ CONFIGS = {
         norm="layernorm_nobias", positions="learned", ffn="gelu"
     ),
     "no_positions": tiny().replace(positions="none"),
+    "rope_embed_scale": BASE.replace(embed_scale=True),  # the embedding scaled, RoPE in attention
+    "no_positions_embed_scale": tiny().replace(positions="none", embed_scale=True),
     "deepseek_moe": BASE.replace(
         moe=MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")
     ),
@@ -195,6 +197,11 @@ def _hooked(model: nn.Module) -> str:
     return "forward hooks"
 
 
+def _pre_hooked(model: nn.Module) -> str:
+    model.blocks[1].attn.register_forward_pre_hook(lambda module, args: (args[0] * 2, *args[1:]))
+    return "forward hooks"
+
+
 def _replaced_forward(model: nn.Module) -> str:
     block = model.blocks[0]
     block.forward = lambda *args: type(block).forward(block, *args) * 0.5
@@ -213,7 +220,7 @@ def _quantized(model: nn.Module) -> nn.Module:
     return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
-@pytest.mark.parametrize("change", [_hooked, _replaced_forward, _subclassed_linear])
+@pytest.mark.parametrize("change", [_hooked, _pre_hooked, _replaced_forward, _subclassed_linear])
 def test_models_changed_by_the_user_decode_through_their_modules(change) -> None:
     """Hooks, a forward set on an instance, a subclass of nn.Linear: the step would skip them."""
     model = make("llama_mha")
@@ -367,3 +374,18 @@ def test_seq2seq_step_needs_a_started_cache() -> None:
         step = Seq2SeqDecodeStep.build(model)
         with pytest.raises(ValueError, match="first decoding step runs through model.decode"):
             step(torch.full((3,), BOS), model.encode(src, src_mask), model.new_cache(8))
+
+
+def test_seq2seq_step_refuses_the_memory_of_another_source() -> None:
+    """Stale cross-attention K/V would decode the new source against the old one's keys."""
+    model = seq2seq("paper_like")
+    src, src_mask = sources()
+    other = torch.flip(src, dims=[1])
+    with torch.inference_mode():
+        cache = model.new_cache(8)
+        model.decode(torch.full((3, 1), BOS), model.encode(src, src_mask), cache=cache)
+        step = Seq2SeqDecodeStep.build(model)
+        with pytest.raises(
+            ValueError, match="holds the cross-attention keys/values of another encoder memory"
+        ):
+            step(torch.full((3,), BOS), model.encode(other, src_mask), cache)

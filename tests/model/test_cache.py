@@ -3,6 +3,7 @@ filled slots, over fan-out, permutations with repeats, shrinking rows and many s
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tformer.model.cache import KVCache
@@ -69,3 +70,23 @@ def test_a_cache_filled_in_another_dtype_is_refused_before_anything_is_written()
         step = model(ids[:, 5:], cache=cache)[:, -1]
         full = model(ids)[:, -1]
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_forgets_the_slots_from_its_length_and_never_reveals_unwritten_ones() -> None:
+    """A prefilled prompt reused: truncate(n) keeps the first n slots; a length beyond what is filled keeps
+    what is filled (the empty slots behind it hold no keys yet); the next update writes at the kept end."""
+    torch.manual_seed(0)
+    cache = KVCache(2, 10)
+    k, v = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3)
+    for layer in range(2):
+        cache.update(layer, k, v)
+    cache.truncate(9)
+    assert cache.lengths == [4, 4]
+    cache.truncate(2)
+    assert cache.lengths == [2, 2]
+    k2, v2 = torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3)
+    keys, values = cache.update(0, k2, v2)
+    assert torch.equal(keys, torch.cat([k[:, :, :2], k2], dim=2))
+    assert torch.equal(values, torch.cat([v[:, :, :2], v2], dim=2))
+    with pytest.raises(ValueError, match="KV cache holds 10 positions; cannot add 8 after 3"):
+        cache.update(0, torch.randn(1, 2, 8, 3), torch.randn(1, 2, 8, 3))
