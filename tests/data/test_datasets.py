@@ -73,8 +73,9 @@ def test_pad_sequences_mask():
 
 def test_seq2seq_filtering_and_collate():
     pairs = [([4, 5, EOS], [6, 7, 8]), ([4, EOS], [9]), ([4] * 9, [6]), ([4, EOS], []), ([4, EOS], [6] * 5)]
+    pairs += [([4, 4, 4, EOS], [6] * 4), ([], [6])]  # a target of max_tgt_len (BOS + 4 > 4), an empty source
     ds = Seq2SeqDataset(pairs, max_src_len=4, max_tgt_len=4)
-    assert ds.kept == [0, 1] and ds.n_filtered == 3 and len(ds) == 2
+    assert ds.kept == [0, 1] and ds.n_filtered == 5 and len(ds) == 2
     assert ds.lengths() == [4, 2]
     b = Seq2SeqCollator(PAD, BOS, EOS)([ds[0], ds[1]])
     assert b.src.tolist() == [[4, 5, EOS], [4, EOS, PAD]]
@@ -105,3 +106,5 @@ def test_classification_truncates_and_counts():
         ClassificationDataset([[4], []], [0, 1], max_len=3)
     with pytest.raises(ValueError, match="labels"):
         ClassificationDataset([[4]], [0, 1], max_len=3)
+    with pytest.raises(ValueError, match=r"labels must be class ids \(ints >= 0\): label 1 is -100"):
+        ClassificationDataset([[4], [5]], [0, -100], max_len=3)  # -100 would be ignored by the loss

@@ -181,3 +181,57 @@ def test_bucket_loader_resumes():
 def test_bucket_sampler_rejects_ambiguous_budget():
     with pytest.raises(ValueError, match="exactly one"):
         BucketBatchSampler([1, 2], batch_size=2, max_tokens=10)
+
+
+def test_drop_last_keeps_every_batch_when_the_count_divides():
+    lo = make_loader(Ids(9), 3, shuffle=False, collate_fn=ids, drop_last=True)
+    assert take(lo, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and len(lo) == 3
+
+
+def test_ranks_interleave_the_global_batches():
+    """Rank r takes global batches r, r + W, ...: the layout a resume at another world size rescales
+    ("W ranks at batch i used W * i batches")."""
+    whole = loader(n=16, batch_size=2).batch_sampler.epoch_batches(0)
+    for rank in (0, 1):
+        assert (
+            loader(n=16, batch_size=2, rank=rank, world_size=2).batch_sampler.epoch_batches(0)
+            == whole[rank::2]
+        )
+    for rank, world in ((2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match=f"rank {rank} outside world_size {world}"):
+            loader(rank=rank, world_size=world)
+
+
+def test_bucket_pools_change_with_the_epoch():
+    """Each epoch permutes the samples before pooling: batches hold other samples, not only another
+    order of the same batches."""
+    sampler = BucketBatchSampler(Ids(200).lengths(), batch_size=4, pool_batches=2, seed=0)
+    first, second = (sorted(map(sorted, sampler.epoch_batches(e))) for e in (0, 1))
+    assert first != second
+
+
+def test_a_loaded_seed_replaces_batches_computed_before_the_load():
+    fresh, saved = loader(seed=123), loader()
+    assert len(fresh) == 4  # computes (and caches) seed 123's epoch 0
+    fresh.load_state_dict(saved.state_dict())
+    assert take(fresh, 4) == take(saved, 4)
+
+
+def test_worker_seeds_follow_seed_and_epoch():
+    """Randomness inside worker processes is a function of (seed, epoch): a loader resumed at an epoch
+    boundary has its workers draw what the uninterrupted one's did. (Mid-epoch, a worker's stream restarts
+    at the epoch's seed, so such draws differ; tformer's datasets draw nothing in workers.)"""
+
+    class Draws(Ids):
+        def __getitem__(self, i: int):
+            return (i, torch.randint(0, 10**9, ()).item())
+
+    def make() -> ResumableLoader:
+        return make_loader(Draws(8), 2, seed=3, collate_fn=list, num_workers=1)
+
+    full = [list(b) for b in itertools.islice(make().batches(), 8)]
+    first = make()
+    head = [list(b) for b in itertools.islice(first.batches(), 4)]  # epoch 0's four batches
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [list(b) for b in itertools.islice(resumed.batches(), 4)] == full
