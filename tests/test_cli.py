@@ -209,6 +209,10 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
             ["experiment", "norm", "--report-only", "--steps", "5", "--out", "adir"],
             "--report-only rebuilds the report from the run's logs; --steps would change nothing",
         ),
+        (
+            ["experiment", "norm", "--report-only", "--overwrite", "--out", "adir"],
+            "--report-only rebuilds the report from the run's logs; --overwrite would change nothing",
+        ),
         (["train", "--lr", "3"], "allowed options: --config, --help"),
     ],
 )
@@ -435,6 +439,11 @@ def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path, monkeypa
     result = json.loads(out)
     assert result["data"] == str(long_text) and 0 < result["bits_per_char"] < 20 and err == ""
     assert result["windows_scored"] == result["windows"] > 1 and result["predictions"] > 0
+    from tformer.runs import load_run
+
+    text = long_text.read_text()  # every token of the text and its EOS over every character and the EOS
+    per_char = (len(load_run(trained_run).tokenizer.encode(text)) + 1) / (len(text) + 1)
+    assert result["bits_per_char"] == pytest.approx(result["eval_loss"] * per_char / math.log(2), rel=1e-9)
     # a sample (--max-batches) says so: it had printed the same line as the whole text's
     assert main(["eval", "--run", str(trained_run), "--text-file", str(long_text), "--max-batches", "1"]) == 0
     out = capsys.readouterr().out
@@ -567,3 +576,27 @@ def test_an_empty_out_and_a_stop_string_that_is_not_utf8_are_named(capsys) -> No
     args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "ab\udcff"])  # a byte not UTF-8
     with pytest.raises(ValueError, match="--stop is not valid UTF-8 text"):
         sampling_from_args(args)
+
+
+@pytest.mark.parametrize("stop, kept", [(KeyboardInterrupt, True), (ValueError("no data"), False)])
+def test_a_fresh_study_stopped_early_is_kept_for_resume_and_a_failed_one_removed(
+    stop, kept: bool, capsys, tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl-C in the first arm of a new study keeps its directory (--resume goes on); a failure there
+    (bad data, a batch that does not fit) leaves nothing behind."""
+    import importlib
+
+    from tformer.experiments import STUDIES
+
+    module = importlib.import_module(STUDIES["norm"])
+
+    def first_arm_stops(setting, out) -> None:
+        (Path(out) / "arms" / "first").mkdir(parents=True)
+        raise stop
+
+    monkeypatch.setattr(module, "run", first_arm_stops)
+    out = tmp_path / "study"
+    code = main(["experiment", "norm", "--quick", "--out", str(out)])
+    assert code == (130 if kept else 2)
+    assert out.is_dir() == kept
+    capsys.readouterr()

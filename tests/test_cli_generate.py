@@ -221,3 +221,25 @@ def test_min_new_tokens_reaches_generate_and_is_checked(trained_run: Path, capsy
     )
     assert main([*argv, "--min-new-tokens", "60"]) == 0  # 60 of the 61 left
     assert seen[-1].min_new_tokens == 60 and seen[-1].max_new_tokens == 61
+
+
+def test_sampling_defaults_and_prompts_file_escapes(tmp_path: Path) -> None:
+    """What `tformer generate --help` promises when no sampling option is given: temperature 0.8, top-k
+    50, top-p 1, seed 0, 200 new tokens (more when --min-new-tokens asks for more); a prompts file's lines
+    read \\n as a newline, as --prompt does."""
+    import argparse
+
+    from tformer.cli.generate import read_prompts, sampling_from_args
+
+    args = argparse.Namespace(
+        temperature=None, top_k=None, top_p=None, seed=None, repetition_penalty=1.0, max_new_tokens=None,
+        min_new_tokens=0, stop=[], greedy=False,
+    )  # fmt: skip
+    cfg = sampling_from_args(args)
+    assert (cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, cfg.max_new_tokens) == (0.8, 50, 1.0, 0, 200)
+    args.min_new_tokens = 300
+    assert sampling_from_args(args).max_new_tokens == 300
+    path = tmp_path / "prompts.txt"
+    path.write_text("to be\\nor not\nsay \\\\n\n")
+    prompts, _ = read_prompts(argparse.Namespace(prompts_file=str(path), prompt=None))
+    assert prompts == ["to be\nor not", "say \\n"]

@@ -275,6 +275,29 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 2
     assert "line 2 is longer than 32 tokens: truncated" in captured.err
+    sampled = {}  # --seed reaches the sampler: the same seed the same text, seeds differ somewhere
+    for seed in ("3", "3", "4", "5"):
+        assert (
+            main(
+                [
+                    "translate",
+                    "--run",
+                    run,
+                    "--sample",
+                    "--seed",
+                    seed,
+                    "--text",
+                    "Der alte Hund sieht die Katze.",
+                ]
+            )
+            == 0
+        )
+        sampled.setdefault(seed, []).append(capsys.readouterr().out)
+    assert sampled["3"][0] == sampled["3"][1] and len({sampled[k][0] for k in sampled}) > 1
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("Der Hund.\n")
+    assert main(["eval", "--run", run, "--text-file", str(text_file)]) == 2
+    assert "--text-file is for language-model runs; this is a translation run" in capsys.readouterr().err
     assert main(["eval", "--run", run, "--max-batches", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["sentences"] == 32 and 0 <= result["bleu"] <= 100 and result["copy_bleu"] >= 0
