@@ -96,8 +96,8 @@ def test_seq2seq_from_texts_adds_source_eos():
 
 
 def test_classification_truncates_and_counts():
-    ds = ClassificationDataset([[4, 5, 6, 7], [8], [9, 10]], [2, 0, 1], max_len=3)
-    assert ds.n_truncated == 1 and ds.lengths() == [3, 1, 2]
+    ds = ClassificationDataset([[4, 5, 6, 7], [8], [9, 10, 11]], [2, 0, 1], max_len=3)
+    assert ds.n_truncated == 1 and ds.lengths() == [3, 1, 3]  # exactly max_len is not truncated
     b = ClassificationCollator(PAD)([ds[0], ds[1]])
     assert b.ids.tolist() == [[4, 5, 6], [8, 0, 0]]
     assert b.mask.tolist() == [[True, True, True], [True, False, False]]
@@ -108,3 +108,8 @@ def test_classification_truncates_and_counts():
         ClassificationDataset([[4]], [0, 1], max_len=3)
     with pytest.raises(ValueError, match=r"labels must be class ids \(ints >= 0\): label 1 is -100"):
         ClassificationDataset([[4], [5]], [0, -100], max_len=3)  # -100 would be ignored by the loss
+
+
+def test_sizes_below_one_are_named():
+    with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
+        PackedLMDataset([[4, 5, 6]], seq_len=0, eos_id=EOS)

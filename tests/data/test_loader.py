@@ -181,6 +181,10 @@ def test_bucket_loader_resumes():
 def test_bucket_sampler_rejects_ambiguous_budget():
     with pytest.raises(ValueError, match="exactly one"):
         BucketBatchSampler([1, 2], batch_size=2, max_tokens=10)
+    with pytest.raises(ValueError, match="exactly one"):
+        BucketBatchSampler([1, 2])  # neither
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        make_loader(Ids(4), 0)
 
 
 def test_drop_last_keeps_every_batch_when_the_count_divides():
