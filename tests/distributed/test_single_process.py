@@ -413,3 +413,13 @@ def test_head_split_attention_dropout_drops_what_one_process_drops(n_kv_heads: i
             kernel(q[:, 2:], k[:, n_kv_heads // 2 :], v[:, n_kv_heads // 2 :], mask),
             fused.eval()(q, k, v, mask)[:, 2:],
         )
+
+
+def test_each_data_rank_draws_its_own_stream() -> None:
+    """Dropout and router jitter differ between data-parallel ranks (the same masks on every rank would
+    make data parallelism see one batch's noise W times); the same rank and seed give the same stream."""
+    from tformer.distributed.env import rank_seed
+
+    seeds = {rank_seed(0, rank) for rank in range(4)}
+    assert len(seeds) == 4 and rank_seed(0, 1) == rank_seed(0, 1) and rank_seed(1, 0) not in seeds
+    assert all(0 <= s < 2**63 for s in seeds)
