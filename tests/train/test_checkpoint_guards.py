@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.train.test_checkpoint import TinyLM, make, params, same, train_step
+from tests.train import test_checkpoint
+from tests.train.test_checkpoint import TinyLM, make, params, same
 from tformer.train import checkpoint as ckpt
 from tformer.train.checkpoint import (
     CheckpointError,
@@ -25,13 +26,7 @@ from tformer.train.checkpoint import (
     save_checkpoint,
 )
 
-
-@pytest.fixture
-def trained():
-    model, opt, sched = make()
-    for s in range(3):
-        train_step(model, opt, sched, s)
-    return model, opt, sched
+trained = test_checkpoint.trained  # the fixture: a TinyLM, its AdamW and schedule after 3 steps
 
 
 def untouched(model, opt):
