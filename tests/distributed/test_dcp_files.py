@@ -106,3 +106,16 @@ def test_the_single_process_format_is_refused_for_several_processes() -> None:
 
     with pytest.raises(CheckpointError, match="'safetensors' is the single-process format; use 'dcp'"):
         make_checkpointer(ParallelConfig(checkpoint="safetensors"), TwoRanks(), 0)
+
+
+def test_an_optimizer_over_other_parameters_is_refused_before_anything_loads(tmp_path) -> None:
+    model = moe_model()
+    optimizer, scheduler = trained(model)
+    path = DCPCheckpointer(Local(), seed=0).save(tmp_path, 1, model, optimizer, scheduler, {}, {}, None)
+    other = moe_model()
+    one_group = torch.optim.AdamW(list(other.parameters())[:-1], lr=1e-3)  # one parameter left out
+    sched2 = torch.optim.lr_scheduler.LambdaLR(one_group, lambda s: 1.0)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="optimizer parameter groups differ from the checkpoint's"):
+        DCPCheckpointer(Local(), seed=0).load(path, other, one_group, sched2)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
