@@ -83,6 +83,7 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "leaves no room for new tokens in the model's context of 64 tokens" in err
     assert "(or pass --truncate-prompt to keep a prompt's last tokens)" in err
+    assert "--max-new-tokens" not in err  # the default budget is not a number the user typed
     assert main(["generate", "--run", str(trained_run), "--prompt", "to", "--max-new-tokens", "500"]) == 2
     err = capsys.readouterr().err
     assert "+ --max-new-tokens 500 exceeds the model's context" in err and "lower --max-new-tokens to" in err
