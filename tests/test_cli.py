@@ -374,6 +374,15 @@ def test_bench_mfu_is_three_forward_flops_per_token_over_the_measured_matmul_rat
     flops = 3 * flops_per_token(get_train_preset("tiny-lm").model, 16, causal=True) * 2 * 16  # fwd + bwd
     assert result["train_mfu"] == pytest.approx(flops / 0.5 / peak, rel=1e-9)
     assert result["train_tokens_per_s"] == pytest.approx(2 * 16 / 0.5)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # --threads sets torch's thread count for the measurement, and the report says it
+        assert main([*argv, "--seq-len", "16", "--json", "--threads", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bench_times_compiled_decoding_when_asked(capsys, monkeypatch) -> None:
@@ -600,3 +609,9 @@ def test_a_fresh_study_stopped_early_is_kept_for_resume_and_a_failed_one_removed
     assert code == (130 if kept else 2)
     assert out.is_dir() == kept
     capsys.readouterr()
+    if kept:  # steps that exactly cover the warm-up and the study's measured steps after it are enough
+        after = module.STEPS_AFTER_WARMUP
+        argv = ["experiment", "norm", "--quick", "--steps", str(4 + after), "--warmup-steps", "4"]
+        assert main([*argv, "--out", str(tmp_path / "edge")]) == 130
+        assert main([*argv[:-1], "5", "--out", str(tmp_path / "over")]) == 2
+        assert f"--steps {4 + after} must cover --warmup-steps 5" in capsys.readouterr().err
