@@ -585,33 +585,3 @@ def test_an_empty_out_and_a_stop_string_that_is_not_utf8_are_named(capsys) -> No
     args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "ab\udcff"])  # a byte not UTF-8
     with pytest.raises(ValueError, match="--stop is not valid UTF-8 text"):
         sampling_from_args(args)
-
-
-@pytest.mark.parametrize("stop, kept", [(KeyboardInterrupt, True), (ValueError("no data"), False)])
-def test_a_fresh_study_stopped_early_is_kept_for_resume_and_a_failed_one_removed(
-    stop, kept: bool, capsys, tmp_path: Path, monkeypatch
-) -> None:
-    """Ctrl-C in the first arm of a new study keeps its directory (--resume goes on); a failure there
-    (bad data, a batch that does not fit) leaves nothing behind."""
-    import importlib
-
-    from tformer.experiments import STUDIES
-
-    module = importlib.import_module(STUDIES["norm"])
-
-    def first_arm_stops(setting, out) -> None:
-        (Path(out) / "arms" / "first").mkdir(parents=True)
-        raise stop
-
-    monkeypatch.setattr(module, "run", first_arm_stops)
-    out = tmp_path / "study"
-    code = main(["experiment", "norm", "--quick", "--out", str(out)])
-    assert code == (130 if kept else 2)
-    assert out.is_dir() == kept
-    capsys.readouterr()
-    if kept:  # steps that exactly cover the warm-up and the study's measured steps after it are enough
-        after = module.STEPS_AFTER_WARMUP
-        argv = ["experiment", "norm", "--quick", "--steps", str(4 + after), "--warmup-steps", "4"]
-        assert main([*argv, "--out", str(tmp_path / "edge")]) == 130
-        assert main([*argv[:-1], "5", "--out", str(tmp_path / "over")]) == 2
-        assert f"--steps {4 + after} must cover --warmup-steps 5" in capsys.readouterr().err
