@@ -585,3 +585,19 @@ def test_an_empty_out_and_a_stop_string_that_is_not_utf8_are_named(capsys) -> No
     args = parser.parse_args(["--run", "r", "--prompt", "p", "--stop", "ab\udcff"])  # a byte not UTF-8
     with pytest.raises(ValueError, match="--stop is not valid UTF-8 text"):
         sampling_from_args(args)
+
+
+def test_python_warnings_are_one_line_named_by_the_command(tmp_path: Path) -> None:
+    """A Python warning raised inside a command prints as `tformer <cmd>: warning: <message>`, without
+    the file, line and category Python's default format adds. In a separate process: pytest's own
+    warning capture would record the warning instead of printing it."""
+    argv = ["train", "--preset", "tiny-lm", "--out", str(tmp_path / "run")]
+    argv += ["--set", "model.n_encoder_layers=2", "--set", "model.d_model=-1"]  # the warning, then an error
+    code = f"import sys; from tformer.cli.main import main; sys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "tformer train: warning: TrainConfig.model: n_encoder_layers=2 dropped: arch 'decoder' has no "
+        "separate encoder (it uses n_layers and vocab_size)",
+        "tformer train: error: TrainConfig.model.d_model must be >= 1, got -1",
+    ]
