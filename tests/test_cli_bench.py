@@ -1,0 +1,110 @@
+"""`tformer bench`: training and decoding speed of a preset, its MFU, compiled decoding, and what it
+measures when asked for sizes the model does not hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tformer.cli.main import main
+
+
+def test_bench_reports_speed(capsys) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "tiny-lm",
+                "--repeats",
+                "1",
+                "--new-tokens",
+                "4",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["train_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["params_total"] == result["params_active"] > 0
+    assert (result["device"], result["dtype"], result["batch"]) == ("cpu", "float32", [2, 16])
+
+
+def test_bench_mfu_is_three_forward_flops_per_token_over_the_measured_matmul_rate(
+    capsys, monkeypatch
+) -> None:
+    """Every timed call made to take 0.5 s: the MFU is then fixed by the FLOP counts alone."""
+    from tformer.cli import bench
+    from tformer.model.stats import flops_per_token
+    from tformer.train.presets import get_train_preset
+
+    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device: (fn(), (0.5, 0.5))[1])
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--new-tokens", "2", "--batch-size", "2"]
+    assert main([*argv, "--seq-len", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    m, k, n = result["matmul_shape"]
+    peak = 20 * 2 * m * k * n / 0.5  # 20 products of (M, K) @ (K, N) in one timed call
+    assert result["matmul_peak_gflops"] == pytest.approx(peak / 1e9)
+    flops = 3 * flops_per_token(get_train_preset("tiny-lm").model, 16, causal=True) * 2 * 16  # fwd + bwd
+    assert result["train_mfu"] == pytest.approx(flops / 0.5 / peak, rel=1e-9)
+    assert result["train_tokens_per_s"] == pytest.approx(2 * 16 / 0.5)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # --threads sets torch's thread count for the measurement, and the report says it
+        assert main([*argv, "--seq-len", "16", "--json", "--threads", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bench_times_compiled_decoding_when_asked(capsys, monkeypatch) -> None:
+    """--compile-decoding times generate(compile=True) beside the eager decoding (its program run eagerly
+    here, so the test does not compile; tests/generate/test_compiled_step.py compiles it)."""
+    from tformer.model import compiled_step
+
+    calls: list[int] = []
+    eager = compiled_step.step_program
+    monkeypatch.setattr(
+        compiled_step, "compiled_step_program", lambda: lambda *a: calls.append(1) or eager(*a)
+    )
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "2", "--new-tokens", "4", "--seq-len", "16"]
+    assert main([*argv, "--batch-size", "1", "--json", "--compile-decoding"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decode_compiled_tokens_per_s"] > 0 and result["decode_compiled_first_call_s"] > 0
+    assert len(calls) == 3 * 3  # the first call, a warm-up, one timed call (repeats 2 // 2): 3 steps each
+    assert main([*argv, "--batch-size", "1", "--json"]) == 0
+    assert "decode_compiled_tokens_per_s" not in json.loads(capsys.readouterr().out)
+
+
+def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
+    """A --seq-len beyond model.max_seq_len is measured (training sizes the model to it, as here), not
+    cut to the context; --new-tokens that do not fit are an error; parallel.* is named as unused."""
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--batch-size", "1", "--json"]
+    assert main([*argv, "--seq-len", "80", "--new-tokens", "4", "--set", "parallel.data=fsdp"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["batch"] == [1, 80]
+    assert "warning: parallel.* is not used: bench measures one process" in err
+    assert main([*argv, "--new-tokens", "1000"]) == 2
+    assert "--new-tokens 1000 does not fit after the 8-token prompt in the context of 64 tokens" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--seq-len", "16"]) == 0  # the default: 64 tokens, or what fits (56 here)
+    assert json.loads(capsys.readouterr().out)["decode_new_tokens"] == 56
+    # the vocabulary training would build (data.vocab_size: its BPE), not ModelConfig's default of 32000
+    assert (
+        main([*argv, "--seq-len", "16", "--set", "data.vocab_size=300", "--set", "model.vocab_size=32000"])
+        == 0
+    )
+    small = json.loads(capsys.readouterr().out)["params_total"]
+    assert main([*argv, "--seq-len", "16", "--set", "data.vocab_size=600"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out)["params_total"] - small == 300 * 64
+    )  # the tied embedding / head
