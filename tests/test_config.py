@@ -384,6 +384,8 @@ def test_api_arguments_of_the_wrong_kind_are_type_errors(tmp_path) -> None:
         flops_per_token(tiny(), 32.0)
     with pytest.raises(ValueError, match="seq_len must be >= 1, got -5"):
         flops_per_token(tiny(), -5)
+    with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
+        flops_per_token(tiny(), 0)
     assert flops_per_token(tiny(), np.int64(32)) == flops_per_token(tiny(), 32)
 
 

@@ -191,6 +191,24 @@ def test_total_and_active_params() -> None:
     assert count_params(make(cfg)) == counts
 
 
+def test_active_params_round_the_routed_share_exactly() -> None:
+    """5 SwiGLU experts of width 8, top-4: the inactive part is exactly 1/5 of 5 * 3 * 64 * 8 = 7680, which
+    floating point puts at 1535.9999999999995."""
+    cfg = tiny().replace(moe=MoEConfig(n_experts=5, top_k=4, d_expert=8, first_dense=1))
+    experts = 5 * 3 * 64 * 8  # one MoE layer
+    counts = count_params(cfg)
+    assert counts["total"] - counts["active"] == experts * (5 - 4) // 5
+
+
+def test_total_params_count_tied_weights_once() -> None:
+    """tiny(): a 128 x 64 embedding tied to the head, 2 layers of q, k, v, o (64 x 64), SwiGLU (3 x 64 x 128)
+    and two RMSNorm weights, a final RMSNorm."""
+    by_hand = 128 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert count_params(tiny())["total"] == by_hand
+    moe = tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, first_dense=1))
+    assert count_params(moe)["total"] == by_hand - 3 * 64 * 128 + 4 * 3 * 64 * 128 + 4 * 64  # + router
+
+
 def test_flops_per_token_by_hand() -> None:
     per_layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o + SwiGLU
     matmul = 2 * per_layer + 128 * 64  # + lm_head
@@ -228,6 +246,16 @@ def test_fine_grained_keeps_active_params_and_flops(base: str) -> None:
     assert flops_per_token(fg, 64) - flops_per_token(cfg, 64) == 2 * router_growth
     with pytest.raises(ConfigError, match="divide"):
         fine_grained(cfg, m=5, n_shared=1)
+
+
+def test_fine_grained_refuses_what_it_cannot_segment() -> None:
+    gshard = tiny().replace(moe=MoEConfig(n_experts=8, top_k=2))
+    with pytest.raises(ConfigError, match=r"n_shared=8 must be in \[0, m \* top_k = 8\)"):
+        fine_grained(gshard, m=4, n_shared=8)  # would leave top_k = 0
+    with pytest.raises(ConfigError, match="already has shared experts"):
+        fine_grained(gshard.replace(moe=gshard.moe.replace(n_shared=1)), m=2, n_shared=1)
+    with pytest.raises(ConfigError, match="m=0 must be >= 1"):
+        fine_grained(gshard, m=0, n_shared=0)
 
 
 def test_config_checks_group_score() -> None:
@@ -409,3 +437,6 @@ def test_a_forward_of_padding_alone_runs_the_moe_layer_on_no_token() -> None:
     assert torch.equal(out, torch.zeros_like(out))
     assert float(layer.last_aux) == 0.0 and int(layer.last_stats["counts"].sum()) == 0
     (out.sum() + layer.last_aux).backward()  # no stale graph
+    layer(x, torch.zeros(2, 5, dtype=torch.bool))
+    assert layer.last_aux.requires_grad  # in the router's graph, as the losses it stands for
+    layer.last_aux.backward()  # so a backward of the balance loss alone runs on such a batch too

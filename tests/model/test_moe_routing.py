@@ -349,3 +349,135 @@ def test_dead_experts_are_counted_over_the_whole_window() -> None:
     step([10.0, 0.0, 10.0, 0.0])
     stats = moe_routing_stats(moe)[""]
     assert stats["dead_experts"] == [3] and stats["window_tokens"] == 2 * 16 * 2
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def test_jitter_multiplies_the_router_input_by_uniform_noise() -> None:
+    """Switch's jitter in training: x * U(1 - eps, 1 + eps), element by element. With identity centroids
+    the logits are the jittered input, so logits / x lies in [1 - eps, 1 + eps] whatever x's size."""
+    torch.manual_seed(0)
+    router, _ = hand_router([0.0] * 4, top_k=2, jitter=0.2)
+    x = torch.tensor([[0.01, -0.02, 5.0, -40.0]]).repeat(256, 1)
+    ratio = router.train()(x).logits / x
+    assert (ratio >= 0.8 - 1e-6).all() and (ratio <= 1.2 + 1e-6).all()
+    assert ratio.min() < 0.85 and ratio.max() > 1.15  # the noise spans its range
+
+
+@pytest.mark.parametrize(
+    ("score_func", "probs"), [("softmax", [0.1, 0.2, 0.3, 0.4]), ("sigmoid", [0.5, 0.75, 0.25, 0.9])]
+)
+def test_top1_weight_is_the_chosen_score_times_the_scaling_even_with_norm_topk(score_func, probs) -> None:
+    """norm_topk is for top_k > 1: at top-1 renormalising would make every weight 1 (p / p)."""
+    logits = [math.log(p) if score_func == "softmax" else math.log(p / (1 - p)) for p in probs]
+    router, x = hand_router(logits, top_k=1, score_func=score_func, norm_topk=True, routed_scaling=2.0)
+    route = router(x)
+    assert route.idx.tolist() == [[3]]
+    torch.testing.assert_close(route.weights, torch.tensor([[2.0 * probs[3]]]))
+
+
+def test_renormalised_weights_of_underflowing_sigmoid_scores_are_zero_not_nan() -> None:
+    router, x = hand_router([-200.0, -300.0, -250.0, -400.0], top_k=2, score_func="sigmoid", norm_topk=True)
+    route = router(x)
+    assert route.scores.max() == 0  # every fp32 sigmoid score underflows
+    assert torch.equal(route.weights, torch.zeros(1, 2))  # 0 / 0 taken as 0
+
+
+def test_bias_update_follows_the_loads_summed_over_processes() -> None:
+    """expert_bias_i += u * sign(mean load - load_i) over the loads of every process (all_reduce sums)."""
+    moe = MoE(moe_cfg(n_experts=4, top_k=1, bias_update_rate=0.1, **NO_LOSS), 0)
+    moe.router.tokens_per_expert.copy_(torch.tensor([5, 0, 0, 0]))  # this process: expert 0 the busiest
+    other = torch.tensor([0.0, 0.0, 0.0, 20.0])  # another process: expert 3 far busier
+
+    def all_reduce(t: torch.Tensor) -> None:
+        t += other
+
+    update_expert_biases(moe, all_reduce=all_reduce)
+    total = torch.tensor([5.0, 0.0, 0.0, 20.0])
+    torch.testing.assert_close(moe.router.expert_bias, 0.1 * torch.sign(total.mean() - total))
+    assert moe.router.tokens_per_expert.sum() == 0
+
+
+def test_routing_stats_window_is_summed_over_processes() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # this process: experts 0, 1
+    moe(torch.randn(1, 6, 16))
+    other = torch.tensor([0, 0, 3, 0])  # another process sent 3 assignments to expert 2
+
+    def all_reduce(t: torch.Tensor) -> None:
+        t += other
+
+    stats = moe_routing_stats(moe, all_reduce=all_reduce)[""]
+    assert stats["dead_experts"] == [3] and stats["window_tokens"] == 6 * 2 + 3
+
+
+def test_routing_stats_without_reset_keep_counting_the_window() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+    x = torch.randn(1, 6, 16)
+    moe(x)
+    assert moe_routing_stats(moe, reset_window=False)[""]["window_tokens"] == 12
+    assert moe.router.window_tokens.sum() == 12  # kept
+    moe(x)
+    assert moe_routing_stats(moe)[""]["window_tokens"] == 24  # both forwards
+    assert moe.router.window_tokens.sum() == 0
+
+
+def test_routing_entropy_is_that_of_the_normalised_sigmoid_scores() -> None:
+    torch.manual_seed(0)
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, score_func="sigmoid"), 0).train()
+    x = torch.randn(2, 6, 16)
+    moe(x)
+    scores = torch.sigmoid(x.view(-1, 16) @ moe.router.weight.detach().T)  # (N, E)
+    p = scores / scores.sum(-1, keepdim=True)
+    expected = -(p * p.log()).sum(-1).mean()
+    assert math.isclose(moe_routing_stats(moe)[""]["entropy"], float(expected), rel_tol=1e-5)
+
+
+def test_routing_entropy_counts_a_zero_probability_as_zero() -> None:
+    """-sum p log p with 0 log 0 = 0: one expert takes all the probability (the others underflow to 0)."""
+    moe = MoE(moe_cfg(n_experts=4, top_k=2), 0).train()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 20.0  # logits 320, 0, 0, 0 for x of ones: softmax (1, 0, 0, 0) in fp32
+    moe(torch.ones(1, 3, 16))
+    assert moe_routing_stats(moe)[""]["entropy"] == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_capacity_is_rounded_up(dispatch: str) -> None:
+    """ceil(cf * N * K / E): cf 1.25, 10 tokens, top-2 of 4 -> ceil(6.25) = 7 per expert. Collapsed onto
+    experts 0 and 1 (10 assignments each), 2 * (10 - 7) = 6 assignments are dropped."""
+    moe = MoE(moe_cfg(d_model=8, n_experts=4, top_k=2, capacity_factor=1.25, dispatch=dispatch), 0)
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    cap = math.ceil(1.25 * 10 * 2 / 4)
+    assert moe.dispatch.capacity.limit(10) == cap
+    moe.train()(torch.randn(1, 10, 8))
+    assert moe_routing_stats(moe)[""]["dropped"] == 2 * (10 - cap)
+
+
+@pytest.mark.parametrize(
+    ("factor", "n", "k", "e", "cap"), [(1.1, 100, 1, 11, 10), (1.1, 45, 6, 11, 27), (2.2, 25, 2, 11, 10)]
+)
+def test_capacity_of_a_whole_number_of_slots_is_not_rounded_up_by_float_error(factor, n, k, e, cap) -> None:
+    """cf * N * K / E in floats is 10.000000000000002 for 1.1 x 100 / 11 (ceil: 11); the factor is the
+    decimal written, so the limit is 10; likewise 1.1 x 45 x 6 / 11 = 27 and 2.2 x 25 x 2 / 11 = 10."""
+    assert math.ceil(factor * n * k / e) == cap + 1  # the float arithmetic these cases catch
+    for training in (True, False):
+        cfg = moe_cfg(n_experts=e, top_k=k, capacity_factor=factor, eval_capacity_factor=factor)
+        assert MoE(cfg, 0).train(training).dispatch.capacity.limit(n) == cap
+
+
+def test_the_sequence_wise_loss_of_padded_rows_is_taken_row_by_row() -> None:
+    """Rows with 5 and 1 real tokens: the loss is the mean of each row's Switch loss (not that of the 6
+    real tokens cut into two halves of 3)."""
+    torch.manual_seed(0)
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, aux_loss_coef=0.0, seq_aux_loss_coef=1.0), 0).train()
+    x = torch.randn(2, 6, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    moe(x, mask)
+    route = moe.router(x[mask])  # the real tokens, row-major: 5 of row 0, then 1 of row 1
+    probs = (route.scores / route.scores.sum(-1, keepdim=True)).detach()
+    rows = [slice(0, 5), slice(5, 6)]
+    expected = sum(load_balance_loss(probs[r], route.idx[r]) for r in rows) / 2
+    torch.testing.assert_close(moe.last_aux, expected)

@@ -13,8 +13,8 @@ Dispatch is chosen at build time: `LoopDispatch` is the readable reference (one 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from fractions import Fraction
 from functools import partial
 from types import SimpleNamespace
 
@@ -238,14 +238,18 @@ class Capacity(nn.Module):
 
     def __init__(self, moe: MoEConfig) -> None:
         super().__init__()
-        self.factor, self.eval_factor = moe.capacity_factor, moe.eval_capacity_factor
+        # each factor as the fraction its decimal names (1.1 is 11/10, not 1.1000000000000000888...) and the
+        # limit in integers, so a whole number of slots is not rounded up to one more (1.1 x 100 / 11 is 10)
+        self.factor, self.eval_factor = (None if f is None else Fraction(repr(f)).as_integer_ratio() for f in
+                                         (moe.capacity_factor, moe.eval_capacity_factor))  # fmt: skip
         self.top_k, self.n_experts = moe.top_k, moe.n_experts
 
     def limit(self, n_tokens: int) -> int:
         factor = self.factor if self.training else self.eval_factor
         if factor is None:
             return n_tokens
-        return min(math.ceil(factor * n_tokens * self.top_k / self.n_experts), n_tokens)
+        num, den = factor
+        return min(-(-num * n_tokens * self.top_k // (den * self.n_experts)), n_tokens)  # ceil, exact
 
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
         """order (S,) assignments sorted by expert; expert (S,) their experts; counts (E,)."""
