@@ -233,6 +233,8 @@ def test_tensor_and_data_parallel_mesh_matches_one_process(tmp_path: Path) -> No
     (weights, and the routing counts of the two pairs counted once)."""
     results = launch("tensor2d", tmp_path, nproc=4)
     assert [r["fsdp_tp"]["data_rank"] for r in results] == [0, 0, 1, 1]
+    # the trainer's loader: a tensor-parallel pair reads one data rank's batches (of 2), not a rank's of 4
+    assert [r["loader_part"] for r in results] == [[0, 2], [0, 2], [1, 2], [1, 2]]
     for r in results:
         for key, rows in (("fsdp_tp", [8]), ("fsdp_tp_sp", [4])):  # sequence parallel: half the positions
             d = r[key]
@@ -347,6 +349,23 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
         same_rng = resumed[0][name]["rng_at_start"] == resumed[1][name]["rng_at_start"]
         assert same_rng == name.startswith("tp_"), name
     assert_same_state(load_file(tmp_path / "from_one.safetensors"), saved_one)  # 1 -> 2
+    # 2 -> 3: ranks 0 and 1 take the streams they saved (as resume2's did), rank 2 a fresh one; each loader
+    # position rescaled to the batches the 2 ranks had used (a batch repeated at a remainder, none skipped)
+    three = launch("resume3", tmp_path, nproc=3)
+    saved = json.loads((tmp_path / "ddp_dense_sync_a/checkpoints/step_000004/trainer.json").read_text())
+    index = saved["trainer_state"]["loader"]["index_in_epoch"]
+    assert index > 0  # mid-epoch, so that the rescaling shows
+    for r in three:
+        assert r["ddp"]["step"] == 4 and r["ddp"]["loader"]["index_in_epoch"] == index * 2 // 3
+    assert [r["ddp"]["rng_at_start"] for r in three[:2]] == [
+        r["ddp_dense_sync"]["rng_at_start"] for r in resumed
+    ]
+    assert len({r["ddp"]["rng_at_start"] for r in three}) == 3
+    # a tensor-parallel save opened by DDP ranks: new groups, so a fresh stream on every rank (the pair's
+    # shared stream restored on ranks 0 and 1 would give them the same dropout masks)
+    assert len({r["tp_as_ddp"]["rng_at_start"] for r in three}) == 3
+    # a tensor-parallel run of 2 ranks has 1 data-parallel rank
+    assert saved_data_world_size(tmp_path / "tp_dense_sync_a" / "checkpoints" / "step_000008") == 1
     tp = load_run(tmp_path / "tp_dense_sync_a")  # a tensor-parallel DCP run opened in one process
     assert tp.step == 8
     sums = [float(p.detach().double().sum()).hex() for p in tp.model.parameters()]
@@ -358,6 +377,9 @@ def test_dcp_resume_and_resharding(tmp_path: Path, corpus: Path) -> None:
             cfg, tmp_path / "ep_fsdp_moe_async_two_proc", make_task("lm"), resume=True, progress=False
         )
     assert two.state.step == 4
+    two_saved = tmp_path / "ep_fsdp_moe_async_two_proc/checkpoints/step_000004/trainer.json"
+    position = json.loads(two_saved.read_text())["trainer_state"]["loader"]["index_in_epoch"]
+    assert position > 0 and two.loader.state_dict()["index_in_epoch"] == 2 * position  # each rank's batches
     assert_same_state(full_state(two), load_file(tmp_path / "two_proc.safetensors"))  # 2 -> 1
     assert two.fit()["step"] == 5  # and trains on (4 optimizer groups there, 2 here)
     two.close()

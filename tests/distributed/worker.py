@@ -12,6 +12,8 @@ Each scenario runs several checks and writes `OUT_DIR/<scenario>.rank<r>.json`; 
            resumed by 2 ranks (1 -> 2)
   resume2  the step-4 saves resumed in new processes and a new process group, to step 8; a 2-rank
            checkpoint and its full state left for the 1-process load on the pytest side (2 -> 1)
+  resume3  (3 ranks) a 2-rank DDP save and a 2-rank tensor-parallel one opened by 3 DDP ranks: which
+           RNG stream each rank restores, the loader position rescaled
   tensor, tensor2d  tensor (and sequence) parallelism vs one process (worker_tensor.py)
 """
 
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from worker_common import B, Batch, T, full, global_batch, max_diff, moe_model_cfg, rank_part, step_args
-from worker_resume import resume1, resume2
+from worker_resume import resume1, resume2, resume3
 from worker_tensor import tensor, tensor2d
 
 from tformer.distributed.env import init_distributed
@@ -367,6 +369,7 @@ def main() -> int:
         "tensor2d": tensor2d,
         "resume1": resume1,
         "resume2": resume2,
+        "resume3": resume3,
     }
     scenarios[scenario](env, out_dir, out)
     env.barrier()

@@ -1,4 +1,4 @@
-"""The resume scenarios of worker.py (resume1, resume2): a Trainer under torchrun saved and resumed across
+"""The resume scenarios of worker.py (resume1, resume2, resume3): a Trainer under torchrun saved and resumed across
 processes, process groups and world sizes; a damaged shard and ranks that disagree on the step."""
 
 from __future__ import annotations
@@ -210,6 +210,27 @@ def resume2(env, out_dir: Path, out: dict) -> None:
         out[name] = run(variant(name, out_dir / "corpus"), b, resume=True, dump=dump)
         if env.is_main:
             out[name] |= {"losses_a": losses(a), "losses_b": losses(b)}
+
+
+def resume3(env, out_dir: Path, out: dict) -> None:
+    """2 -> 3 ranks, each resume only opened (no step): ddp_dense_sync's step-4 save, the tensor degree
+    unchanged (ranks 0 and 1 take the streams they saved, rank 2 a fresh one; each loader position
+    rescaled by 2 / 3), and tp_dense_sync's as DDP (new tensor groups: a fresh stream on every rank)."""
+    from tformer.tasks import make_task
+    from tformer.train.loop import Trainer
+
+    cfg = variant("ddp_dense_sync", out_dir / "corpus")
+    for name, saved_by in (("ddp", "ddp_dense_sync"), ("tp_as_ddp", "tp_dense_sync")):
+        run_dir = out_dir / f"{name}_three"
+        if env.is_main:
+            copy_run(out_dir / f"{saved_by}_a", run_dir, "step_000004")
+        env.barrier()
+        trainer = Trainer(cfg, run_dir, make_task("lm"), resume=True, progress=False)
+        rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        out[name] = {"rng_at_start": rng, "loader": trainer.loader.state_dict(), "step": trainer.state.step}
+        trainer.close()
+        del trainer
+        gc.collect()
 
 
 def dump_full_state(trainer, dump: Path) -> None:

@@ -486,7 +486,7 @@ def tensor_encoder_decoder(plan, tp_env, tie_embeddings: bool = True) -> dict:
 def tensor2d(env, out_dir: Path, out: dict) -> None:
     """4 ranks as a (2 data x 2 tensor) mesh, FSDP2 over the data dimension: each data rank takes its
     part of the batch; gradients, three clipped AdamW steps and the weights vs one process on the union."""
-    from tformer.distributed.env import ProcessGroup
+    from tformer.distributed.env import ProcessGroup, train_loader
 
     tp_env = ProcessGroup(owns_group=False, tensor=2)
     for sequence in (False, True):
@@ -518,6 +518,12 @@ def tensor2d(env, out_dir: Path, out: dict) -> None:
         )
         if not sequence:  # experts with biases stay whole in each pair: each rank computes its share whole
             out["ep_tp_whole"] = tensor2d_experts(env, tp_env, sequence, out_dir, bias=True)
+
+    class SplitBy:  # a task whose loader is the part of the batches it was asked for
+        def train_loader(self, cfg, rank: int = 0, world_size: int = 1) -> list[int]:
+            return [rank, world_size]
+
+    out["loader_part"] = train_loader(SplitBy(), None, tp_env)  # the trainer's loader on this rank
 
 
 def tensor2d_experts(
