@@ -19,3 +19,13 @@ def tiny_translator_and_classifier() -> tuple[Translator, Classifier]:
     cfg = tiny("encoder").replace(vocab_size=tok.vocab_size, max_seq_len=32, n_classes=2)
     classifier = Classifier(build_model(cfg), tok, ["a", "b"], max_len=32)
     return Translator(pair, tok, tok, max_src_len=32), classifier
+
+
+def text_of(tok, n_tokens: int, add_bos: bool = False, add_eos: bool = False) -> str:
+    """A text the tokenizer spells in exactly n_tokens tokens (BOS / EOS counted when asked for)."""
+    long = " ".join(["the market rose and the dog barked"] * 40)
+    for k in range(1, len(long)):
+        text = long[:k]  # one character more each time: the count grows a token or so at a time
+        if len(tok.encode(text, add_bos=add_bos, add_eos=add_eos)) == n_tokens:
+            return text
+    raise AssertionError(f"no text of {n_tokens} tokens")

@@ -360,3 +360,107 @@ def test_huge_length_settings_reach_the_context_not_one_token() -> None:
     ):
         assert cfg.max_lens(src_lens, 64).tolist() == [64, 64]
     assert SearchConfig(max_len_a=1.5, max_len_b=2).max_lens(src_lens, 64).tolist() == [6, 9]
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+@pytest.mark.parametrize("alpha", [1.0, -0.5, 2.0])
+def test_a_hypothesis_log_prob_is_its_unnormalised_log_probability(alpha: float) -> None:
+    """score = log p / lp(L), but log_prob is log p itself (EOS included) whatever the length penalty."""
+    torch.manual_seed(3)
+    cfg = tiny("encoder_decoder").replace(vocab_size=5, max_seq_len=8, d_model=16, n_heads=2, d_ff=32)
+    model = build_model(cfg).eval()
+    src = torch.tensor([[3, 4, 4, 3, EOS]])
+    hyp = beam_search(
+        model,
+        src,
+        None,
+        bos_id=BOS,
+        eos_id=EOS,
+        max_len=4,
+        beam_size=4,
+        alpha=alpha,
+        banned=(PAD, BOS),
+        min_len=2,
+    )[0]
+    seq = hyp.tokens + [EOS] * hyp.finished
+    assert len(seq) >= 3  # min_len 2: lp(L) != 1 (lp(1) is 1 for every alpha)
+    assert hyp.log_prob == pytest.approx(sequence_log_prob(model, src, seq), abs=1e-4)
+    assert hyp.score == pytest.approx(hyp.log_prob / ((5 + len(seq)) / 6) ** alpha, abs=1e-4)
+
+
+class MarkovModel(ScriptedModel):
+    """Next-token probabilities that depend on the previous token only: table[prev] (one row per id)."""
+
+    def decode(self, tgt, memory, positions=None, key_padding_mask=None, cache=None):
+        self.calls += 1
+        if cache is not None:
+            cache.lengths = [cache.seq_len + tgt.shape[1]]
+        return self.table[tgt].clone()  # (R, T, V): position t follows token tgt[:, t]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_finished_hypotheses_do_not_take_live_beams(cached: bool) -> None:
+    """Of the 2K best extensions, an EOS among the best K finishes and the K best non-EOS ones live on:
+    after BOS "a" .4, EOS .35, "b" .25 (beam 2), [] finishes and both "a" and "b" live; "b" then ends
+    with certainty and, with alpha 4, [b] (log .25 / lp(2)) beats [] (log .35 / lp(1)) and every
+    continuation of "a" (uniform over 9 ids). Taking only K candidates had dropped "b" and answered []."""
+    v, b = 11, 4  # "a" is id 3
+    uniform = [0.0, 0.0] + [1.0 / 9] * 9  # after "a" (and any other id): EOS and the nine words alike
+    table = [uniform] * v
+    table[BOS] = [0.0, 0.0, 0.35, 0.4, 0.25] + [0.0] * 6
+    table[b] = [0.0, 0.0, 1.0] + [0.0] * 8
+    lp = lambda n: ((5 + n) / 6) ** 4.0  # noqa: E731  GNMT written out
+    best_a = max(math.log(0.4 / 9) / lp(2), math.log(0.4 / 81) / lp(3))  # [a] EOS, and [a x] at max_len
+    assert math.log(0.25) / lp(2) > max(math.log(0.35) / lp(1), best_a)  # the premise: [b] is the best
+    hyp = beam_search(
+        MarkovModel(table),
+        torch.tensor([[3, 2]]),
+        None,
+        bos_id=BOS,
+        eos_id=EOS,
+        max_len=3,
+        beam_size=2,
+        alpha=4.0,
+        cached=cached,
+    )[0]
+    assert hyp.tokens == [b] and hyp.finished
+    assert hyp.score == pytest.approx(math.log(0.25) / lp(2))
+
+
+def test_search_passes_the_sampling_filters_of_its_config() -> None:
+    """method "sample" with top_k 1, or a top_p below every token's probability, keeps only the argmax:
+    the draw is greedy whatever the seed (the filters had been dropped on the way to the sampler)."""
+    model = seq2seq()
+    src, mask = sources()
+    ids = dict(bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
+    greedy = tokens(search(model, src, mask, SearchConfig(method="greedy", max_len=10), **ids))
+    for filters in ({"top_k": 1}, {"top_p": 1e-6}):
+        for seed in (0, 1):
+            cfg = SearchConfig(method="sample", temperature=1.0, max_len=10, seed=seed, **filters)
+            assert tokens(search(model, src, mask, cfg, **ids)) == greedy, (filters, seed)
+
+
+def test_search_reads_the_length_penalty_of_its_config() -> None:
+    """The scripted case of test_length_penalty_can_prefer_the_longer_hypothesis through `search`:
+    length_penalty 0 answers [], 4 answers [a, a] (scores as written out there)."""
+    table = [[0, 0, 0.5, 0.5, 0.0], [0, 0, 0.45, 0.55, 0.0], [0, 0, 1.0, 0.0, 0.0]]
+    src = torch.tensor([[3, 2]])
+    for alpha, expected in ((0.0, []), (4.0, [3, 3])):
+        cfg = SearchConfig(beam_size=2, length_penalty=alpha, max_len=3, min_len=0)
+        hyp = search(ScriptedModel(table), src, None, cfg, bos_id=BOS, eos_id=EOS)[0]
+        assert hyp.tokens == expected, alpha
+    assert hyp.score == pytest.approx(math.log(0.5 * 0.55) / ((5 + 3) / 6) ** 4)
+
+
+@pytest.mark.parametrize("method", ["beam", "greedy"])
+def test_max_len_follows_each_sentences_real_length(method: str) -> None:
+    """max_len null: max_len_a * (real source length) + max_len_b per sentence, padding not counted. EOS
+    never comes here, so every output is exactly that long."""
+    model = ScriptedModel([[0, 0, 0.0, 0.6, 0.4]])
+    src = torch.tensor([[5, 6, 0, 0, 0], [5, 6, 7, 8, 9]])
+    mask = src != 0
+    cfg = SearchConfig(method=method, beam_size=2, max_len=None, max_len_a=1.5, max_len_b=2, min_len=0)
+    out = search(model, src, mask, cfg, bos_id=BOS, eos_id=EOS, banned=(PAD, BOS))
+    real = mask.sum(1).tolist()
+    assert [len(h.tokens) for h in out] == [math.floor(1.5 * n) + 2 for n in real] == [5, 9]
+    assert not any(h.finished for h in out)

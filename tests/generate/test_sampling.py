@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -241,3 +242,55 @@ def test_left_padding_is_not_history_for_the_repetition_penalty():
     batch = generate(model, [long, short], cfg, pad_id=pad)
     assert batch[1] == alone
     assert batch[0] == generate(model, [long], cfg)[0]
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def nucleus(probs: list[float], top_p: float) -> set[int]:
+    """Naive top-p: the most likely tokens, best first, until their mass reaches top_p (the token that
+    reaches it included), plus every token tied with the last one kept."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = [], Fraction(0)
+    for i in order:
+        if mass >= Fraction(top_p):
+            break
+        kept.append(i)
+        mass += Fraction(probs[i])
+    return {i for i in range(len(probs)) if probs[i] >= min(probs[j] for j in kept)}
+
+
+def test_top_p_stops_at_the_token_whose_mass_reaches_top_p_exactly() -> None:
+    """Dyadic probabilities, exact in float32: after 0.5 the mass is exactly 0.5, so top_p 0.5 keeps one
+    token (the set already reaches p); 0.75 is reached by the second. A `>` for `>=` kept one more."""
+    probs = [0.125, 0.5, 0.125, 0.25]
+    logits = torch.tensor([probs]).log()
+    assert torch.equal(logits.softmax(-1), torch.tensor([probs]))  # the premise: no rounding anywhere
+    for top_p in (0.5, 0.75, 0.875, 0.9):
+        kept = apply_top_p(logits, top_p)[0].isfinite()
+        assert {i for i in range(4) if kept[i]} == nucleus(probs, top_p), top_p
+
+
+def test_top_p_filters_the_tempered_distribution() -> None:
+    """Temperature comes first: the nucleus is taken over softmax(logits / T), not over softmax(logits).
+    p = .5 .3 .15 .05, top_p .6: at T 4 the flatter distribution needs three tokens, at T 0.25 the sharper
+    one only the first (over the untempered one it would be two both times)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    n = 4000
+    for temperature in (4.0, 0.25):
+        tempered = (probs.log() / temperature).softmax(-1).tolist()
+        expected = nucleus(tempered, 0.6)
+        assert expected == ({0, 1, 2} if temperature == 4.0 else {0})  # != nucleus(probs, 0.6) == {0, 1}
+        logits = probs.float().log().expand(n, -1)
+        drawn = sample_next(logits, temperature=temperature, top_p=0.6, generator=make_generator(0))
+        assert set(drawn.tolist()) == expected, temperature
+
+
+def test_sample_with_config_leaves_the_masked_history_alone() -> None:
+    """prev_mask False marks padding: its id (0 here, the top token) is not penalised; id 2 is (x10)."""
+    logits = torch.tensor([[5.0, 4.9, -3.0]])
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=10.0)
+    prev, mask = torch.tensor([[0, 2]]), torch.tensor([[False, True]])
+    expected = torch.tensor([[5.0, 4.9, -3.0 * 10.0]]).argmax(-1)  # CTRL written out on the real id only
+    out = sample_with_config(logits, cfg, generator=None, prev_ids=prev, prev_mask=mask)
+    assert out.tolist() == expected.tolist() == [0]
+    unmasked = sample_with_config(logits, cfg, generator=None, prev_ids=prev, prev_mask=torch.ones_like(mask))
+    assert unmasked.tolist() == [1]  # the same history as real tokens: 5.0 / 10 < 4.9

@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from tests.generate.helpers import text_of, tiny_translator_and_classifier
 from tformer import build_model
 from tformer.cli.main import main
+from tformer.data.datasets import ClassificationCollator, ClassificationDataset
 from tformer.eval.classification import plot_confusion, score_classification
 from tformer.presets import tiny
 from tformer.schema import ConfigError
 from tformer.tasks import make_task
+from tformer.tasks.classification import Classifier, eval_order, evaluate_dataset
 from tformer.train.loop import Trainer
 from tformer.train.presets import tiny_classification
 
@@ -267,3 +271,126 @@ def test_a_bbc_copy_skips_hidden_files(tmp_path: Path) -> None:
     (root / "bbcnews" / "data" / "tech" / ".draft.txt").write_text("a draft of mine")
     (root / "bbcnews" / "data" / "tech" / "._000.txt").write_bytes(b"\x00\x05\x16\x07")
     assert load_corpus("bbc-news", root=str(root)).manifest() == before
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def test_probabilities_come_back_in_the_order_of_the_texts() -> None:
+    """Texts are batched by length, but row i answers text i: each row equals the softmax of the model on
+    that text alone, and sums to 1."""
+    _, classifier = tiny_translator_and_classifier()
+    ids = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26, 27]]
+    probs = classifier.probabilities(ids, batch_size=2)
+    model = classifier.model.eval()
+    with torch.no_grad():
+        alone = torch.cat([model(torch.tensor([x]), torch.ones(1, len(x), dtype=torch.bool)) for x in ids])
+    torch.testing.assert_close(probs, alone.float().softmax(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(ids)))
+
+
+def test_encode_keeps_the_first_max_len_tokens_and_names_only_longer_texts() -> None:
+    _, classifier = tiny_translator_and_classifier()
+    tok, n = classifier.tokenizer, classifier.max_len
+    texts = [text_of(tok, n, add_bos=True), text_of(tok, n + 5, add_bos=True), "the dog barked"]
+    ids, cut = classifier.encode(texts)
+    full = [tok.encode(t, add_bos=True) for t in texts]  # cls pooling: BOS first
+    assert ids == [x[:n] for x in full] and ids[1][0] == tok.bos_id
+    assert cut == [i for i, x in enumerate(full) if len(x) > n] == [1]
+
+
+def test_the_classifier_adds_bos_for_cls_pooling_only() -> None:
+    """The tokens it reads at inference are those training read (ClassificationTask: BOS iff cls)."""
+    _, cls_classifier = tiny_translator_and_classifier()
+    tok = cls_classifier.tokenizer
+    cfg = cls_classifier.model.cfg.replace(pooling="mean")
+    mean_classifier = Classifier(build_model(cfg), tok, ["a", "b"], max_len=32)
+    text = "the dog barked"
+    assert cls_classifier.encode([text])[0] == [[tok.bos_id, *tok.encode(text)]]
+    assert mean_classifier.encode([text])[0] == [tok.encode(text)]
+
+
+class FirstTokenLogits(nn.Module):
+    """A classifier stand-in: the logits of a text are row ids[:, 0] of `table`."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, ids, mask=None):
+        return self.table[ids[:, 0]]
+
+
+def test_evaluate_dataset_counts_true_rows_predicted_columns_and_averages_the_loss_per_text() -> None:
+    table = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.5, 0.0], [0.0, 0.0, 3.0], [0.5, 1.0, 0.0]])
+    firsts = [0, 3, 1, 3, 2, 0, 2]  # predicted: argmax of each row of table
+    labels = [0, 0, 1, 1, 2, 2, 2]
+    seqs = [[f] + [1] * (i % 3) for i, f in enumerate(firsts)]  # ragged lengths
+    ds = ClassificationDataset(seqs, labels, max_len=8)
+    result, scores = evaluate_dataset(
+        FirstTokenLogits(table), ds, ClassificationCollator(0), ["x", "y", "z"], batch_size=3
+    )
+    predicted = [int(table[f].argmax()) for f in firsts]
+    matrix = [
+        [sum(1 for t, p in zip(labels, predicted) if (t, p) == (i, j)) for j in range(3)] for i in range(3)
+    ]
+    assert [list(r) for r in scores.confusion] == matrix  # [true][predicted]
+    assert matrix != [list(r) for r in zip(*matrix)]  # the premise: not symmetric
+    assert scores.per_class["y"]["precision"] == pytest.approx(
+        matrix[1][1] / sum(matrix[r][1] for r in range(3))
+    )
+    per_text = [-float(table[f].log_softmax(-1)[y]) for f, y in zip(firsts, labels)]
+    assert result["eval_loss"] == pytest.approx(sum(per_text) / len(per_text))
+    assert result["accuracy"] == pytest.approx(sum(t == p for t, p in zip(labels, predicted)) / 7)
+
+
+def test_eval_order_spreads_a_limited_evaluation_over_the_lengths() -> None:
+    """max_batches * batch_size texts taken evenly from the length-sorted split, not its shortest ones."""
+    lengths = [(7 * i) % 20 + 1 for i in range(20)]  # 1..20, shuffled
+    ds = ClassificationDataset([[5] * n for n in lengths], [0] * 20, max_len=32)
+    order = eval_order(ds, batch_size=2, max_batches=2)
+    by_length = sorted(range(20), key=lambda i: lengths[i])
+    assert order == [by_length[i * 20 // 4] for i in range(4)]
+    assert [lengths[i] for i in order] == [1, 6, 11, 16]
+    assert eval_order(ds, 2, None) == by_length
+
+
+def test_task_evaluate_scores_the_split_it_is_asked_for(bbc_root: Path, tmp_path: Path) -> None:
+    """`evaluate(model, None, split)` scores every text of that split (its confusion_<split>.json counts
+    them), not the validation split whatever it is asked."""
+    cfg = tiny_classification()
+    cfg = cfg.replace(data=cfg.data.replace(path=str(bbc_root)))
+    task = make_task("classification")
+    task.setup(cfg, tmp_path, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(task.model_config(cfg)).eval()
+    for split in ("train", "val"):
+        task.evaluate(model, None, split)
+        counted = json.loads((tmp_path / f"confusion_{split}.json").read_text())["n"]
+        assert counted == len(task.corpus[split]), split
+    assert len(task.corpus["train"]) != len(task.corpus["val"])  # the premise
+
+
+def test_macro_f1_counts_a_class_never_seen_nor_predicted_as_zero() -> None:
+    scores = score_classification([0, 1, 0, 1], [0, 1, 1, 1], ["a", "b", "c"])
+    f1 = lambda p, r: 2 * p * r / (p + r) if p + r else 0.0  # noqa: E731
+    per_class = [f1(1 / 1, 1 / 2), f1(2 / 3, 2 / 2), 0.0]  # c: no support, never predicted
+    assert scores.macro_f1 == pytest.approx(sum(per_class) / 3)
+
+
+def test_the_confusion_png_colours_each_cell_by_its_share_of_the_true_class(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import matplotlib.axes
+
+    shown = []
+    real = matplotlib.axes.Axes.imshow
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "imshow", lambda self, x, *a, **k: shown.append(x) or real(self, x, *a, **k)
+    )
+    scores = score_classification([0, 0, 1, 1, 2], [0, 1, 1, 1, 0], ["a", "b", "c"])
+    plot_confusion(scores, tmp_path / "cm.png")
+    matrix = scores.confusion  # ((1, 1, 0), (0, 2, 0), (1, 0, 0))
+    expected = [[v / sum(row) for v in row] for row in matrix]  # rows: true classes
+    assert len(shown) == 1
+    torch.testing.assert_close(
+        torch.tensor(shown[0], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    )

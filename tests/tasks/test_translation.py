@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import torch.nn.functional as F
 
@@ -543,3 +544,25 @@ def test_a_small_dictionary_copy_says_the_held_out_splits_take_most_of_it(dictio
         UserWarning, match=r"yields [\d,]+ clean sentence pairs, .*take 1,500 of them.*data.corpus=pairs:"
     ):
         load_corpus("trans-de-en", path=str(dictionary_file))
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def spread_of(items: list, n: int) -> list:
+    """n items taken evenly over `items`, first included (what a limited evaluation promises)."""
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+def test_eval_of_a_sample_takes_it_spread_over_the_split_and_scores_the_loss_on_it(trained_run: Path) -> None:
+    from tformer.tasks.translation import evaluate_run, load_translation_corpus
+    from tformer.train.config import TrainConfig
+
+    cfg = TrainConfig.load(trained_run / "config.json")
+    result = evaluate_run(trained_run, split="test", max_batches=1)
+    sample = spread_of(list(load_translation_corpus(cfg.data)["test"]), 32)  # TEST_SEARCH.batch_size 32
+    srcs, refs = [p.src for p in sample], [[p.tgt for p in sample]]
+    assert result["sentences"] == 32
+    # the copy baseline is computed on the pairs scored (chrF: German copied into English is near BLEU 0)
+    assert result["copy_bleu"] == pytest.approx(sacrebleu.corpus_bleu(srcs, refs).score)
+    assert result["copy_chrf"] == pytest.approx(sacrebleu.corpus_chrf(srcs, refs).score)
+    assert result["loss_pairs"] <= result["sentences"]  # the loss is on the sample too
+    Path(result["translations"]).unlink()
