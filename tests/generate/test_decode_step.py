@@ -389,3 +389,56 @@ def test_seq2seq_step_refuses_the_memory_of_another_source() -> None:
             ValueError, match="holds the cross-attention keys/values of another encoder memory"
         ):
             step(torch.full((3,), BOS), model.encode(other, src_mask), cache)
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+@pytest.mark.parametrize("name", ["post_norm", "rope_self_only"])  # Post-Norm LayerNorm; Pre-Norm RMSNorm
+@torch.no_grad()
+def test_seq2seq_step_equals_model_decode_with_distinct_norms(name: str) -> None:
+    """As test_seq2seq_step_equals_model_decode, with every norm's weight (and bias) made distinct: at
+    their initial values all norms of a block are the same function, so the step could use one norm's
+    parameters in another's slot unseen."""
+    from tformer.model.decode_step import Seq2SeqDecodeStep
+
+    model = seq2seq(name)
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
+            if getattr(m, "bias", None) is not None:
+                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    src, src_mask = sources(True)
+    memory = model.encode(src, src_mask)
+    caches = model.new_cache(12), model.new_cache(12)
+    step = Seq2SeqDecodeStep.build(model)
+    assert step is not None
+    nxt = torch.full((3,), BOS)
+    for cache in caches:
+        logits = model.decode(nxt[:, None], memory, cache=cache)[:, -1]
+    for _ in range(4):
+        nxt = logits.argmax(-1)
+        logits = model.decode(nxt[:, None], memory, cache=caches[0])[:, -1]
+        torch.testing.assert_close(step(nxt, memory, caches[1]), logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["post_layernorm_sinusoidal_relu", "pre_layernorm_nobias_learned_gelu"])
+@torch.no_grad()
+def test_lm_step_equals_the_model_forward_with_distinct_norms(name: str) -> None:
+    """DecodeStep against model(...) with every norm's parameters made distinct (see above)."""
+    from tformer.model.decode_step import DecodeStep
+
+    model = make(name)
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
+            if getattr(m, "bias", None) is not None:
+                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    prompt = torch.randint(3, 60, (2, 5))
+    caches = model.new_cache(12), model.new_cache(12)
+    for cache in caches:
+        logits = model(prompt, cache=cache)[:, -1]
+    step = DecodeStep.build(model, 2)
+    assert step is not None
+    for _ in range(4):
+        nxt = logits.argmax(-1)
+        logits = model(nxt[:, None], cache=caches[0])[:, -1]
+        torch.testing.assert_close(step(nxt, None, None, caches[1]), logits, rtol=1e-5, atol=1e-5)

@@ -185,3 +185,19 @@ def test_build_model_rejects_non_config() -> None:
     assert isinstance(
         build_model(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=8, vocab_size=10)), torch.nn.Module
     )
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def test_a_refused_decode_call_does_not_pin_the_cache_to_its_source() -> None:
+    """A decode call that fails its argument checks before any cross-attention K/V are projected leaves
+    the cache free to decode another source."""
+    model = build_model(tiny("encoder_decoder")).eval()
+    first = model.encode(torch.randint(0, 128, (2, 5)))
+    other = model.encode(torch.randint(0, 128, (2, 7)))
+    tgt = torch.randint(0, 128, (2, 3))
+    cache = model.new_cache()
+    with pytest.raises(ValueError):
+        model.decode(tgt, first, key_padding_mask=torch.ones(2, 9, dtype=torch.bool), cache=cache)
+    torch.testing.assert_close(
+        model.decode(tgt, other, cache=cache), model.decode(tgt, other), rtol=0, atol=1e-5
+    )

@@ -7,9 +7,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tformer import ModelConfig, build_model
+from tformer.model import NO_CACHE
 from tformer.model.attention import EagerAttention, Mask
+from tformer.presets import tiny
 
 
 def big(**changes) -> ModelConfig:
@@ -85,3 +88,65 @@ def test_eager_attention_dropout_drops_weights_and_rescales() -> None:
     keep = torch.nn.functional.dropout(torch.ones_like(probs), 0.5)  # the same draw: 0 or 2
     torch.testing.assert_close(out, (probs * keep) @ v)
     assert bool((keep == 0).any())
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_residual_dropout_drops_only_the_sublayer_outputs(arch: str, placement: str) -> None:
+    """Dropout (training, p 0.5) applies to each sublayer's output before the residual sum, never to the
+    residual stream: with every sublayer's output projection zeroed, a Pre-Norm block passes x through
+    unchanged and a Post-Norm block returns its norms of x, whatever dropout draws."""
+    cfg = tiny(arch).replace(norm="layernorm", bias=True, norm_placement=placement, dropout=0.5)
+    model = build_model(cfg).train()
+    stack = model if arch == "decoder" else model.decoder
+    block = stack.blocks[0]
+    with torch.no_grad():
+        for lin in (block.attn.o_proj, block.ffn.down_proj) + (
+            (block.cross_attn.o_proj,) if arch != "decoder" else ()
+        ):
+            lin.weight.zero_()
+            lin.bias.zero_()
+        for name in ("attn_norm", "ffn_norm") + (("cross_norm",) if arch != "decoder" else ()):
+            norm = getattr(block, name)
+            norm.weight.copy_(1 + torch.rand_like(norm.weight))
+            norm.bias.copy_(torch.randn_like(norm.bias))
+    x = torch.randn(2, 5, cfg.d_model)
+    positions = torch.arange(5)
+    from tformer.model.masks import causal_mask
+
+    mask = causal_mask(0, 5, None, x.device)
+    args = (x, positions, mask, NO_CACHE)
+    if arch != "decoder":
+        args += (model.encode(torch.randint(0, cfg.vocab_size, (2, 4))),)
+    out = block(*args)
+
+    def ln(y, norm):
+        return F.layer_norm(y, (cfg.d_model,), norm.weight, norm.bias, norm.eps)
+
+    if placement == "pre":
+        expected = x
+    else:
+        expected = ln(x, block.attn_norm)
+        if arch != "decoder":
+            expected = ln(expected, block.cross_norm)
+        expected = ln(expected, block.ffn_norm)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@torch.no_grad()
+def test_embed_scale_with_tied_embeddings_scales_the_input_by_sqrt_d(arch: str) -> None:
+    """embed_scale multiplies the token embedding by sqrt(d_model) also when the head shares its weight."""
+    cfg = tiny(arch).replace(positions="none", embed_scale=True, tie_embeddings=True)
+    model = build_model(cfg).eval()
+    stack = model if arch == "decoder" else model.decoder
+    seen = []
+    stack.blocks[0].register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 5))
+    if arch == "decoder":
+        model(tokens)
+    else:
+        model(tokens, tokens)
+    torch.testing.assert_close(seen[0], model.tok_embed.weight[tokens] * cfg.d_model**0.5)
+    assert model.lm_head.weight is model.tok_embed.weight

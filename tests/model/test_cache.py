@@ -90,3 +90,29 @@ def test_truncate_forgets_the_slots_from_its_length_and_never_reveals_unwritten_
     assert torch.equal(values, torch.cat([v[:, :, :2], v2], dim=2))
     with pytest.raises(ValueError, match="KV cache holds 10 positions; cannot add 8 after 3"):
         cache.update(0, torch.randn(1, 2, 8, 3), torch.randn(1, 2, 8, 3))
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def test_reorder_selects_the_cross_attention_rows_and_names_their_source() -> None:
+    """reorder applies index_select to every layer's cross-attention K and V (beam search over an encoder
+    memory), and takes `source` as the memory those rows now match."""
+    from tformer.model.cache import KVCache
+
+    cache = KVCache(2, 8)
+    source = torch.randn(3, 5, 4)
+    cache.use_source(source)
+    want = [(torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)) for _ in range(2)]
+    for layer in range(2):
+        cache.update(layer, torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
+        assert cache.cross(layer, lambda layer=layer: want[layer]) is want[layer]
+    index = torch.tensor([2, 2, 0])
+    new_source = source.index_select(0, index)
+    cache.reorder(index, new_source)
+    for layer in range(2):
+        k, v = cache.cross_kv[layer]
+        assert torch.equal(k, want[layer][0].index_select(0, index))
+        assert torch.equal(v, want[layer][1].index_select(0, index))
+    assert cache.cross_source is new_source
+    cache.use_source(new_source)  # the reordered memory is this cache's source now
+    with pytest.raises(ValueError, match="another encoder memory"):
+        cache.use_source(source)  # the old one is not

@@ -302,3 +302,21 @@ def test_cached_greedy_generation_equals_full_recompute_with_padding_and_eos() -
         for i, row in enumerate(want):
             expected = row[t] if t < len(row) else (eos_id if t == len(row) else -1)
             assert int(step[i]) == expected
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+def test_causal_mask_with_a_cache_marks_the_new_queries_real_tokens() -> None:
+    """`tokens` names the queries (slots q_start..q_start+Tq-1) of a padded causal mask, not the first Tq
+    key slots; and the allowed pattern is key slot <= query slot and key real, written out."""
+    from tformer.model.masks import causal_mask
+
+    pad = torch.tensor([[True, True, True, True, False, True], [False, False, True, True, True, True]])
+    mask = causal_mask(3, 3, pad, torch.device("cpu"))
+    assert torch.equal(mask.tokens, pad[:, 3:6])
+    expected = torch.tensor(
+        [[[j <= i and bool(pad[b, j]) for j in range(6)] for i in range(3, 6)] for b in range(2)]
+    )[:, None]
+    assert torch.equal(mask.allowed, expected)
+    assert not mask.is_causal and not mask.is_full
+    nopad = causal_mask(3, 3, None, torch.device("cpu"))
+    assert not nopad.is_causal and not nopad.is_full  # Tq != Tk: SDPA's causal path would be top-left aligned

@@ -8,7 +8,7 @@ import torch
 
 from tformer import RopeConfig
 from tformer.config import MoEConfig
-from tformer.model import build_model
+from tformer.model import NO_CACHE, build_model
 from tformer.model.positions import RotaryEmbedding
 from tformer.presets import tiny
 
@@ -246,3 +246,50 @@ def test_a_dtype_round_trip_keeps_the_position_tables_and_expert_biases_float32(
     assert router.expert_bias.tolist() == pytest.approx([0.499, 0.501, 0.501, 0.501], abs=1e-7)
     model.to(torch.float32).load_state_dict(state)
     assert torch.equal(model(x), want)
+
+
+# ----------------------------------------------------------------------------- found by a mutation audit
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@torch.no_grad()
+def test_chunked_prefill_over_a_cache_equals_full_forward(arch: str, kernel: str) -> None:
+    """Several tokens per call after the cache holds some (Tq != Tk, no padding): each chunk's queries see
+    the cached keys and the chunk's earlier ones (SDPA's top-left causal path would be wrong here)."""
+    cfg = tiny(arch).replace(attn_kernel=kernel, n_kv_heads=2)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12))
+    cache = model.new_cache(16)
+    if arch == "decoder":
+        full = model(tokens)
+        chunks = [model(tokens[:, a:b], cache=cache) for a, b in ((0, 5), (5, 9), (9, 10), (10, 12))]
+    else:
+        memory = model.encode(tokens.flip(1))
+        full = model.decode(tokens, memory)
+        chunks = [
+            model.decode(tokens[:, a:b], memory, cache=cache) for a, b in ((0, 5), (5, 9), (9, 10), (10, 12))
+        ]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_cross_attention_rope_rotates_memory_keys_at_their_source_positions() -> None:
+    """With rope.cross_attention, cross-attention is softmax(R(q, target pos) R(k, source pos 0..S-1)^T / sqrt(E)) v,
+    written out here with the stack's (separately tested) rotation."""
+    import math
+
+    from tformer import RopeConfig
+
+    cfg = tiny("encoder_decoder").replace(rope=RopeConfig(cross_attention=True))
+    model = build_model(cfg).eval()
+    src = torch.randint(0, cfg.vocab_size, (2, 7))
+    memory = model.encode(src)
+    attn = model.decoder.blocks[0].cross_attn
+    rot = model.decoder.rotary
+    x, pos = torch.randn(2, 3, cfg.d_model), torch.arange(4, 7)
+    e, h = attn.head_dim, attn.n_heads
+    q = rot(attn.q_proj(x).view(2, 3, h, e).transpose(1, 2), pos)
+    k = rot(attn.k_proj(memory.states).view(2, 7, -1, e).transpose(1, 2), torch.arange(7))
+    v = attn.v_proj(memory.states).view(2, 7, -1, e).transpose(1, 2)
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(e), dim=-1)
+    expected = attn.o_proj((w @ v).transpose(1, 2).reshape(2, 3, h * e))
+    torch.testing.assert_close(attn(x, pos, memory, NO_CACHE), expected, rtol=1e-5, atol=1e-5)
