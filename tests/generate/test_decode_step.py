@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.model.helpers import distinct_norms
 from tformer import MoEConfig, build_model
 from tformer.config import RopeConfig
 from tformer.generate.beam import SearchConfig, beam_search, sample_search, search, select_memory
@@ -398,14 +399,8 @@ def test_seq2seq_step_equals_model_decode_with_distinct_norms(name: str) -> None
     """As test_seq2seq_step_equals_model_decode, with every norm's weight (and bias) made distinct: at
     their initial values all norms of a block are the same function, so the step could use one norm's
     parameters in another's slot unseen."""
-    from tformer.model.decode_step import Seq2SeqDecodeStep
 
-    model = seq2seq(name)
-    for m in model.modules():
-        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
-            if getattr(m, "bias", None) is not None:
-                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    model = distinct_norms(seq2seq(name))
     src, src_mask = sources(True)
     memory = model.encode(src, src_mask)
     caches = model.new_cache(12), model.new_cache(12)
@@ -424,14 +419,8 @@ def test_seq2seq_step_equals_model_decode_with_distinct_norms(name: str) -> None
 @torch.no_grad()
 def test_lm_step_equals_the_model_forward_with_distinct_norms(name: str) -> None:
     """DecodeStep against model(...) with every norm's parameters made distinct (see above)."""
-    from tformer.model.decode_step import DecodeStep
 
-    model = make(name)
-    for m in model.modules():
-        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
-            if getattr(m, "bias", None) is not None:
-                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    model = distinct_norms(make(name))
     prompt = torch.randint(3, 60, (2, 5))
     caches = model.new_cache(12), model.new_cache(12)
     for cache in caches:

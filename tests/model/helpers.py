@@ -81,3 +81,16 @@ NO_LOSS = {"aux_loss_coef": 0.0}  # MoE settings without balance losses
 def moe_cfg(ffn: str = "swiglu", bias: bool = False, d_model: int = 16, d_ff: int = 24, **moe) -> ModelConfig:
     """A small model config whose FFN slot is an MoE layer with settings `moe`."""
     return ModelConfig(d_model=d_model, d_ff=d_ff, n_heads=4, ffn=ffn, bias=bias, moe=MoEConfig(**moe))
+
+
+@torch.no_grad()
+def distinct_norms(model: nn.Module) -> nn.Module:
+    """Every LayerNorm / RMSNorm of `model` given a random weight (and bias): at their initial (1, 0) all
+    norms of a block are one function, and a LayerNorm applied twice equals one, so a norm in another's
+    slot, or an extra or missing one, is invisible to a parity test."""
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
+            if getattr(m, "bias", None) is not None:
+                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    return model
