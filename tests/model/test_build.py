@@ -12,7 +12,10 @@ import torch.nn.functional as F
 from tformer import ModelConfig, build_model
 from tformer.model import NO_CACHE
 from tformer.model.attention import EagerAttention, Mask
+from tformer.model.masks import causal_mask
 from tformer.presets import tiny
+
+from .helpers import distinct_norms
 
 
 def big(**changes) -> ModelConfig:
@@ -107,14 +110,9 @@ def test_residual_dropout_drops_only_the_sublayer_outputs(arch: str, placement: 
         ):
             lin.weight.zero_()
             lin.bias.zero_()
-        for name in ("attn_norm", "ffn_norm") + (("cross_norm",) if arch != "decoder" else ()):
-            norm = getattr(block, name)
-            norm.weight.copy_(1 + torch.rand_like(norm.weight))
-            norm.bias.copy_(torch.randn_like(norm.bias))
+    distinct_norms(block)
     x = torch.randn(2, 5, cfg.d_model)
     positions = torch.arange(5)
-    from tformer.model.masks import causal_mask
-
     mask = causal_mask(0, 5, None, x.device)
     args = (x, positions, mask, NO_CACHE)
     if arch != "decoder":
