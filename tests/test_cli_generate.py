@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -10,8 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as Backend
 
-from tformer.cli.main import main
+from tformer.cli import generate as cli_generate
+from tformer.cli.generate import newlines, read_prompts, sampling_from_args
+from tformer.cli.main import _generate_args, main
+from tformer.generate.engine import truncate_prompts
+from tformer.model import compiled_step
+from tformer.runs import load_run
 
 
 def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
@@ -25,20 +34,16 @@ def test_seeded_generation_is_deterministic(trained_run: Path, capsys) -> None:
 def test_generate_refuses_other_tasks_and_prints_nothing_before_an_error(
     trained_run: Path, tmp_path: Path, capsys
 ) -> None:
-    import json as json_
-
     other = tmp_path / "cls"
     shutil.copytree(trained_run, other)
     step = sorted((other / "checkpoints").iterdir())[-1]
-    meta = json_.loads((step / "meta.json").read_text())
+    meta = json.loads((step / "meta.json").read_text())
     meta["meta"]["train_config"]["task"] = "classification"
-    data = json_.dumps(meta).encode()
+    data = json.dumps(meta).encode()
     (step / "meta.json").write_bytes(data)
-    manifest = json_.loads((step / "COMMITTED").read_text())  # a consistent checkpoint of another task
-    import hashlib
-
+    manifest = json.loads((step / "COMMITTED").read_text())  # a consistent checkpoint of another task
     manifest["files"]["meta.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (step / "COMMITTED").write_text(json_.dumps(manifest))
+    (step / "COMMITTED").write_text(json.dumps(manifest))
     assert main(["generate", "--run", str(other), "--prompt", "to"]) == 2
     captured = capsys.readouterr()
     assert "is a classification run, not a language-model run; use tformer classify" in captured.err
@@ -92,7 +97,8 @@ def test_generate_errors(trained_run: Path, capsys) -> None:
         main(["generate", "--run", str(trained_run), "--prompt", long_prompt, "--max-new-tokens", "5"]) == 2
     )
     assert "give at most 59 tokens with --max-new-tokens 5" in capsys.readouterr().err
-    fits = " ".join(["to"] * 62)  # 63 tokens (BOS first) + 5 new: over by 4 either way
+    # 63 tokens with this run's tokenizer (no BOS is added) + 5 new: over by 4 either way
+    fits = " ".join(["to"] * 62)
     assert main(["generate", "--run", str(trained_run), "--prompt", fits, "--max-new-tokens", "5"]) == 2
     assert (
         "lower --max-new-tokens to at most 1, or shorten the prompt to at most 59 tokens"
@@ -144,8 +150,6 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
 
 
 def test_truncate_prompts_keeps_the_tail() -> None:
-    from tformer.generate.engine import truncate_prompts
-
     kept, cut = truncate_prompts([[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=6, max_seq_len=9)
     assert kept == [[3, 4, 5], [6, 7]] and cut == [0]
     with pytest.raises(ValueError, match="max_new_tokens=9 leaves no room"):
@@ -155,8 +159,6 @@ def test_truncate_prompts_keeps_the_tail() -> None:
 def test_prompt_escapes() -> None:
     """\\n in a prompt, a prompts-file line or a stop string is a newline; \\\\ is one backslash, so a
     literal backslash-n can be written; any other backslash is kept."""
-    from tformer.cli.generate import newlines
-
     assert newlines(r"a\nb") == "a\nb" and newlines(r"a\\nb") == "a\\nb"
     assert newlines(r"x\\y") == "x\\y" and newlines(r"tab\t") == "tab\\t" and newlines("plain") == "plain"
 
@@ -181,8 +183,6 @@ def test_greedy_says_which_sampling_options_it_ignores(trained_run: Path, capsys
 def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, capsys, monkeypatch) -> None:
     """--compile decodes through the compiled step's program (run eagerly here, so the test does not
     compile; tests/generate/test_compiled_step.py compiles it) and prints the flat step's greedy text."""
-    from tformer.model import compiled_step
-
     calls: list[int] = []
     monkeypatch.setattr(
         compiled_step,
@@ -200,8 +200,6 @@ def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, c
 
 
 def test_min_new_tokens_reaches_generate_and_is_checked(trained_run: Path, capsys, monkeypatch) -> None:
-    from tformer.cli import generate as cli_generate
-
     seen = []
     real = cli_generate.generate
     monkeypatch.setattr(cli_generate, "generate", lambda m, p, s, **kw: seen.append(s) or real(m, p, s, **kw))
@@ -228,10 +226,6 @@ def test_sampling_defaults_and_prompts_file_escapes(tmp_path: Path) -> None:
     """What `tformer generate --help` promises when no sampling option is given: temperature 0.8, top-k
     50, top-p 1, seed 0, 200 new tokens (more when --min-new-tokens asks for more); a prompts file's lines
     read \\n as a newline, as --prompt does."""
-    import argparse
-
-    from tformer.cli.generate import read_prompts, sampling_from_args
-
     args = argparse.Namespace(
         temperature=None, top_k=None, top_p=None, seed=None, repetition_penalty=1.0, max_new_tokens=None,
         min_new_tokens=0, stop=[], greedy=False,
@@ -244,3 +238,108 @@ def test_sampling_defaults_and_prompts_file_escapes(tmp_path: Path) -> None:
     path.write_text("to be\\nor not\nsay \\\\n\n")
     prompts, _ = read_prompts(argparse.Namespace(prompts_file=str(path), prompt=None))
     assert prompts == ["to be\nor not", "say \\n"]
+
+
+def test_streaming_writes_a_tail_held_for_a_stop_string_that_never_comes(trained_run: Path, capsys) -> None:
+    """A stop string that begins with the last character of the text (and never completes) holds that
+    character back while streaming; the end of the run writes it: streamed and printed output agree."""
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--max-new-tokens", "6"]
+    assert main([*argv, "--no-stream"]) == 0
+    new = capsys.readouterr().out[len("to be") : -1]
+    assert new and not new.endswith("\ufffd")
+    stop = new[-1] + "@@"  # "@@" never follows in the text: the stop string is never whole
+    assert stop not in new
+    for stream in (["--no-stream"], []):
+        assert main([*argv, "--stop", stop, *stream]) == 0
+        assert capsys.readouterr().out == "to be" + new + "\n", stream
+
+
+def test_generate_stops_at_the_runs_eos_and_pads_with_its_pad(trained_run: Path, capsys, monkeypatch) -> None:
+    """The ids generate gets are the run's tokenizer's <eos> and <pad>, as the tokenizers library reads
+    the tokenizer stored with the run."""
+    seen = []
+    real = cli_generate.generate
+    monkeypatch.setattr(
+        cli_generate, "generate", lambda m, p, s, **kw: seen.append(kw) or real(m, p, s, **kw)
+    )
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--max-new-tokens", "3"]
+    for stream in ([], ["--no-stream"]):
+        assert main([*argv, *stream]) == 0
+    library = Backend.from_str(load_run(trained_run).tokenizer.to_json_str())
+    assert len(seen) == 2
+    for kw in seen:
+        assert kw["eos_id"] == library.token_to_id("<eos>") and kw["pad_id"] == library.token_to_id("<pad>")
+
+
+def test_min_new_tokens_may_take_all_the_room_the_context_leaves(
+    trained_run: Path, capsys, monkeypatch
+) -> None:
+    """Without --max-new-tokens, a minimum equal to what the context leaves after the prompt fits (one more
+    does not: tested above)."""
+    seen = []
+    real = cli_generate.generate
+    monkeypatch.setattr(cli_generate, "generate", lambda m, p, s, **kw: seen.append(s) or real(m, p, s, **kw))
+    run_ = load_run(trained_run)
+    room = run_.model.cfg.max_seq_len - len(run_.tokenizer.encode("to be"))
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--no-stream"]
+    assert main([*argv, "--min-new-tokens", str(room)]) == 0
+    assert seen[-1].min_new_tokens == seen[-1].max_new_tokens == room
+    assert main([*argv, "--min-new-tokens", str(room + 1)]) == 2
+    assert f"leaves {room} after the prompt" in capsys.readouterr().err
+
+
+def test_prompts_file_lines_of_only_whitespace_are_skipped(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("to be\n   \n\t\nthe question\n")
+    prompts, names = read_prompts(argparse.Namespace(prompts_file=str(path), prompt=None))
+    assert prompts == ["to be", "the question"]
+    assert names == [f"the prompt on line 1 of {path}", f"the prompt on line 4 of {path}"]
+    err = capsys.readouterr().err
+    assert "line 2 is empty: skipped" in err and "line 3 is empty: skipped" in err
+
+
+def test_greedy_names_one_ignored_option_in_the_singular(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    _generate_args(parser)
+    args = parser.parse_args(["--run", "r", "--prompt", "p", "--greedy", "--top-k", "5"])
+    assert sampling_from_args(args).temperature == 0.0
+    assert "warning: --top-k applies to sampling only: ignored with --greedy" in capsys.readouterr().err
+
+
+def test_prompt_and_prompts_file_together_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("to be\n")
+    with pytest.raises(ValueError, match="give --prompt or --prompts-file, not both"):
+        read_prompts(argparse.Namespace(prompts_file=str(path), prompt="the question"))
+
+
+def test_no_stream_writes_nothing_until_generation_ends(trained_run: Path, capsys, monkeypatch) -> None:
+    """Streamed, the prompt is written before the first token (and tokens as they come); with --no-stream
+    stdout is untouched until generate returns, and the text is the same."""
+    before = []
+    real = cli_generate.generate
+
+    def spy(m, p, s, **kw):
+        before.append(capsys.readouterr().out)
+        return real(m, p, s, **kw)
+
+    monkeypatch.setattr(cli_generate, "generate", spy)
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--max-new-tokens", "4"]
+    outs = []
+    for stream in ([], ["--no-stream"]):
+        assert main([*argv, *stream]) == 0
+        outs.append(capsys.readouterr().out)
+    assert before == ["to be", ""]
+    assert before[0] + outs[0] == outs[1]
+
+
+def test_every_sampling_option_reaches_the_sampling_config() -> None:
+    """Each value typed on the command line is the value generate samples with (none replaced by its
+    default)."""
+    parser = argparse.ArgumentParser()
+    _generate_args(parser)
+    argv = ["--run", "r", "--prompt", "p", "--temperature", "1.3", "--top-k", "7", "--top-p", "0.6"]
+    argv += ["--seed", "11", "--repetition-penalty", "1.4", "--max-new-tokens", "9", "--min-new-tokens", "2"]
+    cfg = sampling_from_args(parser.parse_args(argv))
+    assert (cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed) == (1.3, 7, 0.6, 11)
+    assert (cfg.repetition_penalty, cfg.max_new_tokens, cfg.min_new_tokens) == (1.4, 9, 2)

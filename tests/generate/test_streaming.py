@@ -114,3 +114,30 @@ def test_search_values_must_be_finite():
         with pytest.raises(ConfigError, match=field):
             SearchConfig(**kwargs)
     assert SearchConfig(length_penalty=-0.5).length_penalty == -0.5  # negative favours short outputs: allowed
+
+
+def test_each_piece_of_streamed_text_is_flushed_as_it_is_written():
+    """Streaming to a terminal or pipe: whatever a token adds is flushed at once, not left in a buffer
+    until the run ends."""
+
+    class Recording(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unflushed = 0
+
+        def write(self, text: str) -> int:
+            self.unflushed += 1
+            return super().write(text)
+
+        def flush(self) -> None:
+            self.unflushed = 0
+            super().flush()
+
+    tok = Tokenizer.train_bpe([TEXT * 3] * 5, 300, min_frequency=1000)  # one token per byte
+    out = Recording()
+    stream = TextStream(tok.decode, out, ("END",))
+    for t in tok.encode("go EN ok " + TEXT):
+        stream.add(t)
+        assert out.unflushed == 0
+    stream.finish()
+    assert out.unflushed == 0 and out.getvalue() == "go EN ok " + TEXT
