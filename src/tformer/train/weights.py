@@ -178,6 +178,10 @@ def import_torch_weights(
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, got a {type(obj).__name__}")
     for name, value in obj.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+        if not isinstance(name, str):
+            raise CheckpointError(
+                f"{path}: entry {name!r} is named by {type(name).__name__}, not by a string"
+            )
+        if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {name!r} is {type(value).__name__}, not a tensor")
     return obj
