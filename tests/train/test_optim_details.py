@@ -1,0 +1,82 @@
+"""AdamW's settings and the schedules' edges (tformer/train/optim.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer import ModelConfig, build_model
+from tformer.train.config import OptimConfig
+from tformer.train.optim import lr_factor, make_optimizer, make_scheduler, param_groups
+
+
+def tiny_model():
+    return build_model(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8))
+
+
+def test_frozen_parameters_are_left_out_of_the_groups() -> None:
+    model = tiny_model()
+    frozen = {name for name, p in model.named_parameters() if "blocks.0.attn" in name}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    names = {id(p): n for n, p in model.named_parameters()}
+    grouped = [names[id(p)] for g in param_groups(model, 0.1) for p in g["params"]]
+    assert frozen and sorted(grouped) == sorted(n for n in names.values() if n not in frozen)
+
+
+def test_the_optimizer_takes_the_configured_betas_and_eps() -> None:
+    cfg = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.95, eps=1e-6, fused=False)
+    opt = make_optimizer(tiny_model(), cfg)
+    for group in opt.param_groups:
+        assert tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6 and group["lr"] == 3e-4
+
+
+def test_fused_adamw_is_taken_where_this_torch_has_it() -> None:
+    model = tiny_model()
+    try:
+        torch.optim.AdamW(model.parameters(), fused=True)
+    except (RuntimeError, TypeError):
+        pytest.skip("no fused AdamW for CPU parameters in this torch")
+    assert make_optimizer(model, OptimConfig(fused=True)).defaults["fused"]
+    assert not make_optimizer(model, OptimConfig(fused=False)).defaults["fused"]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_past_the_last_step_the_rate_stays_at_the_floor(schedule: str, warmup: int) -> None:
+    cfg = OptimConfig(schedule=schedule, warmup_steps=warmup, min_lr_ratio=0.1, decay_frac=0.5)
+    total = 10
+    assert lr_factor(total - 1, total, cfg) == pytest.approx(0.1)
+    for step in range(total, total + 5):  # the scheduler is stepped once more after the last step
+        assert lr_factor(step, total, cfg) == pytest.approx(0.1), step
+
+
+def test_a_wsd_warm_up_longer_than_the_stable_stretch_decays_linearly_after_it() -> None:
+    """decay_frac asks the decay to start at step 6 of 12, inside the 10 warm-up steps: the decay then
+    starts after the warm-up, in equal steps from the peak to the floor at the last step."""
+    cfg = OptimConfig(schedule="wsd", warmup_steps=10, min_lr_ratio=0.1, decay_frac=0.5)
+    total = 12
+    f = [lr_factor(i, total, cfg) for i in range(total)]
+    assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    drop = (1.0 - 0.1) / (total - 10)  # 1.0 at step 9, the floor at step 11
+    assert f[10:] == pytest.approx([1.0 - drop, 1.0 - 2 * drop])
+
+
+def test_a_wsd_decay_goes_down_in_equal_steps_from_the_peak() -> None:
+    cfg = OptimConfig(schedule="wsd", warmup_steps=0, min_lr_ratio=0.2, decay_frac=0.4)
+    total = 10  # the decay covers steps 6..9, the last at the floor
+    f = [lr_factor(i, total, cfg) for i in range(total)]
+    drop = (1.0 - 0.2) / 4
+    assert f == pytest.approx([1.0] * 6 + [1.0 - k * drop for k in range(1, 5)])
+
+
+def test_the_scheduler_sets_each_steps_rate_from_lr_factor() -> None:
+    cfg = OptimConfig(lr=0.5, schedule="cosine", warmup_steps=3, min_lr_ratio=0.1, fused=False)
+    total = 9
+    model = tiny_model()
+    opt = make_optimizer(model, cfg)
+    sched = make_scheduler(opt, total, cfg)
+    for step in range(total):
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * lr_factor(step, total, cfg)), step
+        opt.step()
+        sched.step()
