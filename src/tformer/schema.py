@@ -95,10 +95,16 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
 
 
 def _relocate(message: str, name: str, path: str) -> str:
-    """`message` with its first mention of config class `name` (as the head of a field path, or the
-    owner of an unknown key) replaced by `path`, the field that holds that config in its parent."""
-    name = re.escape(name)
-    return re.sub(rf"^{name}(?=[.:])|(?<= in ){name}(?=[.;])", path, message, count=1)
+    """`message` with its mention of config class `name` (as the head of a field path, or the owner of an
+    unknown key) replaced by `path`, the field that holds that config in its parent."""
+    if re.match(rf"{re.escape(name)}[.:]", message):
+        return path + message[len(name) :]
+    # "unknown key 'k' in <name>.moe; allowed: ...": the owner's path ends at the ";" (the key typed may
+    # itself hold " in <name>." and is left as it is)
+    owners = list(re.finditer(rf"(?<= in ){re.escape(name)}(?=(?:\.\w+)*;)", message))
+    if not owners:
+        return message
+    return message[: owners[-1].start()] + path + message[owners[-1].end() :]
 
 
 @dataclasses.dataclass(frozen=True)

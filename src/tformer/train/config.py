@@ -52,7 +52,7 @@ class DataConfig(Config):
         self._require(
             self.dictionary_terms == 0 or self.corpus == "trans-de-en",
             "dictionary_terms",
-            f"needs corpus 'trans-de-en', got {self.corpus!r}",
+            f"needs corpus 'trans-de-en' (corpus is {self.corpus!r})",
         )
         self._require(
             260 <= self.vocab_size <= MAX_BPE_VOCAB,
