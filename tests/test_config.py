@@ -178,6 +178,10 @@ def test_numpy_numbers_are_taken_as_python_numbers() -> None:
     assert json.dumps(cfg.to_dict())  # stays JSON-ready
     with pytest.raises(ConfigError, match="must be int, got np.True_"):
         ModelConfig(n_layers=np.bool_(True))  # type: ignore[arg-type]
+    cfg = ModelConfig(norm=np.str_("rmsnorm"), ffn=np.array(["relu", "swiglu"])[1])  # strings from an array
+    assert type(cfg.norm) is str and cfg.norm == "rmsnorm" and type(cfg.ffn) is str and cfg.ffn == "swiglu"
+    with pytest.raises(ConfigError, match="ModelConfig.norm must be one of"):
+        ModelConfig(norm=np.str_("batchnorm"))
 
 
 def test_exponent_floats_read_by_yaml_as_strings_are_floats(tmp_path) -> None:

@@ -59,7 +59,10 @@ def _coerce(owner: str, name: str, value: Any, tp: Any) -> Any:
             raise nested
         raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
     if origin is Literal:
-        if value in get_args(tp) and type(value) is type(get_args(tp)[0]):
+        choices = get_args(tp)
+        if isinstance(value, str) and value in choices:  # a str subclass (numpy's str_) as a plain str
+            return str(value)
+        if value in choices and type(value) is type(choices[0]):
             return value
         raise ConfigError(f"{owner}.{name} must be {_describe(tp)}, got {value!r}")
     if tp is type(None):
