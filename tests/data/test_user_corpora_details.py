@@ -1,0 +1,70 @@
+"""A user's own data, details the main tests leave open: the folder's own too-few error, upper-case
+suffixes, blank and whitespace-differing labelled texts, pairs that share a source."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tformer.data import SPLITS, load_corpus
+from tformer.data import corpora as C
+
+
+def test_a_text_folder_of_two_files_names_the_folder(tmp_path):
+    for i in range(2):
+        (tmp_path / f"{i}.txt").write_text(f"text {i}\n")
+    with pytest.raises(ValueError, match=r"text folder .* has 2 text file\(s\) \(.txt, .md.*need at least 3"):
+        C.load_text(tmp_path)
+
+
+def test_text_suffixes_are_matched_in_any_case(tmp_path):
+    """NOTES.TXT and Readme.Md are text files: read, not skipped with a warning."""
+    for name in ("NOTES.TXT", "Readme.Md", "plain.txt"):
+        (tmp_path / name).write_text(f"the text of {name}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        corpus = C.load_text(tmp_path)
+    assert sorted(d.id for s in SPLITS for d in corpus[s]) == ["NOTES.TXT", "Readme.Md", "plain.txt"]
+
+
+def test_labelled_texts_are_compared_without_surrounding_blanks(tmp_path):
+    """A copy that differs only by a trailing newline is the same text (read once); a file of blank lines
+    is empty (not a document)."""
+    for label in ("pos", "neg"):
+        (tmp_path / label).mkdir()
+        for i in range(4):
+            (tmp_path / label / f"{i}.txt").write_text(f"{label} text number {i}")
+        (tmp_path / label / "copy.txt").write_text(f"{label} text number 0\n")
+        (tmp_path / label / "blank.txt").write_text("\n  \n")
+    corpus = load_corpus(f"labels:{tmp_path}")
+    docs = [d for s in SPLITS for d in corpus[s]]
+    assert sorted(d.id for d in docs) == sorted(
+        f"{label}/{i}.txt" for label in ("neg", "pos") for i in range(4)
+    )
+    assert all(d.text == d.text.strip() for d in docs)
+
+
+def test_pairs_sharing_a_source_are_all_kept_in_one_split(tmp_path):
+    """Identical pairs are read once, but two translations of one source are two pairs (in one split)."""
+    lines = [f"quelle {i}\tsource {i}" for i in range(40)] + [
+        f"quelle {i}\tanother source {i}" for i in range(40)
+    ]
+    (tmp_path / "p.tsv").write_text("\n".join(lines) + "\n")
+    corpus = load_corpus(f"pairs:{tmp_path / 'p.tsv'}")
+    split_of = {(p.src, p.tgt): s for s in SPLITS for p in corpus[s]}
+    assert sorted(split_of) == sorted(tuple(x.split("\t")) for x in lines)
+    assert all(split_of[(f"quelle {i}", f"source {i}")] == split_of[(f"quelle {i}", f"another source {i}")]
+               for i in range(40))  # fmt: skip
+
+
+def test_each_label_holds_out_ten_percent_for_val_and_for_test(tmp_path):
+    """Each label is split on its own: 30 texts give 3 val, 3 test; 20 give 2 and 2."""
+    for label, n in (("a", 30), ("b", 20)):
+        (tmp_path / label).mkdir()
+        for i in range(n):
+            (tmp_path / label / f"{i}.txt").write_text(f"label {label} text {i}")
+    corpus = load_corpus(f"labels:{tmp_path}")
+    counts = {(s, label): sum(d.label == label for d in corpus[s]) for s in SPLITS for label in "ab"}
+    assert counts == {("train", "a"): 24, ("val", "a"): 3, ("test", "a"): 3,
+                      ("train", "b"): 16, ("val", "b"): 2, ("test", "b"): 2}  # fmt: skip

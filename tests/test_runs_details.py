@@ -1,0 +1,53 @@
+"""Opening runs (tformer.runs) on the tiny CLI run: checkpoint lookup, the previous checkpoint an error
+names, the model's mode, task checks, and the small helpers the commands' messages use."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tformer.runs import check_texts, find_checkpoint, first_few, load_run, require_task
+from tformer.train.checkpoint import CheckpointError
+
+
+def test_a_folder_of_weights_alone_is_a_checkpoint(tmp_path: Path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert find_checkpoint(tmp_path) == tmp_path
+    (tmp_path / "notes.txt").write_text("a file")
+    with pytest.raises(FileNotFoundError, match="is a file; give the run directory"):
+        find_checkpoint(tmp_path / "notes.txt")
+
+
+def test_a_damaged_newest_checkpoint_names_the_one_before_it(trained_run: Path, tmp_path: Path):
+    """Three checkpoints (1, 2, 4), the newest damaged: the error names step 2, the one before it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000001")
+    weights = ckpts / "step_000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"previous checkpoint is .*step_000002 \(give its path"):
+        load_run(run)
+
+
+def test_a_loaded_run_is_in_eval_mode_and_checked_for_its_task(trained_run: Path):
+    run = require_task(Path(trained_run), "lm", "language-model")  # a Path, loaded here
+    assert not run.model.training and not any(m.training for m in run.model.modules())
+    with pytest.raises(
+        ValueError, match=r"is a language-model run, not a translation run; use tformer generate"
+    ):
+        require_task(run, "translation", "translation")
+
+
+def test_texts_of_blanks_are_empty():
+    assert check_texts(["a", " b "]) == ["a", " b "]
+    with pytest.raises(ValueError, match="text 1 is empty"):
+        check_texts(["a", " \n\t"])
+
+
+def test_first_few_marks_only_what_it_leaves_out():
+    assert first_few([1, 2, 3, 4, 5]) == "1, 2, 3, 4, 5"
+    assert first_few([1, 2, 3, 4, 5, 6]) == "1, 2, 3, 4, 5, ..."
+    assert first_few([7, 8], n=1) == "7, ..."
