@@ -237,11 +237,26 @@ def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path
 def test_under_torchrun_other_ranks_repeat_no_config_error_and_name_their_own(capsys, monkeypatch) -> None:
     """Every rank meets the same config error: rank 0 says it once. An error that may be one rank's own
     (a file) is said with the rank."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert main(["train", "--preset", "tiny-lm", "--set", "model.d_model=-1"]) == 2
     assert capsys.readouterr().err == ""
     assert main(["generate", "--run", "/nonexistent/run", "--prompt", "x"]) == 2
     assert capsys.readouterr().err.startswith("tformer generate: error (rank 1): ")
+
+
+@pytest.mark.parametrize("world_size", [None, "1"])
+@pytest.mark.parametrize("rank", ["3", "abc"])
+def test_a_rank_set_outside_torchrun_still_says_its_errors(capsys, monkeypatch, rank, world_size) -> None:
+    """RANK left by a scheduler (no WORLD_SIZE above 1) or not a number is not torchrun's: the error is
+    said, without a rank (it had been kept silent as another rank's, or raised a ValueError traceback)."""
+    monkeypatch.setenv("RANK", rank)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert main(["train", "--preset", "tiny-lm", "--set", "model.d_model=-1"]) == 2
+    assert capsys.readouterr().err.startswith("tformer train: error: TrainConfig.model.d_model must be >= 1")
 
 
 def test_unknown_option_lists_the_allowed_ones(capsys) -> None:

@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     module_name, func_name = COMMANDS[args.command][2].split(":")
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun: say things once, from rank 0
+    rank = _torchrun_rank()  # under torchrun: say things once, from rank 0
     try:  # after parsing: --help does not import torch; a Ctrl-C while it loads (~1 s) is an interruption too
         import importlib
 
