@@ -1,0 +1,154 @@
+"""Details of `tformer translate` and `tformer classify` (cli/translate.py, cli/classify.py) the end-to-end
+tests leave open: --text with --file, `--file -`, the prompt on a terminal, the warnings' words, the
+--max-len boundary, output flushed line by line, and --batch-size reaching the classifier."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tformer.cli.main import main
+from tformer.cli.translate import AlignedOutput, read_texts
+from tformer.runs import load_run
+from tformer.tasks.classification import Classifier
+from tformer.tasks.translation import load_translator
+
+
+@pytest.fixture(scope="module")
+def translation_run(dictionary_file: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mt") / "run"
+    argv = ["train", "--preset", "tiny-translation", "--set", f"data.path={dictionary_file}"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def classification_run(bbc_root: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cls") / "run"
+    argv = ["train", "--preset", "tiny-classification", "--set", f"data.path={bbc_root}", "--set", "steps=2"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class FlushLog(io.StringIO):
+    """stdout that records how much had been written at each flush."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: list[int] = []
+
+    def flush(self) -> None:
+        self.flushed.append(len(self.getvalue()))
+
+
+def test_text_and_file_together_are_refused(translation_run: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "in.txt"
+    path.write_text("Der Hund.\n", encoding="utf-8")
+    for command in ("translate", "classify"):
+        assert main([command, "--run", str(translation_run), "--text", "Hund", "--file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err == f"tformer {command}: error: give --text or --file, not both (or neither, to read stdin)\n"
+        )
+
+
+def test_the_text_is_stripped() -> None:
+    args = argparse.Namespace(text="  Der Hund. \t", file=None)
+    given = read_texts(args, "translate")
+    assert (given.texts, given.numbers, given.n_lines, given.where) == (["Der Hund."], [1], 1, "--text")
+
+
+def test_file_dash_reads_stdin_and_a_terminal_is_told_what_is_awaited(
+    translation_run: Path, capsys, monkeypatch
+) -> None:
+    run = str(translation_run)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Der Hund.\n\nDie Katze.\n"))
+    assert main(["translate", "--run", run, "--file", "-", "--greedy"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split("\n")) == 4 and captured.out.split("\n")[1] == ""
+    assert captured.err == "tformer translate: warning: stdin line 2 is empty: skipped\n"  # no prompt: a pipe
+    for file in ([], ["--file", "-"]):  # neither --text nor --file, or --file -: both read stdin
+        monkeypatch.setattr("sys.stdin", Terminal("Der Hund.\n"))
+        assert main(["translate", "--run", run, "--greedy", *file]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == "tformer translate: reading stdin, one text per line (end with Ctrl-D)\n"
+        assert len(captured.out.splitlines()) == 1
+
+
+def test_truncation_warnings_name_the_text_or_the_one_line(
+    translation_run: Path, capsys, monkeypatch
+) -> None:
+    run = str(translation_run)
+    assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Hund " * 60]) == 0
+    assert (
+        capsys.readouterr().err
+        == "tformer translate: warning: the text is longer than 32 tokens: truncated\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("Der Hund.\n" + "Hund " * 60 + "\n"))
+    assert main(["translate", "--run", run, "--greedy", "--max-len", "3"]) == 0
+    assert capsys.readouterr().err == (
+        "tformer translate: warning: stdin: line 2 is longer than 32 tokens: truncated\n"
+    )
+    assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Der Hund."]) == 0
+    assert capsys.readouterr().err == ""  # nothing cut: nothing said
+
+
+def test_max_len_warns_only_above_the_context(translation_run: Path, capsys) -> None:
+
+    context = load_translator(load_run(translation_run)).model.cfg.max_seq_len
+    argv = ["translate", "--run", str(translation_run), "--greedy", "--text", "Der Hund.", "--max-len"]
+    assert main([*argv, str(context)]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*argv, str(context + 1)]) == 0
+    assert f"--max-len {context + 1} is above the model's context" in capsys.readouterr().err
+
+
+def test_aligned_output_flushes_each_line(monkeypatch) -> None:
+    """Each output is flushed as it is printed (an interrupted run keeps what it printed)."""
+    log = FlushLog()
+    monkeypatch.setattr("sys.stdout", log)
+    out = AlignedOutput(4)
+    out.print("a", 1)
+    assert log.getvalue() == "a\n" and log.flushed[-1] == 2
+    out.print("b", 3)
+    assert log.getvalue() == "a\n\nb\n" and log.flushed[-1] == 5
+    out.close()
+    assert log.getvalue() == "a\n\nb\n\n" and log.flushed[-1] == 6
+
+
+def test_classify_json_lines_are_flushed_and_warnings_named_by_classify(
+    classification_run: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    path = tmp_path / "texts.txt"
+    path.write_text("software computer\n\nminister election\n", encoding="utf-8")
+    log = FlushLog()
+    monkeypatch.setattr("sys.stdout", log)
+    assert main(["classify", "--run", str(classification_run), "--file", str(path), "--json"]) == 0
+    lines = log.getvalue().splitlines(keepends=True)
+    assert [json.loads(line)["line"] for line in lines] == [1, 3]
+    assert len(lines[0]) in log.flushed  # the first line was flushed before the second was written
+    assert capsys.readouterr().err == f"tformer classify: warning: {path} line 2 is empty: skipped\n"
+
+
+def test_classify_batch_size_reaches_the_classifier(classification_run: Path, monkeypatch, capsys) -> None:
+
+    sizes: list[int] = []
+    real = Classifier.probabilities
+
+    def spy(self, ids, batch_size=32):
+        sizes.append(batch_size)
+        return real(self, ids, batch_size=batch_size)
+
+    monkeypatch.setattr(Classifier, "probabilities", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("software\nminister\nmatch\n"))
+    assert main(["classify", "--run", str(classification_run), "--batch-size", "2"]) == 0
+    assert sizes == [2] and len(capsys.readouterr().out.splitlines()) == 3
