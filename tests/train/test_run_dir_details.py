@@ -7,6 +7,8 @@ import errno
 import fcntl
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -104,3 +106,22 @@ def test_an_unreadable_tokenizer_file_is_not_the_checkpoints(tmp_path: Path):
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(CheckpointError, match="is not the vocabulary"):
         restore_run_tokenizer(tmp_path, {"tokenizer": tokenizer_json("a b c d ")}, tmp_path / "step_2")
+
+
+def test_a_lock_held_to_the_end_of_the_process_is_closed_quietly(tmp_path: Path):
+    """A run directory locked until the process exits (a finished Trainer never released) leaves no
+    ResourceWarning about its lock file at exit."""
+    code = (
+        "import sys; from pathlib import Path; from tformer.train.run_dir import lock_run_dir\n"
+        "class Holder: pass\n"
+        "keep = Holder(); lock_run_dir(Path(sys.argv[1]), keep)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "always::ResourceWarning", "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ResourceWarning" not in done.stderr
+    assert (tmp_path / ".lock").read_text().startswith("pid ")  # it was taken

@@ -3,6 +3,7 @@ what a fresh run may replace there (tformer.train.loop uses these; checkpoints: 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -46,6 +47,15 @@ def outermost_missing(path: Path) -> Path | None:
 
 
 _LOCKS: dict[Path, tuple[Any, weakref.ref]] = {}  # run directories this process holds, and their holder
+
+
+@atexit.register
+def _close_locks() -> None:
+    """The lock files held to the end, closed at exit (the kernel would release them; closing says the
+    handles were meant to live that long instead of leaving ResourceWarnings)."""
+    for handle, _ in _LOCKS.values():
+        if handle is not None:
+            handle.close()
 
 
 def take_over(run_dir: Path) -> None:
