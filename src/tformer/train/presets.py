@@ -123,7 +123,7 @@ def translation() -> TrainConfig:
     bucketed batches of at most 1024 padded tokens (~55 pairs), label smoothing 0.1 (as in the paper),
     AdamW with warm-up and cosine decay: 2800 steps of ~870 target tokens, about 14 epochs (29 min 54 s
     measured on 2 quiet cores, ~1,380 target tokens/s; test BLEU 5.1 and 6.1 for seeds 0 and 1, see
-    README). Twice as many steps of half the batch as the first version of this preset (1400 x 2048
+    docs/results.md). Twice as many steps of half the batch as the first version of this preset (1400 x 2048
     tokens): the same tokens, lower validation loss and higher test BLEU with both seeds.
     `--set data.direction=en-de` for the other direction.
     """
