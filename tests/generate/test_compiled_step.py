@@ -9,15 +9,18 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
 
+from tests.model.helpers import distinct_norms
 from tformer import MoEConfig, build_model
 from tformer.generate.engine import _left_pad, generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import compiled_step as compiled_step_module
 from tformer.model import linear as linear_module
 from tformer.model.cache import KVCache
-from tformer.model.compiled_step import CompiledDecodeStep, why_not_compiled
+from tformer.model.compiled_step import CompiledDecodeStep, Program, why_not_compiled
+from tformer.model.moe import SwiGLUExperts
 from tformer.presets import llama_like, tiny
 
 from .test_decode_step import CONFIGS, PROMPTS
@@ -288,3 +291,347 @@ def test_compiled_moe_generate_equals_the_eager_one() -> None:
         model = make(name)
         prompts = [[5, 6, 7, 8], [9, 10]]
         assert compiled_generate(model, prompts, GREEDY) == generate(model, prompts, GREEDY)
+
+
+def assert_program_equals_forward(model, prompts, rows: int | None = None) -> None:
+    """The eager program against the model's own forward over the KV cache (1e-5), as
+    test_program_equals_the_model_forward checks it."""
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, rows or len(prompts), compiled=False)
+    assert step is not None
+    pairs, (a, c), n = run_steps(model, prompts, step)
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
+        torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-6, rtol=1e-6)
+
+
+def trained_like(model):
+    """Norm weights/biases and every bias away from their initial (1, 0) (a norm in another's slot, or
+    a dropped bias, is invisible at init)."""
+    with torch.no_grad():
+        distinct_norms(model)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # nn.Linear biases, the experts' *_bias, LayerNorm biases
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_program_equals_the_model_forward_with_trained_norms_and_biases(name: str) -> None:
+    """Norms with their own weights and biases (each in its slot: the attention's, the FFN's, the
+    final one) and non-zero biases of every product (dense FFN, experts, head): still the model's
+    logits and caches."""
+    assert_program_equals_forward(trained_like(make(name)), PROMPTS["padded"])
+
+
+@pytest.mark.parametrize(
+    "name", ["llama_mha", "post_layernorm_sinusoidal_relu", "pre_layernorm_nobias_learned_gelu"]
+)
+def test_program_uses_the_models_norm_eps(name: str) -> None:
+    """A norm eps other than torch's default LayerNorm eps (1e-5) is the model's."""
+    torch.manual_seed(0)
+    model = build_model(MODELS[name].replace(norm_eps=0.1)).eval()
+    assert_program_equals_forward(model, PROMPTS["padded"])
+
+
+def test_rms_norms_without_eps_use_the_dtypes_eps() -> None:
+    """nn.RMSNorm(eps=None) uses torch.finfo(dtype).eps, as the model's forward does."""
+    model = make("llama_mha")
+    rms = [m for m in model.modules() if type(m) is nn.RMSNorm]
+    assert rms
+    for m in rms:
+        m.eps = None
+    with torch.no_grad():  # small activations, where eps matters
+        model.tok_embed.weight.mul_(1e-2)
+    assert_program_equals_forward(model, PROMPTS["padded"])
+
+
+def test_a_final_norm_of_another_kind_than_the_blocks_is_its_own() -> None:
+    """A final norm (identity) unlike the blocks' RMSNorms is applied as itself."""
+    model = make("llama_gqa_bias_tied")
+    model.final_norm = nn.Identity().eval()
+    with torch.inference_mode():
+        assert why_not_compiled(model) is None
+    assert_program_equals_forward(model, PROMPTS["padded"])
+
+
+@pytest.mark.parametrize("name", ["post_layernorm_sinusoidal_relu", "pre_layernorm_nobias_learned_gelu"])
+def test_bf16_program_with_input_positions_is_close_to_the_model_forward(name: str) -> None:
+    """bf16 with a sinusoidal table (kept in fp32) or learned positions: bf16 logits within 1e-2."""
+    model = make(name).to(torch.bfloat16)
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 2, compiled=False)
+    pairs, _, _ = run_steps(model, PROMPTS["padded"], step)
+    for got, want in pairs:
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+
+
+def test_moe_with_a_training_capacity_but_dropless_eval_is_taken() -> None:
+    """capacity_factor drops tokens in training only (eval_capacity_factor None): the compiled step takes
+    the model and computes its forward."""
+    torch.manual_seed(0)
+    model = build_model(MOE_BASE.replace(moe=MOE_BASE.moe.replace(capacity_factor=1.0))).eval()
+    with torch.inference_mode():
+        assert why_not_compiled(model) is None
+    assert_program_equals_forward(model, PROMPTS["padded"])
+
+
+def test_row_blocking_up_to_the_eager_steps_row_limit(monkeypatch) -> None:
+    """The products are row-blocked for up to DECODE_MAX_ROWS rows, as the eager layout blocks them
+    (`row_blocked_linears` takes F.linear above max_rows rows), and not above."""
+    block_every_layer(monkeypatch, True)
+    model = make("llama_mha")
+    limit = linear_module.DECODE_MAX_ROWS
+    with torch.inference_mode():
+        assert CompiledDecodeStep.build(model, limit, compiled=False).program.row_blocks
+        assert not CompiledDecodeStep.build(model, limit + 1, compiled=False).program.row_blocks
+
+
+def test_the_plain_layout_makes_no_batched_products(monkeypatch) -> None:
+    """Where row blocking does not pay, the step's products are F.linear: no torch.bmm call."""
+    block_every_layer(monkeypatch, False)
+    monkeypatch.setattr(linear_module, "DECODE_MIN_WEIGHT", 0)  # row_blocks would accept every weight
+    calls: list[int] = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    with torch.inference_mode():
+        step, cache = eager_step_after_a_prompt(8)
+        assert not step.program.row_blocks
+        calls.clear()  # the prefill's
+        step(torch.tensor([8]), None, None, cache)
+    assert calls == []
+
+
+class _OtherExperts(SwiGLUExperts):
+    pass
+
+
+def _encoder_decoder():
+    return build_model(tiny("encoder_decoder")).eval()
+
+
+def _with(name: str, change):
+    model = make(name)
+    change(model)
+    return model.eval()  # the new modules too
+
+
+def _layer_norm_2d(model) -> None:
+    for block in model.blocks:
+        block.attn_norm = nn.LayerNorm((1, model.cfg.d_model))
+
+
+def _other_experts(model) -> None:
+    model.blocks[0].ffn.experts.__class__ = _OtherExperts
+
+
+REFUSED = {
+    "encoder_decoder": (_encoder_decoder, "EncoderDecoder is not a DecoderLM"),
+    "mixed_norm_kinds": (
+        lambda: _with("llama_mha", lambda m: setattr(m.blocks[1], "attn_norm", nn.LayerNorm(m.cfg.d_model))),
+        "the blocks' attn_norm are not all one LayerNorm, RMSNorm or identity",
+    ),
+    "a_later_blocks_norm": (
+        lambda: _with(
+            "llama_mha", lambda m: setattr(m.blocks[1], "ffn_norm", nn.GroupNorm(1, m.cfg.d_model))
+        ),
+        "the blocks' ffn_norm are not all one LayerNorm, RMSNorm or identity",
+    ),
+    "layer_norm_over_two_dims": (
+        lambda: _with("pre_layernorm_nobias_learned_gelu", _layer_norm_2d),
+        "the blocks' attn_norm are not all one LayerNorm, RMSNorm or identity",
+    ),
+    "final_norm": (
+        lambda: _with("llama_mha", lambda m: setattr(m, "final_norm", nn.GroupNorm(1, m.cfg.d_model))),
+        "final norm GroupNorm",
+    ),
+    "input_positions": (
+        lambda: _with("no_positions", lambda m: setattr(m, "input_positions", nn.Identity())),
+        "input positions Identity",
+    ),
+    "dense_ffn": (
+        lambda: _with("llama_mha", lambda m: setattr(m.blocks[1], "ffn", nn.Identity())),
+        "block 1 has a Identity FFN",
+    ),
+    "experts": (
+        lambda: _with("deepseek_moe", _other_experts),
+        "block 0's MoE experts _OtherExperts / SwiGLU",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_models_it_does_not_take_are_refused_by_name(case: str) -> None:
+    build, reason = REFUSED[case]
+    model = build()
+    with torch.inference_mode():
+        assert why_not_compiled(model) == reason
+        with pytest.warns(UserWarning) as w:
+            assert CompiledDecodeStep.build(model, 1) is None
+    assert str(w[0].message) == f"compiled decoding not used: {reason}; decoding without it"
+
+
+def test_a_remembered_failure_refuses_the_compiled_step_only(monkeypatch, recwarn) -> None:
+    """After a failure to compile a program, a compiled build of it warns and gives none; the eager twin
+    of the same program is still built (it does not compile)."""
+    eager = compiled_step_module.step_program
+    monkeypatch.setattr(compiled_step_module, "compiled_step_program", lambda: eager)
+    model = make("llama_mha")
+    with torch.inference_mode():
+        twin = CompiledDecodeStep.build(model, 1, compiled=False)
+        monkeypatch.setattr(compiled_step_module, "_FAILED", {twin.key: "why"})
+        with pytest.warns(UserWarning) as w:
+            assert CompiledDecodeStep.build(model, 1) is None
+        assert str(w[0].message) == (
+            "torch.compile failed for this model earlier in this process (why); decoding without it"
+        )
+        recwarn.clear()
+        assert CompiledDecodeStep.build(model, 1, compiled=False) is not None
+    assert not [w for w in recwarn if "compile" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "message, said",
+    [
+        ("x" * 400 + "\nmore detail", "RuntimeError: " + "x" * 300),
+        ("", "RuntimeError: "),
+        ("  \n ", "RuntimeError: "),
+    ],
+    ids=["long", "empty", "blank"],
+)
+def test_a_compiler_failure_is_said_in_its_first_line_up_to_300_characters(
+    message, said, monkeypatch
+) -> None:
+    """The warning names the error's type and the first 300 characters of its first line (none where the
+    message is empty), and decoding goes on with the flat step."""
+
+    def broken(*args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(compiled_step_module, "compiled_step_program", lambda: broken)
+    monkeypatch.setattr(compiled_step_module, "_FAILED", {})
+    model = make("llama_mha")
+    with pytest.warns(UserWarning) as w:
+        out = generate(model, [[5, 6, 7]], GREEDY, compile=True)
+    ours = [str(x.message) for x in w if str(x.message).startswith("torch.compile failed (")]
+    assert ours == [f"torch.compile failed ({said}); decoding without it"]
+    assert out == generate(model, [[5, 6, 7]], GREEDY)
+
+
+def test_only_the_first_compiled_call_falls_back(monkeypatch) -> None:
+    """A compiled call after the first (which compiled) that raises is an error, not a silent switch to
+    the flat step (the failed call may have written the cache)."""
+    calls: list[int] = []
+    eager = compiled_step_module.step_program
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("boom")
+        return eager(*args)
+
+    monkeypatch.setattr(compiled_step_module, "compiled_step_program", lambda: flaky)
+    monkeypatch.setattr(compiled_step_module, "_FAILED", {})
+    model = make("llama_mha")
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 1)
+        cache = model.new_cache(16)
+        model(torch.tensor([[5, 6, 7]]), cache=cache)
+        step(torch.tensor([8]), None, None, cache)
+        with pytest.raises(RuntimeError, match="boom"):
+            step(torch.tensor([9]), None, None, cache)
+    assert compiled_step_module._FAILED == {}
+
+
+def test_the_eager_twin_raises_what_its_program_raises(monkeypatch) -> None:
+    """compiled=False runs the program as is: an error in it is raised, not caught as a compiler's."""
+
+    def broken(*args):
+        raise RuntimeError("a bug in the program")
+
+    monkeypatch.setattr(compiled_step_module, "step_program", broken)
+    monkeypatch.setattr(compiled_step_module, "_FAILED", {})
+    with torch.inference_mode():
+        step, cache = eager_step_after_a_prompt(8)
+        with pytest.raises(RuntimeError, match="a bug in the program"):
+            step(torch.tensor([8]), None, None, cache)
+    assert compiled_step_module._FAILED == {}
+
+
+def test_the_step_refuses_fewer_rows_and_a_cache_without_a_prefill() -> None:
+    with torch.inference_mode():
+        model = make("llama_mha")
+        step = CompiledDecodeStep.build(model, 2, compiled=False)
+        with pytest.raises(ValueError, match="built for 2 rows, got 1"):
+            step(torch.tensor([1]), None, None, model.new_cache(8))
+        with pytest.raises(ValueError, match="decodes after a prefill"):
+            step(torch.tensor([1, 2]), None, None, model.new_cache(8))
+
+
+def test_the_sizes_that_change_per_step_are_marked_dynamic(monkeypatch) -> None:
+    """The mask's length and the caches' capacity are marked dynamic (so one compiled graph serves every
+    step; the slow test checks the graph count by compiling)."""
+    marked: list[tuple[tuple[int, ...], int]] = []
+    monkeypatch.setattr(
+        torch._dynamo, "maybe_mark_dynamic", lambda t, dim: marked.append((tuple(t.shape), dim))
+    )
+    with torch.inference_mode():
+        step, cache = eager_step_after_a_prompt(16)
+        step(torch.tensor([8]), None, None, cache)
+    k, n_layers = tuple(cache.k[0].shape), len(cache.k)
+    assert marked == [((1, 4), 1), *[(k, 2)] * (2 * n_layers)]
+
+
+def test_attention_scores_and_weights_are_fp32_in_bf16() -> None:
+    """`_attention` of bf16 q/k/v with large scores (close to each other) equals softmax(q k^T / sqrt(E)) v computed in fp32 from
+    the same bf16 values (to bf16 output rounding): scores rounded to bf16 would move the weights."""
+    torch.manual_seed(0)
+    b, h, hkv, e, s = 2, 4, 2, 8, 6
+    p = Program(pre=True, heads=h, kv_heads=hkv, head_dim=e, ffns=(), attn_norm=None, ffn_norm=None,
+                final_norm=None, embed_scale=1.0, rope=False)  # fmt: skip
+    q = (2 * torch.randn(b, h, e)).bfloat16()
+    # keys = a large common part (which the softmax cancels: scores ~200 apart from O(1) differences)
+    # plus a small one per slot: bf16 scores (spacing 1 near 200) would lose the differences
+    k = (100 * torch.randn(b, hkv, 1, e) + torch.randn(b, hkv, s, e)).bfloat16()
+    v = torch.randn(b, hkv, s, e).bfloat16()
+    mask = torch.tensor([[True] * s, [False, False] + [True] * (s - 2)])
+    got = compiled_step_module._attention(p, q, k, v, mask)
+    kr, vr = k.float().repeat_interleave(h // hkv, 1), v.float().repeat_interleave(h // hkv, 1)
+    scores = torch.einsum("bhe,bhse->bhs", q.float(), kr) / e**0.5
+    weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    want = torch.einsum("bhs,bhse->bhe", weights, vr).reshape(b, h * e)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_router_scores_in_fp32() -> None:
+    """The MoE slot of the eager program on bf16 rows equals the model's MoE module (which routes in fp32)
+    where the router's logits are large and close (bf16 would round away their differences)."""
+    model = make("deepseek_moe")
+    with torch.no_grad():
+        for block in model.blocks:  # a large logit common to every expert (the softmax cancels it)
+            block.ffn.router.weight.add_(50 * torch.randn(model.cfg.d_model))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(8, model.cfg.d_model).bfloat16()
+    with torch.inference_mode():
+        step = CompiledDecodeStep.build(model, 8, compiled=False)
+        got = compiled_step_module._ffn(step.program, step.program.ffns[0], step.layers[0]["ffn"], x)
+        want = model.blocks[0].ffn(x[:, None])[:, 0]
+    scale = want.float().abs().max().item()  # the tiny model's MoE outputs are ~1e-3
+    assert scale > 0
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05 * scale, rtol=0)  # bf16 rounding: ~1%
+
+
+def test_a_head_with_a_bias() -> None:
+    """build_model's heads have no bias; a head replaced by an nn.Linear with one (which the step takes) is
+    applied with its bias."""
+    model = make("llama_mha")
+    head = nn.Linear(model.cfg.d_model, model.cfg.vocab_size).eval()
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.normal_()
+    model.lm_head = head
+    assert_program_equals_forward(model, PROMPTS["padded"])
