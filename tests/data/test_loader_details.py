@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from tformer.data import BucketBatchSampler, make_loader
+from tformer.data import BucketBatchSampler, make_bucket_loader, make_loader
+from tformer.data.loader import epoch_seed
 
 
 class Draws(Dataset):
@@ -51,3 +53,109 @@ def test_a_token_budget_pools_pool_batches_batches_worth_of_items():
     assert batches == [[1, 3], [0], [2], [5, 7], [4], [6]]
     whole = BucketBatchSampler(lengths, max_tokens=4, shuffle=False, pool_batches=4).epoch_batches(0)
     assert whole == [[1, 3, 5, 7], [0], [2], [4], [6]]  # one pool of 8: the four short items together
+
+
+class Draws8(Dataset):
+    """Item i is (i, a draw made where the item is loaded)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return (i, torch.randint(0, 10**9, ()).item())
+
+
+def reference_draws(seed: int, epoch: int, items: list[int]) -> list:
+    """What plain torch DataLoader workers draw for `items` (batches of 2, one worker) when the loader's
+    generator is seeded with epoch_seed(seed, epoch, "workers"): the documented worker stream."""
+    g = torch.Generator().manual_seed(epoch_seed(seed, epoch, "workers"))
+    batches = [items[i : i + 2] for i in range(0, len(items), 2)]
+    dl = DataLoader(Draws8(), batch_sampler=batches, num_workers=1, collate_fn=list, generator=g)
+    return [list(b) for b in dl]
+
+
+def test_worker_draws_are_the_workers_stream_of_seed_and_epoch():
+    """Each epoch's worker processes draw what a DataLoader seeded from epoch_seed(seed, epoch, "workers")
+    draws: not the batch-order stream, not (epoch, seed) or (seed + epoch) mixes."""
+    lo = make_loader(Draws8(), 2, shuffle=False, seed=3, collate_fn=list, num_workers=1)
+    stream = [list(b) for b in itertools.islice(lo.batches(), 12)]  # 4 batches per epoch, 3 epochs
+    for epoch in range(3):
+        assert stream[4 * epoch : 4 * epoch + 4] == reference_draws(3, epoch, list(range(8)))
+
+
+def test_worker_draws_of_seed_and_epoch_are_not_interchangeable():
+    """Run seed 1's epoch 0 and run seed 0's epoch 1 load the same items in the same order, but their
+    workers draw differently (a worker seed mixed as seed + epoch made them equal)."""
+
+    def epoch_draws(seed: int, epoch: int) -> list:
+        lo = make_loader(Draws8(), 2, shuffle=False, seed=seed, collate_fn=list, num_workers=1)
+        lo.load_state_dict({"epoch": epoch, "index_in_epoch": 0, "seed": seed})
+        return [d for b in lo for _, d in b]
+
+    assert epoch_draws(1, 0) != epoch_draws(0, 1)
+
+
+def test_a_mid_epoch_resume_restarts_the_worker_stream_at_the_epochs_seed():
+    """As documented beside test_worker_seeds_follow_seed_and_epoch: resumed mid-epoch, the workers are
+    seeded from (seed, epoch) alone, so the rest of the epoch draws what a fresh epoch-seeded worker does."""
+    lo = make_loader(Draws8(), 2, shuffle=False, seed=3, collate_fn=list, num_workers=1)
+    lo.load_state_dict({"epoch": 1, "index_in_epoch": 2, "seed": 3})
+    assert [list(b) for b in lo] == reference_draws(3, 1, [4, 5, 6, 7])
+
+
+class WhereLoaded(Dataset):
+    def __init__(self, n: int = 6):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return get_worker_info() is not None
+
+    def lengths(self) -> list[int]:
+        return [1 + i % 3 for i in range(self.n)]
+
+
+def test_bucket_loader_loads_in_worker_processes_when_asked():
+    lo = make_bucket_loader(WhereLoaded(), batch_size=2, collate_fn=list, num_workers=1)
+    assert all(all(b) for b in lo)
+    assert not any(any(b) for b in make_bucket_loader(WhereLoaded(), batch_size=2, collate_fn=list))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(shuffle=True, seed=5, pool_batches=2),
+        dict(shuffle=False, seed=5, pool_batches=2),
+        dict(shuffle=True, seed=9, pool_batches=3, rank=1, world_size=2),
+    ],
+)
+def test_bucket_loader_batches_are_its_samplers(kwargs):
+    """make_bucket_loader passes seed, shuffle, pool_batches and the rank's share to the sampler: its
+    epochs are those of a BucketBatchSampler built with the same arguments."""
+    lengths = [1 + (i * 7919) % 37 for i in range(60)]
+    lo = make_bucket_loader(list(range(60)), lengths=lengths, batch_size=4, collate_fn=list, **kwargs)
+    ref = BucketBatchSampler(lengths, batch_size=4, **kwargs)
+    got = [list(b) for b in itertools.islice(lo.batches(), 3 * len(ref.epoch_batches(0)))]
+    want = sum((ref.epoch_batches(e) for e in range(3)), [])
+    assert got == want
+
+
+def test_len_is_the_current_epochs_batch_count_when_epochs_differ():
+    """With a token budget the batch count changes from epoch to epoch; len() is the current epoch's,
+    after a whole epoch and after load_state_dict alike."""
+    lengths = [1 + (i * 7919) % 37 for i in range(101)]
+    lo = make_bucket_loader(
+        list(range(101)), lengths=lengths, max_tokens=50, seed=5, collate_fn=list, pool_batches=3
+    )
+    counts = [len(lo.batch_sampler.epoch_batches(e)) for e in range(4)]
+    assert len(set(counts)) > 1  # the premise: epochs differ in length
+    for e in range(4):
+        assert len(lo) == counts[e] == len(list(lo))
+    other = make_bucket_loader(
+        list(range(101)), lengths=lengths, max_tokens=50, seed=5, collate_fn=list, pool_batches=3
+    )
+    for e in (3, 1, 2):
+        other.load_state_dict({"epoch": e, "index_in_epoch": 0, "seed": 5})
+        assert len(other) == counts[e]

@@ -5,18 +5,22 @@ vocabularies each learn their own side."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import sacrebleu
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tests.generate.helpers import text_of, tiny_translator_and_classifier
 from tests.tasks.test_translation import small_config, spread_of
 from tformer import build_model
+from tformer.data.datasets import Seq2SeqCollator, Seq2SeqDataset
+from tformer.generate.beam import SearchConfig
 from tformer.tasks import make_task
-from tformer.tasks.translation import truncate
+from tformer.tasks.translation import Translator, evaluate_loss, truncate
 from tformer.train.presets import tiny_translation
 
 EOS = 2
@@ -126,3 +130,65 @@ def test_separate_vocabularies_are_trained_each_on_its_own_side(
     german, english = [p.src for p in pairs], [p.tgt for p in pairs]
     assert n_tokens(task.src_tok, german) < n_tokens(task.tgt_tok, german)
     assert n_tokens(task.tgt_tok, english) < n_tokens(task.src_tok, english)
+
+
+def test_translator_cuts_sources_to_the_models_positions_too() -> None:
+    """max_src_len above the model's max_seq_len: sources are cut to the model's limit (with EOS)."""
+    translator, _ = tiny_translator_and_classifier()  # model max_seq_len 32
+    tok = translator.src_tok
+    wide = Translator(translator.model, tok, tok, max_src_len=100)
+    ids, cut = wide.encode([text_of(tok, 40, add_eos=True), "the dog barked"])
+    assert cut == [0] and len(ids[0]) == 32 and ids[0][-1] == tok.eos_id
+    assert ids[1] == tok.encode("the dog barked", add_eos=True)
+
+
+def test_translating_keeps_an_eval_mode_model_in_eval_mode() -> None:
+    translator, _ = tiny_translator_and_classifier()
+    translator.model.eval()
+    translator.translate(["the dog barked"], SearchConfig(method="greedy", max_len=4))
+    assert not translator.model.training
+
+
+def test_sampled_translations_draw_from_the_configs_seed() -> None:
+    """No generator passed: the draws are those of a generator seeded with cfg.seed."""
+    translator, _ = tiny_translator_and_classifier()
+    sources, _ = translator.encode(["the dog barked", "the market rose"])
+    outs = {}
+    for seed in (3, 4):
+        cfg = SearchConfig(method="sample", temperature=1.0, max_len=12, seed=seed)
+        own = [h.tokens for h in translator.hypotheses(sources, cfg)]
+        ref = translator.hypotheses(sources, cfg, generator=torch.Generator().manual_seed(seed))
+        assert own == [h.tokens for h in ref]
+        outs[seed] = own
+    assert outs[3] != outs[4]
+
+
+class Confident(nn.Module):
+    """A stand-in seq2seq model that puts logit 1e4 on token 3 everywhere (targets elsewhere: huge loss)."""
+
+    def __init__(self, vocab: int = 8) -> None:
+        super().__init__()
+        self.vocab, self.w = vocab, nn.Parameter(torch.zeros(()))
+
+    def forward(self, src, tgt_in, src_mask=None, tgt_mask=None):
+        logits = torch.zeros(*tgt_in.shape, self.vocab)
+        logits[..., 3] = 1e4
+        return logits + self.w
+
+
+def test_evaluation_perplexity_is_capped_not_an_overflow() -> None:
+    """A loss far above 50 nats/token (here about 1e4) reports perplexity exp(50), not OverflowError."""
+    ds = Seq2SeqDataset([([4, 5, 2], [6, 7]), ([5, 2], [4])], max_src_len=8, max_tgt_len=8)
+    result = evaluate_loss(Confident(), ds, Seq2SeqCollator(0, 1, 2), 2, None, torch.device("cpu"))
+    assert result["eval_loss"] == pytest.approx(1e4, rel=1e-3)
+    assert result["perplexity"] == pytest.approx(math.exp(50.0))
+
+
+def test_translation_counts_target_tokens_not_padding_or_sources() -> None:
+    """Pairs with sources of 4 and 2 ids and targets of 2 and 1: 3 + 2 target tokens (with EOS) are
+    counted, both as loss targets and as the tokens of tokens/s; padding and source ids are not."""
+    task = make_task("translation")
+    ds = Seq2SeqDataset([([5, 6, 7, 2], [8, 9]), ([5, 2], [8])], max_src_len=8, max_tgt_len=8)
+    batch = Seq2SeqCollator(0, 1, 2)([ds[0], ds[1]])
+    assert task.count_targets(batch) == 5
+    assert task.count_inputs(batch) == 5
