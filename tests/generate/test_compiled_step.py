@@ -119,13 +119,8 @@ def test_program_equals_the_model_forward(name: str, prompts: str, blocked: bool
     with torch.inference_mode():
         step = CompiledDecodeStep.build(model, len(PROMPTS[prompts]), compiled=False)
     assert step.program.row_blocks is blocked
-    pairs, (a, c), n = run_steps(model, PROMPTS[prompts], step)
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    a, c, n = assert_program_equals_forward(model, PROMPTS[prompts], step)
     assert a.lengths == c.lengths == [n] * model.cfg.n_layers
-    for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
-        torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -302,11 +297,12 @@ def test_compiled_moe_generate_equals_the_eager_one() -> None:
         assert compiled_generate(model, prompts, GREEDY) == generate(model, prompts, GREEDY)
 
 
-def assert_program_equals_forward(model, prompts, rows: int | None = None) -> None:
-    """The eager program against the model's own forward over the KV cache (1e-5), as
-    test_program_equals_the_model_forward checks it."""
-    with torch.inference_mode():
-        step = CompiledDecodeStep.build(model, rows or len(prompts), compiled=False)
+def assert_program_equals_forward(model, prompts, step: CompiledDecodeStep | None = None) -> tuple:
+    """The eager program (built here unless given) against the model's own forward over the KV cache:
+    logits to 1e-5, the filled cache slots to 1e-6. Returns the two caches and the filled length."""
+    if step is None:
+        with torch.inference_mode():
+            step = CompiledDecodeStep.build(model, len(prompts), compiled=False)
     assert step is not None
     pairs, (a, c), n = run_steps(model, prompts, step)
     for got, want in pairs:
@@ -314,6 +310,7 @@ def assert_program_equals_forward(model, prompts, rows: int | None = None) -> No
     for ka, kc, va, vc in zip(a.k, c.k, a.v, c.v):
         torch.testing.assert_close(kc[:, :, :n], ka[:, :, :n], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(vc[:, :, :n], va[:, :, :n], atol=1e-6, rtol=1e-6)
+    return a, c, n
 
 
 def trained_like(model):

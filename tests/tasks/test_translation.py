@@ -574,13 +574,19 @@ def test_eval_of_a_sample_takes_it_spread_over_the_split_and_scores_the_loss_on_
     Path(result["translations"]).unlink()
 
 
+def set_up_task(cfg, run_dir: Path):
+    """The translation task set up on the CPU for `cfg` (its corpus read, tokenizers trained) in run_dir."""
+    task = make_task("translation")
+    task.setup(cfg, run_dir, torch.device("cpu"))
+    return task
+
+
 def test_the_model_config_has_positions_for_data_seq_len(dictionary_file: Path, tmp_path: Path) -> None:
     """data.seq_len above model.max_seq_len: the model gets positions for data.seq_len tokens."""
     cfg = small_config(dictionary_file)
     longer = cfg.model.max_seq_len + 16
     cfg = cfg.replace(data=cfg.data.replace(seq_len=longer))
-    task = make_task("translation")
-    task.setup(cfg, tmp_path, torch.device("cpu"))
+    task = set_up_task(cfg, tmp_path)
     assert task.model_config(cfg).max_seq_len == longer
 
 
@@ -592,8 +598,7 @@ def test_the_manifest_counts_the_training_pairs_too_long_for_seq_len(
     cfg = small_config(dictionary_file)
     n = 25  # the pairs are 17..29 source and 15..27 target tokens
     cfg = cfg.replace(data=cfg.data.replace(seq_len=n))
-    task = make_task("translation")
-    task.setup(cfg, tmp_path, torch.device("cpu"))
+    task = set_up_task(cfg, tmp_path)
     train = list(task.corpus["train"])
     tok = task.src_tok
     too_long = sum(
@@ -637,8 +642,7 @@ def test_eval_counts_cut_sources_and_takes_the_loss_on_every_fitting_pair(traine
 def test_train_loader_gives_each_rank_its_own_share(dictionary_file: Path, tmp_path: Path) -> None:
     """Two ranks' training batches in an epoch are disjoint and each is half the batches."""
     cfg = small_config(dictionary_file)
-    task = make_task("translation")
-    task.setup(cfg, tmp_path, torch.device("cpu"))
+    task = set_up_task(cfg, tmp_path)
     loaders = [task.train_loader(cfg, rank, 2).loader for rank in (0, 1)]
     shares = [lo.batch_sampler.epoch_batches(0) for lo in loaders]
     whole = task.train_loader(cfg).loader.batch_sampler.epoch_batches(0)
@@ -650,8 +654,7 @@ def test_a_joint_vocabulary_is_trained_on_both_sides(dictionary_file: Path, tmp_
     """The joint BPE spells the German sources in fewer tokens than one of the same size trained on the
     English side alone would (the joint one had been trained on the targets only)."""
     cfg = small_config(dictionary_file)
-    task = make_task("translation")
-    task.setup(cfg, tmp_path, torch.device("cpu"))
+    task = set_up_task(cfg, tmp_path)
     train = list(task.corpus["train"])
     english_only = train_tokenizer([p.tgt for p in train], cfg.data.vocab_size)
     german = [p.src for p in task.corpus["val"]]
@@ -678,8 +681,7 @@ def test_the_training_evaluation_translates_sources_of_up_to_seq_len_tokens_uncu
 ) -> None:
     """The task's translator keeps a source of exactly data.seq_len tokens (with EOS) and cuts one more."""
     cfg = small_config(dictionary_file)
-    task = make_task("translation")
-    task.setup(cfg, tmp_path, torch.device("cpu"))
+    task = set_up_task(cfg, tmp_path)
     translator = task.translator(build_model(task.model_config(cfg)))
     n = cfg.data.seq_len
     texts = [text_of(task.src_tok, n, add_eos=True), text_of(task.src_tok, n + 1, add_eos=True)]
