@@ -42,6 +42,7 @@ from tformer.model.decode_step import DecodeStep, unsupported
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
 from tformer.model.linear import DECODE_MAX_ROWS, row_blocking_pays, row_blocks
 from tformer.model.moe import Dropless, GeluExperts, MoE, NoShared, ReluExperts, SwiGLUExperts
+from tformer.model.norms import is_rms_norm
 from tformer.model.positions import HalfRotaryEmbedding, LearnedPositions, NoPositions, SinusoidalPositions
 from tformer.model.router import SCORE_FUNCS, limit_groups, renormalize
 from tformer.model.transformer import DecoderLM
@@ -102,7 +103,7 @@ def _norm_spec(norm: nn.Module) -> tuple[Norm, dict[str, Tensor | None]] | None:
         return Norm("none"), {}
     if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1:
         return Norm("layer", norm.eps), {"weight": norm.weight, "bias": norm.bias}
-    if type(norm) is nn.RMSNorm and len(norm.normalized_shape) == 1:
+    if is_rms_norm(norm) and len(norm.normalized_shape) == 1:
         eps = torch.finfo(norm.weight.dtype).eps if norm.eps is None else norm.eps
         return Norm("rms", eps), {"weight": norm.weight}
     return None

@@ -37,7 +37,7 @@ from tformer.model.blocks import PostNormBlock, PostNormCrossBlock, PreNormBlock
 from tformer.model.cache import KVCache
 from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
 from tformer.model.linear import _DECODING, row_blocked_linear
-from tformer.model.norms import rms_norm_as_layer_norm
+from tformer.model.norms import is_rms_norm, rms_norm_as_layer_norm
 from tformer.model.positions import HalfRotaryEmbedding, NoPositions, NoRotary, rotate_whole_half_layout
 from tformer.model.transformer import DecoderLM, EncoderDecoder
 
@@ -84,7 +84,7 @@ def _norm(norm: nn.Module) -> Fn | None:
     if type(norm) is nn.LayerNorm:
         return partial(F.layer_norm, normalized_shape=norm.normalized_shape, weight=norm.weight,
                        bias=norm.bias, eps=norm.eps)  # fmt: skip
-    if type(norm) is nn.RMSNorm:
+    if is_rms_norm(norm):
         return partial(F.rms_norm, normalized_shape=norm.normalized_shape, weight=norm.weight, eps=norm.eps)
     return norm
 
@@ -208,7 +208,7 @@ def _own_forward(module: nn.Module) -> bool:
     decoding = _DECODING.get()
     if type(module) is nn.Linear:
         return decoding is not None and decoding.patched.get(id(module)) is module
-    return type(module) is nn.RMSNorm and getattr(forward, "func", None) is rms_norm_as_layer_norm
+    return is_rms_norm(module) and getattr(forward, "func", None) is rms_norm_as_layer_norm
 
 
 def unsupported(model: nn.Module) -> str | None:

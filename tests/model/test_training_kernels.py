@@ -1,0 +1,249 @@
+"""The CPU training fast paths against their slow twins: `score_attention` (vs the written-out
+`EagerAttention` and SDPA) and `RMSNormFunction` (vs nn.RMSNorm), forward and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tformer.model.norms as norms_module
+import tformer.model.score_attention as score_module
+from tformer import build_model
+from tformer.model.attention import EagerAttention, GqaSdpaAttention, SdpaAttention
+from tformer.model.masks import Mask, causal_mask, padding_mask
+from tformer.model.norms import RMSNorm, RMSNormFunction, is_rms_norm, make_norm
+from tformer.presets import llama_like, tiny
+
+CPU = torch.device("cpu")
+
+
+class Calls:
+    """Counts the calls of an autograd.Function's forward (patched on its class)."""
+
+    def __init__(self, monkeypatch, function: type[torch.autograd.Function]) -> None:
+        self.n = 0
+        original = function.forward
+
+        def counted(ctx, *args):
+            self.n += 1
+            return original(ctx, *args)
+
+        monkeypatch.setattr(function, "forward", staticmethod(counted))
+
+
+def masks(b: int, t_q: int, t_k: int) -> dict[str, Mask]:
+    pad = torch.ones(b, t_k, dtype=torch.bool)
+    pad[0, -3:] = False  # padded keys
+    pad[-1, :] = False  # a fully padded sample: its rows are opened to every key (masks.py)
+    out = {"full": padding_mask(t_q, None, t_k, CPU), "padded": padding_mask(t_q, pad, t_k, CPU)}
+    if t_q == t_k:
+        out["causal"] = causal_mask(0, t_q, None, CPU)
+        out["causal padded"] = causal_mask(0, t_q, pad, CPU)  # not the causal hint: the bias path
+    return out
+
+
+def attention_and_grads(kernel: nn.Module, q, k, v, mask: Mask, d_out) -> list[torch.Tensor]:
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = kernel(q, k, v, mask)
+    out.backward(d_out)
+    return [out, q.grad, k.grad, v.grad]
+
+
+# ----------------------------------------------------------------------------- score attention
+@pytest.mark.parametrize(
+    ("t_q", "t_k", "n_rep"),
+    [(9, 9, 1), (9, 9, 2), (5, 11, 1), (256, 256, 1), (259, 259, 4), (130, 130, 2)],
+)
+def test_score_attention_equals_the_written_out_reference_fp32(monkeypatch, t_q, t_k, n_rep) -> None:
+    """Output and the gradients of q, k, v, for every mask kind, grouped K/V heads, query blocks that do
+    not divide the length (259 = 4 blocks of 64-65 rows) and one block (130 queries)."""
+    torch.manual_seed(0)
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    b = 3
+    q, d_out = torch.randn(b, 4, t_q, 8), torch.randn(b, 4, t_q, 8)
+    k, v = torch.randn(b, 4 // n_rep, t_k, 8), torch.randn(b, 4 // n_rep, t_k, 8)
+    for name, mask in masks(b, t_q, t_k).items():
+        before = calls.n
+        got = attention_and_grads(GqaSdpaAttention(0.0, n_rep), q, k, v, mask, d_out)
+        assert calls.n == before + 1, name
+        ref = attention_and_grads(EagerAttention(0.0, n_rep), q, k, v, mask, d_out)
+        for g, r, what in zip(got, ref, ("out", "dq", "dk", "dv")):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=f"{name} {what}")
+
+
+@pytest.mark.parametrize("t", [128, 256])
+def test_score_attention_bf16_is_as_close_to_fp32_as_sdpa(monkeypatch, t: int) -> None:
+    """In bf16 the kernel keeps bf16 scores and probabilities (as an eager bf16 attention does) where
+    SDPA's flash kernel keeps fp32 ones: its error against the fp32 result stays within 2x SDPA's."""
+    torch.manual_seed(0)
+    q, k, v, d_out = (torch.randn(2, 4, t, 16) for _ in range(4))
+    mask = causal_mask(0, t, None, CPU)
+    exact = attention_and_grads(EagerAttention(0.0), q, k, v, mask, d_out)
+    bf16 = [x.bfloat16() for x in (q, k, v, d_out)]
+    ours = attention_and_grads(SdpaAttention(0.0), *bf16[:3], mask, bf16[3])
+    monkeypatch.setattr(score_module, "ENABLED", False)
+    sdpa = attention_and_grads(SdpaAttention(0.0), *bf16[:3], mask, bf16[3])
+    for o, s, e, what in zip(ours, sdpa, exact, ("out", "dq", "dk", "dv")):
+        assert o.dtype == torch.bfloat16
+        err_ours = (o.float() - e).norm() / e.norm()
+        err_sdpa = (s.float() - e).norm() / e.norm()
+        assert err_ours < max(2 * err_sdpa, 1e-3), (what, err_ours, err_sdpa)
+
+
+def test_causal_blocks_stop_at_the_diagonal() -> None:
+    """From CAUSAL_SPLIT_FROM queries the causal path multiplies 4 row blocks, each with the keys up to
+    its last row only (so the products cover 5/8 of the score matrix); below it, one block."""
+    q = torch.randn(1, 1, 256, 4, requires_grad=True)
+    products = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.baddbmm:
+                products.append(tuple(args[0].shape))  # the causal bias of the block: (rows, keys)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        score_module.score_attention(q, q, q, causal_mask(0, 256, None, CPU))
+    assert products == [(64, 64), (64, 128), (64, 192), (64, 256)]
+    products.clear()
+    short = torch.randn(1, 1, 255, 4, requires_grad=True)
+    with Spy():
+        score_module.score_attention(short, short, short, causal_mask(0, 255, None, CPU))
+    assert products == [(255, 255)]
+
+
+def test_score_attention_only_where_it_applies(monkeypatch) -> None:
+    """Not without a graph (inference), with attention dropout, above MAX_KEYS keys or MAX_PROBS_BYTES of
+    probabilities, in fp16, or when switched off; and a key-only gradient is enough to enter."""
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    mask = causal_mask(0, 8, None, CPU)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    k = torch.randn(1, 2, 8, 4)
+    kernel = SdpaAttention(0.0)
+    with torch.no_grad():
+        kernel(q, k, k, mask)
+    kernel(q.detach(), k, k, mask)  # nothing records a graph
+    kernel.train().p = 0.1
+    kernel(q, k, k, mask)
+    kernel.p = 0.0
+    monkeypatch.setattr(score_module, "MAX_KEYS", 7)
+    kernel(q, k, k, mask)
+    monkeypatch.setattr(score_module, "MAX_KEYS", 512)
+    monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", 2 * 8 * 8 * 4 - 1)  # one byte short of B*H*Tq*Tk fp32
+    kernel(q, k, k, mask)
+    kernel(q.detach().half().requires_grad_(), k.half(), k.half(), mask)
+    monkeypatch.setattr(score_module, "ENABLED", False)
+    kernel(q, k, k, mask)
+    assert calls.n == 0
+    monkeypatch.setattr(score_module, "ENABLED", True)
+    monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", 2 * 8 * 8 * 4)  # exactly B*H*Tq*Tk fp32
+    kernel(q, k, k, mask)
+    kernel(q.detach(), k.requires_grad_(), k, mask)
+    assert calls.n == 2
+
+
+def test_score_attention_gradients_only_for_the_inputs_that_need_them() -> None:
+    q = torch.randn(1, 2, 6, 4)
+    k = torch.randn(1, 2, 6, 4, requires_grad=True)
+    v = torch.randn(1, 2, 6, 4)
+    score_module.score_attention(q, k, v, causal_mask(0, 6, None, CPU)).sum().backward()
+    assert k.grad is not None and q.grad is None and v.grad is None
+
+
+def test_a_training_step_through_either_attention_gives_the_same_gradients(monkeypatch) -> None:
+    """A whole decoder LM (GQA, causal) and an encoder-decoder (padded source, cross-attention):
+    forward with the fast paths on and off, loss and every parameter's gradient equal."""
+    torch.manual_seed(0)
+    attention_calls = Calls(monkeypatch, score_module.ScoreAttention)
+    norm_calls = Calls(monkeypatch, RMSNormFunction)
+    lm = build_model(
+        llama_like(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
+    )
+    seq2seq = build_model(
+        tiny("encoder_decoder").replace(norm_placement="post", norm="layernorm", positions="sinusoidal")
+    )
+    tokens = torch.randint(0, 64, (2, 20))
+    src_pad = torch.ones(2, 20, dtype=torch.bool)
+    src_pad[1, 15:] = False
+    runs = {
+        "lm": (lm, lambda m: m(tokens)),
+        "seq2seq": (seq2seq, lambda m: m(tokens, tokens[:, :12], src_key_padding_mask=src_pad)),
+    }
+    for name, (model, call) in runs.items():
+        grads = []
+        for fast in (True, False):
+            monkeypatch.setattr(score_module, "ENABLED", fast)
+            monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", fast)
+            model.zero_grad(set_to_none=True)
+            logits = call(model)
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, : logits.shape[1]].flatten())
+            loss.backward()
+            grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+        for g, r in zip(*grads):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=name)
+    assert attention_calls.n == 2 + 6  # the LM's 2 layers; the encoder-decoder's 2 + 2 self, 2 cross
+    assert norm_calls.n == 5  # the LM's 2 x 2 + its final norm (the encoder-decoder's are LayerNorms)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+@pytest.mark.parametrize("eps", [1e-6, 0.5, None])
+def test_rms_norm_function_equals_torch(eps) -> None:
+    """Output, input gradient and weight gradient equal nn.RMSNorm's (eps None: the dtype's eps), on a
+    3-D input with small rows (where eps matters) and large ones."""
+    torch.manual_seed(0)
+    ref = nn.RMSNorm(16, eps=eps)
+    ours = RMSNorm(16, eps=eps)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16))
+        ours.weight.copy_(ref.weight)
+    x = torch.randn(3, 5, 16) * torch.tensor([1e-4, 1.0, 30.0])[:, None, None]
+    dy = torch.randn(3, 5, 16)
+    results = []
+    for norm in (ours, ref):
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        y.backward(dy)
+        results.append((y, xi.grad, norm.weight.grad))
+    for g, r, what in zip(*results, ("y", "dx", "dw")):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=what)
+
+
+def test_rms_norm_function_casts_a_low_precision_gradient_back() -> None:
+    """Under autocast the next layer hands back a bf16 gradient: dx and dw are fp32, as torch's."""
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    RMSNormFunction.apply(x, w, 1e-6).backward(torch.ones(4, 8, dtype=torch.bfloat16))
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_fast_path_only_where_it_applies(monkeypatch) -> None:
+    calls = Calls(monkeypatch, RMSNormFunction)
+    norm = RMSNorm(8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with torch.no_grad():
+        norm(x)
+    norm(x.detach().bfloat16().requires_grad_())  # low-precision input: torch's
+    RMSNorm((2, 4))(x.view(2, 2, 4))  # a 2-D normalized shape
+    monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", False)
+    norm(x)
+    assert calls.n == 0
+    monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", True)
+    norm(x)
+    norm.weight.requires_grad_(True)
+    norm(x.detach())  # only the weight learns: still a graph
+    assert calls.n == 2
+
+
+def test_make_norm_builds_the_fast_rms_norm_that_decoding_still_recognises() -> None:
+    cfg = llama_like(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=16)
+    norm = make_norm(cfg)
+    assert type(norm) is RMSNorm and is_rms_norm(norm) and is_rms_norm(nn.RMSNorm(4))
+    assert not is_rms_norm(nn.LayerNorm(4))
+
+    class Changed(nn.RMSNorm):
+        pass
+
+    assert not is_rms_norm(Changed(4))  # a user's subclass may compute something else
