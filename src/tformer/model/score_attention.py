@@ -13,10 +13,12 @@ an eager bf16 attention does) for the backward. A causal mask splits the queries
 multiplying only the keys up to its last row (4 blocks: 5/8 of the full products), so the masked half
 is never computed. Measured forward + backward (2 threads, Intel Xeon with AMX, 2026-12-02): bf16
 8 x 8 x 256 causal 7.9 vs 15.5 ms, 16 x 8 x 128 4.3-4.6 vs 21.3-21.8 ms (causal and full), 4 x 8 x 512
-12.5 vs 20.7 ms; fp32 16 x 8 x 128 8.0-9.6 vs 11.1-11.4 ms; at 1024 keys it lost (28 vs 25 ms).
+12.5 vs 20.7 ms; at 1024 keys it lost (28 vs 25 ms). In fp32 the kernel alone was faster too (16 x 8
+x 128: 8.0-9.6 vs 11.1-11.4 ms) but whole training steps were not (dense LM 0.978x vs 1.008x HF with
+and without it, encoder-decoder 1.082x vs 1.093x torch), so fp32 stays with SDPA.
 
-`applies(...)` says where it is used: CPU tensors that record a graph, no attention dropout, fp32 or
-bf16, at most MAX_KEYS keys and MAX_PROBS_BYTES of probabilities kept per call (B*H*Tq*Tk elements, up
+`applies(...)` says where it is used: CPU tensors that record a graph, no attention dropout, bf16, at
+most MAX_KEYS keys and MAX_PROBS_BYTES of probabilities kept per call (B*H*Tq*Tk elements, up
 to 3/8 fewer with causal blocks), not under torch.compile (which fuses its own), plain tensors. Everything else, inference included (SDPA's forward alone is fast),
 stays with SDPA. `EagerAttention` is the readable reference; tests compare both with it and with SDPA.
 """
@@ -36,7 +38,7 @@ MAX_KEYS = 512  # above this, p per layer gets large and the flash kernel catche
 MAX_PROBS_BYTES = 256 * 2**20  # and at most this much kept for backward per call (B * H * Tq * Tk elements)
 CAUSAL_BLOCKS = 4  # query-row blocks of a causal mask from CAUSAL_SPLIT_FROM queries on
 CAUSAL_SPLIT_FROM = 256  # (128 queries: one block measured faster, 4.3 vs 4.9 ms with two)
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.bfloat16,)  # fp32 measured no faster in whole training steps (module docstring)
 
 
 def applies(q: Tensor, k: Tensor, dropout_p: float) -> bool:
