@@ -4,10 +4,13 @@ Traced with dynamo's eager backend: seconds, nothing is code-generated."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
 
+import tformer.model.norms as norms_module
 from tformer import build_model
 from tformer.presets import llama_like, tiny
 
@@ -33,6 +36,40 @@ def test_dense_forward_and_backward_trace_as_one_graph(name: str) -> None:
     assert torch.allclose(out, model(*args), atol=1e-6)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["pre-norm rope swiglu gqa", "encoder-decoder"])
+def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch) -> None:
+    """Under bf16 autocast the training attention is `score_attention` (an autograd.Function with
+    causal blocks): every layer's call traces into the one graph (no SDPA left in it), with the loss and
+    gradients of eager mode, bit for bit (eager here with torch's RMSNorm, which compiled graphs use)."""
+    monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", False)
+    cfg = CONFIGS[name]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    args = (tokens, tokens) if cfg.arch == "encoder_decoder" else (tokens,)
+    model = build_model(cfg).train()
+    twin = copy.deepcopy(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    grads = []
+    for run, params in ((model, model), (compiled, twin)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(*args).float().square().mean()
+        loss.backward()
+        grads.append([loss] + [p.grad for p in params.parameters()])
+    (graph,) = graphs
+    layers = cfg.n_layers * (3 if cfg.arch == "encoder_decoder" else 1)  # self (+ cross, + encoder)
+    assert graph.count("= torch.ops.higher_order.autograd_function_apply(") == layers
+    assert "scaled_dot_product_attention" not in graph
+    for eager, traced in zip(*grads):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
     torch._dynamo.reset()
 
 
