@@ -216,6 +216,29 @@ def test_rms_norm_function_equals_torch(eps) -> None:
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=what)
 
 
+def test_rms_norm_function_on_one_vector() -> None:
+    """A 1-D input (one row) has its weight gradient too."""
+    ours, ref = RMSNorm(8), nn.RMSNorm(8)
+    x = torch.randn(8)
+    for norm in (ours, ref):
+        norm(x.clone().requires_grad_()).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+
+
+def test_training_kernels_refuse_a_second_derivative() -> None:
+    """Their backwards are written out once: asking for a gradient of a gradient is an error, not a
+    silently wrong number."""
+    x = torch.randn(2, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(RMSNorm(8)(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        g.sum().backward()
+    q = torch.randn(1, 2, 6, 4, dtype=torch.bfloat16, requires_grad=True)
+    (g,) = torch.autograd.grad(score_module.score_attention(q, q, q, causal_mask(0, 6, None, CPU)).sum(), q,
+                               create_graph=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        g.float().sum().backward()
+
+
 def test_rms_norm_function_casts_a_low_precision_gradient_back() -> None:
     """Under autocast the next layer hands back a bf16 gradient: dx and dw are fp32, as torch's."""
     x = torch.randn(4, 8, requires_grad=True)

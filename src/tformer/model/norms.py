@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from tformer.config import ModelConfig
 
@@ -38,11 +39,12 @@ class RMSNormFunction(torch.autograd.Function):
         return torch.mul(x, inv_rms).mul_(weight)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # noqa: D102
         x, weight, inv_rms = ctx.saved_tensors
         dy = dy.to(x.dtype)
         xhat = x * inv_rms
-        dw = (dy * xhat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
         dyw = dy * weight
         mean = torch.linalg.vecdot(dyw, xhat).div_(x.shape[-1]).unsqueeze(-1)  # (..., 1)
         dx = dyw.sub_(xhat.mul_(mean)).mul_(inv_rms) if ctx.needs_input_grad[0] else None

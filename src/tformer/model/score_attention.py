@@ -31,6 +31,7 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from tformer.model.masks import Mask
 
@@ -49,6 +50,7 @@ def applies(q: Tensor, k: Tensor, dropout_p: float) -> bool:
         and dropout_p == 0.0
         and q.device.type == "cpu"
         and q.dtype in DTYPES
+        and k.dtype == q.dtype
         and k.shape[-2] <= MAX_KEYS
         and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.element_size() <= MAX_PROBS_BYTES
         and torch.is_grad_enabled()
@@ -127,6 +129,7 @@ class ScoreAttention(torch.autograd.Function):
         return out.view(b, h, t_q, e)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_out):  # noqa: ANN001
         q3, k3, v3, *probs = ctx.saved_tensors
         b, h, t_q, t_k, e = ctx.shape
