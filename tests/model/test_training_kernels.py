@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -276,3 +277,154 @@ def test_make_norm_builds_the_fast_rms_norm_that_decoding_still_recognises() -> 
         pass
 
     assert not is_rms_norm(Changed(4))  # a user's subclass may compute something else
+
+
+# ----------------------------------------------------------------------------- audit additions
+class Sub(torch.Tensor):
+    """A tensor subclass (as a DTensor or a tensor-parallel wrapper is one)."""
+
+
+def test_score_attention_stays_out_of_other_devices_and_tensor_subclasses(monkeypatch) -> None:
+    """Not on a device other than the CPU (meta stands in for an accelerator) and not where q or k is
+    a tensor subclass: SDPA computes those; the same call with plain CPU tensors enters."""
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    kernel = SdpaAttention(0.0)
+    meta = torch.device("meta")
+    on_meta = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, device=meta, requires_grad=True)
+    kernel(on_meta, on_meta, on_meta, causal_mask(0, 8, None, meta))
+    mask = causal_mask(0, 8, None, CPU)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    sub = q.detach().as_subclass(Sub).requires_grad_()
+    kernel(sub, q, q, mask)
+    kernel(q, sub, sub, mask)
+    assert calls.n == 0
+    kernel(q, q, q, mask)
+    assert calls.n == 1
+
+
+def test_score_attention_probability_budget_counts_queries_times_keys(monkeypatch) -> None:
+    """MAX_PROBS_BYTES bounds B * H * Tq * Tk elements: with fewer queries than keys (cross-attention)
+    the keys count, not the queries twice."""
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
+    mask = padding_mask(4, None, 16, CPU)
+    probs_bytes = 1 * 2 * 4 * 16 * 2
+    monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", probs_bytes - 1)
+    SdpaAttention(0.0)(q, k, k, mask)
+    assert calls.n == 0
+    monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", probs_bytes)
+    SdpaAttention(0.0)(q, k, k, mask)
+    assert calls.n == 1
+
+
+def test_score_attention_default_limits_are_the_documented_ones() -> None:
+    """At most 512 keys and 256 MiB of bf16 probabilities per call (shapes only: expanded views)."""
+    grad = torch.zeros((), dtype=torch.bfloat16, requires_grad=True)
+    q = grad.expand(1, 1, 1, 4)
+    assert score_module.applies(q, grad.expand(1, 1, 512, 4), 0.0)
+    assert not score_module.applies(q, grad.expand(1, 1, 513, 4), 0.0)
+    k = grad.expand(1, 1, 512, 4)
+    assert score_module.applies(grad.expand(64, 8, 512, 4), k, 0.0)  # 2**27 elements, 2 bytes each
+    assert not score_module.applies(grad.expand(64, 8, 513, 4), k, 0.0)
+
+
+def test_score_attention_leaves_keys_of_another_dtype_to_sdpa(monkeypatch) -> None:
+    """Under bf16 autocast a bf16 query over fp32 keys and values (a memory kept in fp32) is SDPA's,
+    which autocast casts; it trains, with fp32 key gradients."""
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = SdpaAttention(0.0)(q, k, k, causal_mask(0, 8, None, CPU))
+    out.float().sum().backward()
+    assert calls.n == 0 and k.grad.dtype == torch.float32
+
+
+def test_score_attention_in_eval_mode_despite_a_configured_dropout(monkeypatch) -> None:
+    """Attention dropout is off in eval mode, so a graph recorded there (gradients of the inputs of a
+    model in eval mode) goes through the kernel even when the module has a dropout rate."""
+    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    SdpaAttention(0.1).eval()(q, q, q, causal_mask(0, 8, None, CPU))
+    assert calls.n == 1
+
+
+def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatch) -> None:
+    """Eager calls reuse one bias per block shape; under torch.compile the bias is traced as ops, the
+    lru_cache is never entered (dynamo would trace through it and warn)."""
+    score_module.cached_causal_bias.cache_clear()
+    q, k, v = (torch.randn(1, 1, 6, 4, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = causal_mask(0, 6, None, CPU)
+    expected = score_module.score_attention(q, k, v, mask)
+    score_module.score_attention(q, k, v, mask)
+    assert score_module.cached_causal_bias.cache_info().hits == 1
+
+    def cache(*args):
+        raise AssertionError("the eager cache entered under torch.compile")
+
+    monkeypatch.setattr(score_module, "cached_causal_bias", cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(score_module.score_attention, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, mask), expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("learns", ["input", "weight"])
+def test_rms_norm_function_when_only_one_of_input_and_weight_learns(monkeypatch, learns: str) -> None:
+    """A frozen weight (only x learns) or a fixed input (only the weight learns) trains through the
+    fused path, with the learning one's gradient equal to nn.RMSNorm's and none for the other."""
+    calls = Calls(monkeypatch, RMSNormFunction)
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(8), nn.RMSNorm(8)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(8))
+        ours.weight.copy_(ref.weight)
+    x, dy = torch.randn(3, 8), torch.randn(3, 8)
+    grads = []
+    for norm in (ours, ref):
+        norm.weight.requires_grad_(learns == "weight")
+        xi = x.clone().requires_grad_(learns == "input")
+        norm(xi).backward(dy)
+        grads.append((xi.grad, norm.weight.grad))
+    assert calls.n == 1
+    (dx, dw), (ref_dx, ref_dw) = grads
+    if learns == "input":
+        assert dw is None
+        torch.testing.assert_close(dx, ref_dx)
+    else:
+        assert dx is None
+        torch.testing.assert_close(dw, ref_dw)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_fast_path_stays_out_of_other_devices_subclasses_and_weights(monkeypatch) -> None:
+    """torch's forward on another device (meta), for a tensor subclass input, without a weight
+    (elementwise_affine=False) and with a low-precision weight; the plain case enters."""
+    calls = Calls(monkeypatch, RMSNormFunction)
+    x = torch.randn(2, 8, requires_grad=True)
+    RMSNorm(8, device="meta")(torch.randn(2, 8, device="meta", requires_grad=True))
+    RMSNorm(8)(x.detach().as_subclass(Sub).requires_grad_())
+    torch.testing.assert_close(
+        RMSNorm(8, elementwise_affine=False)(x), nn.RMSNorm(8, elementwise_affine=False)(x)
+    )
+    RMSNorm(8, dtype=torch.bfloat16)(x)
+    assert calls.n == 0
+    RMSNorm(8)(x)
+    assert calls.n == 1
+
+
+def test_rms_norm_under_torch_compile_is_torchs() -> None:
+    """Compiled, RMSNorm traces as torch's rms_norm (which inductor fuses), not as RMSNormFunction."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(RMSNorm(8), backend=backend, fullgraph=True)
+    compiled(torch.randn(2, 8, requires_grad=True))
+    (graph,) = graphs
+    assert "autograd_function_apply" not in graph and "rms_norm" in graph
+    torch._dynamo.reset()
