@@ -127,18 +127,20 @@ def ours(E: int, F: int, K: int, shared: int, dispatch: str, hf: nn.Module) -> M
 
 
 class WithKernel(nn.Module):
-    """Runs `block` with another CPU grouped-matmul kernel (the default is `moe.CPU_KERNEL`)."""
+    """Runs `block` with another CPU grouped-matmul kernel for every call (the defaults are `moe.CPU_KERNEL`,
+    and `moe.CPU_DECODE_KERNEL` for a few rows without a graph or row-blocked products)."""
 
     def __init__(self, block: MoE, kernel: str) -> None:
         super().__init__()
         self.block, self.kernel = block, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        default, moe_module.CPU_KERNEL = moe_module.CPU_KERNEL, self.kernel
+        defaults = moe_module.CPU_KERNEL, moe_module.CPU_DECODE_KERNEL
+        moe_module.CPU_KERNEL = moe_module.CPU_DECODE_KERNEL = self.kernel
         try:
             return self.block(x)
         finally:
-            moe_module.CPU_KERNEL = default
+            moe_module.CPU_KERNEL, moe_module.CPU_DECODE_KERNEL = defaults
 
 
 def variants(spec: dict) -> dict[str, nn.Module]:

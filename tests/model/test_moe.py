@@ -154,6 +154,50 @@ def test_loop_kernel_without_autograd_skips_the_function_and_equals_its_autograd
     assert len(applied) == 1  # the call with gradients only
 
 
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm keeps the loop")
+def test_cpu_decode_kernel_for_a_few_rows_without_a_graph_or_row_blocks() -> None:
+    """torch's grouped_mm for <= DECODE_MAX_ROWS rows without a graph, outside the row-blocked decoding
+    products and with rows of a multiple of 16 bytes; the loop kernel for everything else."""
+    w = torch.randn(4, 8, 12)
+    few, many = torch.randn(64, 12), torch.randn(65, 12)
+    pick = moe_module.pick_grouped_kernel
+    assert moe_module.CPU_DECODE_KERNEL == "grouped_mm" and moe_module.CPU_KERNEL == "loop"
+    assert pick(few, w) == "grouped_mm"
+    assert pick(many, w) == "loop"
+    assert pick(few.requires_grad_(), w) == "loop"  # training: the loop kernel's Function
+    with torch.no_grad():
+        assert pick(few, w) == "grouped_mm"
+        assert pick(torch.randn(3, 7), torch.randn(4, 8, 7)) == "loop"  # 28-byte rows: grouped_mm refuses
+        assert pick(torch.randn(3, 12, dtype=torch.bfloat16), w.bfloat16()) == "loop"  # 24-byte rows
+        assert pick(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(4, 8, 8).bfloat16()) == "grouped_mm"
+        with row_blocked_linears(nn.Sequential(), min_weight=0):
+            assert pick(few, w) == "loop"  # the loop kernel's row-blocked products
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm keeps the loop")
+def test_a_decoding_sized_moe_forward_through_grouped_mm_equals_the_loop(monkeypatch) -> None:
+    """An MoE layer on 8 tokens without gradients runs its expert products through grouped_mm (counted),
+    with the output of the loop kernel."""
+    calls = []
+    kernel = moe_module.GROUPED_LINEAR_KERNELS["grouped_mm"]
+    monkeypatch.setitem(
+        moe_module.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: calls.append(1) or kernel(*a)
+    )
+    torch.manual_seed(0)
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, n_shared=1, d_shared=16), 0).eval()
+    x = torch.randn(1, 8, moe.router.weight.shape[1])
+    with torch.no_grad():
+        fast = moe(x)
+        assert len(calls) == 3  # gate, up and down products
+        default, moe_module.CPU_DECODE_KERNEL = moe_module.CPU_DECODE_KERNEL, "loop"
+        try:
+            slow = moe(x)
+        finally:
+            moe_module.CPU_DECODE_KERNEL = default
+    assert len(calls) == 3
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+
+
 def test_shared_experts_reach_every_token_independent_of_routing() -> None:
     moe = MoE(moe_cfg(n_experts=4, top_k=2, n_shared=2, d_shared=8), 0).train()
     assert moe.shared.up_proj.out_features == 16  # 2 shared experts fused into one FFN
