@@ -20,20 +20,6 @@ from tformer.presets import llama_like, tiny
 CPU = torch.device("cpu")
 
 
-class Calls:
-    """Counts the calls of an autograd.Function's forward (patched on its class)."""
-
-    def __init__(self, monkeypatch, function: type[torch.autograd.Function]) -> None:
-        self.n = 0
-        original = function.forward
-
-        def counted(ctx, *args):
-            self.n += 1
-            return original(ctx, *args)
-
-        monkeypatch.setattr(function, "forward", staticmethod(counted))
-
-
 def masks(b: int, t_q: int, t_k: int) -> dict[str, Mask]:
     pad = torch.ones(b, t_k, dtype=torch.bool)
     pad[0, -3:] = False  # padded keys
@@ -57,20 +43,22 @@ def attention_and_grads(kernel: nn.Module, q, k, v, mask: Mask, d_out) -> list[t
     ("t_q", "t_k", "n_rep"),
     [(9, 9, 1), (9, 9, 2), (5, 11, 1), (256, 256, 1), (259, 259, 4), (130, 130, 2)],
 )
-def test_score_attention_equals_the_written_out_reference_fp32(monkeypatch, t_q, t_k, n_rep) -> None:
+def test_score_attention_equals_the_written_out_reference_fp32(
+    monkeypatch, t_q, t_k, n_rep, count_calls
+) -> None:
     """Output and the gradients of q, k, v, for every mask kind, grouped K/V heads, query blocks that do
     not divide the length (259 = 4 blocks of 64-65 rows) and one block (130 queries). The kernel is
     entered for bf16 only; in fp32 (let in here) it must equal the reference to rounding."""
     torch.manual_seed(0)
     monkeypatch.setattr(score_module, "DTYPES", (torch.float32, torch.bfloat16))
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     b = 3
     q, d_out = torch.randn(b, 4, t_q, 8), torch.randn(b, 4, t_q, 8)
     k, v = torch.randn(b, 4 // n_rep, t_k, 8), torch.randn(b, 4 // n_rep, t_k, 8)
     for name, mask in masks(b, t_q, t_k).items():
-        before = calls.n
+        before = len(calls)
         got = attention_and_grads(GqaSdpaAttention(0.0, n_rep), q, k, v, mask, d_out)
-        assert calls.n == before + 1, name
+        assert len(calls) == before + 1, name
         ref = attention_and_grads(EagerAttention(0.0, n_rep), q, k, v, mask, d_out)
         for g, r, what in zip(got, ref, ("out", "dq", "dk", "dv")):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=f"{name} {what}")
@@ -117,10 +105,10 @@ def test_causal_blocks_stop_at_the_diagonal() -> None:
     assert products == [(255, 255)]
 
 
-def test_score_attention_only_where_it_applies(monkeypatch) -> None:
+def test_score_attention_only_where_it_applies(monkeypatch, count_calls) -> None:
     """bf16 only; not without a graph (inference), with attention dropout, above MAX_KEYS keys or
     MAX_PROBS_BYTES of probabilities, or when switched off; a key-only gradient is enough to enter."""
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     mask = causal_mask(0, 8, None, CPU)
     q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16)
@@ -142,11 +130,11 @@ def test_score_attention_only_where_it_applies(monkeypatch) -> None:
     monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", probs_bytes)
     monkeypatch.setattr(score_module, "ENABLED", False)
     kernel(q, k, k, mask)
-    assert calls.n == 0
+    assert len(calls) == 0
     monkeypatch.setattr(score_module, "ENABLED", True)
     kernel(q, k, k, mask)  # exactly MAX_KEYS keys and MAX_PROBS_BYTES
     kernel(q.detach(), k.requires_grad_(), k, mask)
-    assert calls.n == 2
+    assert len(calls) == 2
 
 
 def test_score_attention_gradients_only_for_the_inputs_that_need_them() -> None:
@@ -157,14 +145,14 @@ def test_score_attention_gradients_only_for_the_inputs_that_need_them() -> None:
     assert k.grad is not None and q.grad is None and v.grad is None
 
 
-def test_a_training_step_through_either_attention_gives_the_same_gradients(monkeypatch) -> None:
+def test_a_training_step_through_either_attention_gives_the_same_gradients(monkeypatch, count_calls) -> None:
     """A whole decoder LM (GQA, causal) and an encoder-decoder (padded source, cross-attention):
     forward with the fast paths on and off, loss and every parameter's gradient equal (in fp32, let
     into the attention kernel for this comparison)."""
     torch.manual_seed(0)
     monkeypatch.setattr(score_module, "DTYPES", (torch.float32, torch.bfloat16))
-    attention_calls = Calls(monkeypatch, score_module.ScoreAttention)
-    norm_calls = Calls(monkeypatch, RMSNormFunction)
+    attention_calls = count_calls(score_module.ScoreAttention, "forward")
+    norm_calls = count_calls(RMSNormFunction, "forward")
     lm = build_model(
         llama_like(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
     )
@@ -190,8 +178,8 @@ def test_a_training_step_through_either_attention_gives_the_same_gradients(monke
             grads.append([loss.detach()] + [p.grad for p in model.parameters()])
         for g, r in zip(*grads):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=name)
-    assert attention_calls.n == 2 + 6  # the LM's 2 layers; the encoder-decoder's 2 + 2 self, 2 cross
-    assert norm_calls.n == 5  # the LM's 2 x 2 + its final norm (the encoder-decoder's are LayerNorms)
+    assert len(attention_calls) == 2 + 6  # the LM's 2 layers; the encoder-decoder's 2 + 2 self, 2 cross
+    assert len(norm_calls) == 5  # the LM's 2 x 2 + its final norm (the encoder-decoder's are LayerNorms)
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -249,8 +237,8 @@ def test_rms_norm_function_casts_a_low_precision_gradient_back() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-def test_rms_norm_fast_path_only_where_it_applies(monkeypatch) -> None:
-    calls = Calls(monkeypatch, RMSNormFunction)
+def test_rms_norm_fast_path_only_where_it_applies(monkeypatch, count_calls) -> None:
+    calls = count_calls(RMSNormFunction, "forward")
     norm = RMSNorm(8)
     x = torch.randn(2, 8, requires_grad=True)
     with torch.no_grad():
@@ -259,12 +247,12 @@ def test_rms_norm_fast_path_only_where_it_applies(monkeypatch) -> None:
     RMSNorm((2, 4))(x.view(2, 2, 4))  # a 2-D normalized shape
     monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", False)
     norm(x)
-    assert calls.n == 0
+    assert len(calls) == 0
     monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", True)
     norm(x)
     norm.weight.requires_grad_(True)
     norm(x.detach())  # only the weight learns: still a graph
-    assert calls.n == 2
+    assert len(calls) == 2
 
 
 def test_make_norm_builds_the_fast_rms_norm_that_decoding_still_recognises() -> None:
@@ -284,10 +272,10 @@ class Sub(torch.Tensor):
     """A tensor subclass (as a DTensor or a tensor-parallel wrapper is one)."""
 
 
-def test_score_attention_stays_out_of_other_devices_and_tensor_subclasses(monkeypatch) -> None:
+def test_score_attention_stays_out_of_other_devices_and_tensor_subclasses(count_calls) -> None:
     """Not on a device other than the CPU (meta stands in for an accelerator) and not where q or k is
     a tensor subclass: SDPA computes those; the same call with plain CPU tensors enters."""
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     kernel = SdpaAttention(0.0)
     meta = torch.device("meta")
     on_meta = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, device=meta, requires_grad=True)
@@ -297,25 +285,25 @@ def test_score_attention_stays_out_of_other_devices_and_tensor_subclasses(monkey
     sub = q.detach().as_subclass(Sub).requires_grad_()
     kernel(sub, q, q, mask)
     kernel(q, sub, sub, mask)
-    assert calls.n == 0
+    assert len(calls) == 0
     kernel(q, q, q, mask)
-    assert calls.n == 1
+    assert len(calls) == 1
 
 
-def test_score_attention_probability_budget_counts_queries_times_keys(monkeypatch) -> None:
+def test_score_attention_probability_budget_counts_queries_times_keys(monkeypatch, count_calls) -> None:
     """MAX_PROBS_BYTES bounds B * H * Tq * Tk elements: with fewer queries than keys (cross-attention)
     the keys count, not the queries twice."""
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
     mask = padding_mask(4, None, 16, CPU)
     probs_bytes = 1 * 2 * 4 * 16 * 2
     monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", probs_bytes - 1)
     SdpaAttention(0.0)(q, k, k, mask)
-    assert calls.n == 0
+    assert len(calls) == 0
     monkeypatch.setattr(score_module, "MAX_PROBS_BYTES", probs_bytes)
     SdpaAttention(0.0)(q, k, k, mask)
-    assert calls.n == 1
+    assert len(calls) == 1
 
 
 def test_score_attention_default_limits_are_the_documented_ones() -> None:
@@ -329,25 +317,25 @@ def test_score_attention_default_limits_are_the_documented_ones() -> None:
     assert not score_module.applies(grad.expand(64, 8, 513, 4), k, 0.0)
 
 
-def test_score_attention_leaves_keys_of_another_dtype_to_sdpa(monkeypatch) -> None:
+def test_score_attention_leaves_keys_of_another_dtype_to_sdpa(count_calls) -> None:
     """Under bf16 autocast a bf16 query over fp32 keys and values (a memory kept in fp32) is SDPA's,
     which autocast casts; it trains, with fp32 key gradients."""
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 8, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = SdpaAttention(0.0)(q, k, k, causal_mask(0, 8, None, CPU))
     out.float().sum().backward()
-    assert calls.n == 0 and k.grad.dtype == torch.float32
+    assert len(calls) == 0 and k.grad.dtype == torch.float32
 
 
-def test_score_attention_in_eval_mode_despite_a_configured_dropout(monkeypatch) -> None:
+def test_score_attention_in_eval_mode_despite_a_configured_dropout(count_calls) -> None:
     """Attention dropout is off in eval mode, so a graph recorded there (gradients of the inputs of a
     model in eval mode) goes through the kernel even when the module has a dropout rate."""
-    calls = Calls(monkeypatch, score_module.ScoreAttention)
+    calls = count_calls(score_module.ScoreAttention, "forward")
     q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
     SdpaAttention(0.1).eval()(q, q, q, causal_mask(0, 8, None, CPU))
-    assert calls.n == 1
+    assert len(calls) == 1
 
 
 def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatch) -> None:
@@ -371,10 +359,10 @@ def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatc
 
 
 @pytest.mark.parametrize("learns", ["input", "weight"])
-def test_rms_norm_function_when_only_one_of_input_and_weight_learns(monkeypatch, learns: str) -> None:
+def test_rms_norm_function_when_only_one_of_input_and_weight_learns(learns: str, count_calls) -> None:
     """A frozen weight (only x learns) or a fixed input (only the weight learns) trains through the
     fused path, with the learning one's gradient equal to nn.RMSNorm's and none for the other."""
-    calls = Calls(monkeypatch, RMSNormFunction)
+    calls = count_calls(RMSNormFunction, "forward")
     torch.manual_seed(0)
     ours, ref = RMSNorm(8), nn.RMSNorm(8)
     with torch.no_grad():
@@ -387,7 +375,7 @@ def test_rms_norm_function_when_only_one_of_input_and_weight_learns(monkeypatch,
         xi = x.clone().requires_grad_(learns == "input")
         norm(xi).backward(dy)
         grads.append((xi.grad, norm.weight.grad))
-    assert calls.n == 1
+    assert len(calls) == 1
     (dx, dw), (ref_dx, ref_dw) = grads
     if learns == "input":
         assert dw is None
@@ -398,10 +386,10 @@ def test_rms_norm_function_when_only_one_of_input_and_weight_learns(monkeypatch,
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-def test_rms_norm_fast_path_stays_out_of_other_devices_subclasses_and_weights(monkeypatch) -> None:
+def test_rms_norm_fast_path_stays_out_of_other_devices_subclasses_and_weights(count_calls) -> None:
     """torch's forward on another device (meta), for a tensor subclass input, without a weight
     (elementwise_affine=False) and with a low-precision weight; the plain case enters."""
-    calls = Calls(monkeypatch, RMSNormFunction)
+    calls = count_calls(RMSNormFunction, "forward")
     x = torch.randn(2, 8, requires_grad=True)
     RMSNorm(8, device="meta")(torch.randn(2, 8, device="meta", requires_grad=True))
     RMSNorm(8)(x.detach().as_subclass(Sub).requires_grad_())
@@ -409,9 +397,9 @@ def test_rms_norm_fast_path_stays_out_of_other_devices_subclasses_and_weights(mo
         RMSNorm(8, elementwise_affine=False)(x), nn.RMSNorm(8, elementwise_affine=False)(x)
     )
     RMSNorm(8, dtype=torch.bfloat16)(x)
-    assert calls.n == 0
+    assert len(calls) == 0
     RMSNorm(8)(x)
-    assert calls.n == 1
+    assert len(calls) == 1
 
 
 def test_rms_norm_under_torch_compile_is_torchs() -> None:

@@ -44,8 +44,14 @@ FUSE_MIN_ROWS = 1024  # rows (B * T) from which one stacked GEMM beats separate 
 FUSE_UNDER_AUTOGRAD = False
 
 
+def records_graph(*tensors: Tensor | None) -> bool:
+    """Whether an op on these tensors would be recorded for backward (grad mode on and one of them
+    requires grad); None entries (absent biases) are skipped."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _records_graph(x: Tensor, linears: Sequence[nn.Linear]) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(lin.weight.requires_grad for lin in linears))
+    return records_graph(x, *(lin.weight for lin in linears))
 
 
 def autocast_input(x: Tensor) -> Tensor:

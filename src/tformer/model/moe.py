@@ -29,6 +29,7 @@ from tformer.model.linear import (
     autocast_enabled,
     decoding_max_rows,
     decoding_row_blocks,
+    records_graph,
     row_blocked_linear,
 )
 from tformer.model.router import BalanceLoss, Routing, Segments, TopKRouter, probabilities
@@ -89,7 +90,7 @@ class LoopGroupedLinear(torch.autograd.Function):
 
 
 def loop_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
+    if records_graph(x, w, b):
         return LoopGroupedLinear.apply(x, w, b, counts)
     return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))  # no graph to record
 
@@ -133,9 +134,9 @@ def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
     16 bytes), `CPU_KERNEL` otherwise."""
     if x.device.type == "cpu":
         few = x.shape[0] <= DECODE_MAX_ROWS and (x.shape[1] * x.element_size()) % 16 == 0
-        graph = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-        row_blocked = decoding_row_blocks(w[0], x.shape[0]) is not None
-        return CPU_DECODE_KERNEL if few and not graph and not row_blocked else CPU_KERNEL
+        if few and not records_graph(x, w) and decoding_row_blocks(w[0], x.shape[0]) is None:
+            return CPU_DECODE_KERNEL
+        return CPU_KERNEL
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")):
         return CPU_KERNEL
     aligned = x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0

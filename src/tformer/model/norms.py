@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from tformer.config import ModelConfig
+from tformer.model.linear import records_graph
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -71,8 +72,7 @@ class RMSNorm(nn.RMSNorm):
             and type(w) is nn.Parameter
             and w.dtype == torch.float32
             and len(self.normalized_shape) == 1
-            and torch.is_grad_enabled()
-            and (x.requires_grad or w.requires_grad)
+            and records_graph(x, w)
             and not torch.compiler.is_compiling()
         )
 

@@ -20,8 +20,8 @@ and without it, encoder-decoder 1.082x vs 1.093x torch), so fp32 stays with SDPA
 `applies(...)` says where it is used: CPU tensors that record a graph, no attention dropout, bf16, at
 most MAX_KEYS keys and MAX_PROBS_BYTES of probabilities kept per call (B*H*Tq*Tk elements, up
 to 3/8 fewer with causal blocks), plain tensors. torch.compile traces it too (inductor keeps SDPA's
-flash backward otherwise): the bf16 LM step compiled with it 0.506 s, with SDPA 0.552 s (6 rounds). Everything else, inference included (SDPA's forward alone is fast),
-stays with SDPA. `EagerAttention` is the readable reference; tests compare both with it and with SDPA.
+flash backward otherwise): the bf16 LM step compiled with it 0.506 s, with SDPA 0.552 s (6 rounds).
+Everything else, inference included (SDPA's forward alone is fast), stays with SDPA. `EagerAttention` is the readable reference; tests compare both with it and with SDPA.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from tformer.model.linear import records_graph
 from tformer.model.masks import Mask
 
 ENABLED = True  # False: training attention on the CPU goes through SDPA as well (the slow twin)
@@ -53,8 +54,7 @@ def applies(q: Tensor, k: Tensor, dropout_p: float) -> bool:
         and k.dtype == q.dtype
         and k.shape[-2] <= MAX_KEYS
         and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.element_size() <= MAX_PROBS_BYTES
-        and torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad)
+        and records_graph(q, k)
         and type(q) is Tensor
         and type(k) is Tensor
     )
