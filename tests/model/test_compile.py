@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 import tformer.model.norms as norms_module
+import tformer.model.positions as positions_module
 from tformer import build_model
 from tformer.presets import llama_like, tiny
 
@@ -43,8 +44,10 @@ def test_dense_forward_and_backward_trace_as_one_graph(name: str) -> None:
 def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch) -> None:
     """Under bf16 autocast the training attention is `score_attention` (an autograd.Function with
     causal blocks): every layer's call traces into the one graph (no SDPA left in it), with the loss and
-    gradients of eager mode, bit for bit (eager here with torch's RMSNorm, which compiled graphs use)."""
+    gradients of eager mode, bit for bit (eager here with torch's RMSNorm and the rotary reference's ops,
+    which compiled graphs use)."""
     monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", False)
+    monkeypatch.setattr(positions_module, "FUSED_ROTARY", False)
     cfg = CONFIGS[name]
     tokens = torch.randint(0, cfg.vocab_size, (2, 8))
     args = (tokens, tokens) if cfg.arch == "encoder_decoder" else (tokens,)

@@ -40,21 +40,26 @@ ROPES = {
 @pytest.mark.parametrize("batched_positions", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [JOINT_MAX_T + 9, JOINT_MAX_T], ids=["per-tensor", "joint"])  # joint: decoding
-def test_half_rotary_is_bit_identical_to_reference(
-    rope: RopeConfig, batched_positions: bool, dtype, t: int
-) -> None:
+def test_half_rotary_equals_the_reference(rope: RopeConfig, batched_positions: bool, dtype, t: int) -> None:
     fast, ref = HalfRotaryEmbedding(16, 64, rope), RotaryEmbedding(16, 64, rope)
     q = torch.randn(3, 4, t, 16, dtype=dtype, requires_grad=True)
     k = torch.randn(3, 2, t, 16, dtype=dtype, requires_grad=True)
     positions = torch.randint(0, 64, (3, t)) if batched_positions else torch.arange(5, 5 + t)
+    with torch.no_grad():  # inference: the same ops as the reference, bit for bit
+        for g, w in zip(fast.pair(q, k, positions), ref.pair(q, k, positions)):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        assert torch.equal(fast(q, positions), ref(q, positions))
+    # training (a graph): RotateHalves from 2 queries on, whose fused multiply-adds round once where the
+    # reference rounds each product: equal to one rounding of a product (|q| <= ~4: 2^-6 apart in bf16)
     got, want = fast.pair(q, k, positions), ref.pair(q, k, positions)
+    atol = 1e-6 if dtype == torch.float32 else 2**-6
     for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.equal(g, w)
-    assert torch.equal(fast(q, positions), ref(q, positions))
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)
     weight = torch.linspace(-1, 1, 16, dtype=dtype)
     grads = [torch.autograd.grad(sum((o * weight).sum() for o in out), (q, k)) for out in (got, want)]
     for g, w in zip(*grads):
-        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)
 
 
 def test_half_rotary_on_strided_heads() -> None:

@@ -1,5 +1,6 @@
 """The CPU training fast paths against their slow twins: `score_attention` (vs the written-out
-`EagerAttention` and SDPA) and `RMSNormFunction` (vs nn.RMSNorm), forward and every gradient."""
+`EagerAttention` and SDPA), `RMSNormFunction` (vs nn.RMSNorm) and `RotateHalves` (vs the rotary
+reference's ops), forward and every gradient."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import tformer.model.norms as norms_module
+import tformer.model.positions as positions_module
 import tformer.model.score_attention as score_module
 from tformer import build_model
+from tformer.config import RopeConfig
 from tformer.model.attention import EagerAttention, GqaSdpaAttention, SdpaAttention
 from tformer.model.masks import Mask, causal_mask, padding_mask
 from tformer.model.norms import RMSNorm, RMSNormFunction, is_rms_norm, make_norm
+from tformer.model.positions import HalfRotaryEmbedding, RotateHalves, rotate_whole_half_layout
 from tformer.presets import llama_like, tiny
 
 CPU = torch.device("cpu")
@@ -162,6 +166,7 @@ def test_a_training_step_through_either_attention_gives_the_same_gradients(monke
     tokens = torch.randint(0, 64, (2, 20))
     src_pad = torch.ones(2, 20, dtype=torch.bool)
     src_pad[1, 15:] = False
+    rotary_calls = count_calls(RotateHalves, "forward")
     runs = {
         "lm": (lm, lambda m: m(tokens)),
         "seq2seq": (seq2seq, lambda m: m(tokens, tokens[:, :12], src_key_padding_mask=src_pad)),
@@ -171,6 +176,7 @@ def test_a_training_step_through_either_attention_gives_the_same_gradients(monke
         for fast in (True, False):
             monkeypatch.setattr(score_module, "ENABLED", fast)
             monkeypatch.setattr(norms_module, "FUSED_RMS_NORM", fast)
+            monkeypatch.setattr(positions_module, "FUSED_ROTARY", fast)
             model.zero_grad(set_to_none=True)
             logits = call(model)
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, : logits.shape[1]].flatten())
@@ -180,6 +186,7 @@ def test_a_training_step_through_either_attention_gives_the_same_gradients(monke
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=name)
     assert len(attention_calls) == 2 + 6  # the LM's 2 layers; the encoder-decoder's 2 + 2 self, 2 cross
     assert len(norm_calls) == 5  # the LM's 2 x 2 + its final norm (the encoder-decoder's are LayerNorms)
+    assert len(rotary_calls) == 4  # the LM's q and k in 2 layers (the encoder-decoder's are sinusoidal)
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -416,3 +423,101 @@ def test_rms_norm_under_torch_compile_is_torchs() -> None:
     (graph,) = graphs
     assert "autograd_function_apply" not in graph and "rms_norm" in graph
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rotary_and_grads(rotary, x_flat: torch.Tensor, heads: int, positions: torch.Tensor, dy: torch.Tensor):
+    """x as attention sees it: the projection's (B, T, H*E) output split into (B, H, T, E) heads.
+    Returns y, the projection's gradient and (the heads' gradient's strides, the heads' strides)."""
+    leaf = x_flat.detach().requires_grad_()
+    b, t, _ = leaf.shape
+    x = leaf.view(b, t, heads, -1).transpose(1, 2)
+    strides = []
+    x.register_hook(lambda g: strides.append((g.stride(), x.stride())))
+    y = rotary(x, positions)
+    y.backward(dy)
+    return y, leaf.grad, strides[0]
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("heads", [4, 1])
+def test_rotate_halves_equals_the_reference(monkeypatch, per_row: bool, heads: int, count_calls) -> None:
+    """Output and input gradient equal the reference ops' to rounding, with one position table for the
+    batch or one per row (left-padded batches); the output is laid out (B, H, T, E) for attention and
+    the gradient comes back in the projection's layout."""
+    torch.manual_seed(0)
+    calls = count_calls(RotateHalves, "forward")
+    rotary = HalfRotaryEmbedding(8, 32, RopeConfig())
+    b, t = 3, 7
+    positions = torch.arange(t) + 2 * torch.arange(b)[:, None] if per_row else torch.arange(t)
+    x, dy = torch.randn(b, t, heads * 8), torch.randn(b, heads, t, 8)
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(positions_module, "FUSED_ROTARY", fast)
+        results.append(rotary_and_grads(rotary, x, heads, positions, dy))
+    (y, dx, (grad_strides, head_strides)), (y_ref, dx_ref, _) = results
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)
+    assert y.is_contiguous() and grad_strides == head_strides and len(calls) == 1
+
+
+def test_rotate_halves_bf16_is_as_close_to_fp64_as_the_reference(monkeypatch) -> None:
+    """In bf16 each output rounds once (a fused multiply-add) where the reference rounds after every
+    op: its error against fp64 is at most the reference's, to within one bf16 rounding."""
+    torch.manual_seed(0)
+    rotary = HalfRotaryEmbedding(64, 256, RopeConfig())
+    x, dy = torch.randn(2, 256, 4 * 64), torch.randn(2, 4, 256, 64)
+    positions = torch.arange(256)
+    exact = rotary_and_grads(rotary.double(), x.double(), 4, positions, dy.double())
+    errors = {}
+    for fast in (True, False):
+        monkeypatch.setattr(positions_module, "FUSED_ROTARY", fast)
+        got = rotary_and_grads(rotary.bfloat16(), x.bfloat16(), 4, positions, dy.bfloat16())
+        errors[fast] = [(g.double() - e).abs().max().item() for g, e in zip(got[:2], exact[:2])]
+    for fast_error, ref_error in zip(errors[True], errors[False]):
+        assert fast_error <= ref_error + 2**-8 * 4  # one bf16 rounding of values up to ~4
+
+
+def test_rotate_halves_only_where_it_applies(monkeypatch, count_calls) -> None:
+    """Inference (no graph) and the slow twin run the reference's ops, bit for bit; a graph enters."""
+    calls = count_calls(RotateHalves, "forward")
+    rotary = HalfRotaryEmbedding(8, 16, RopeConfig())
+    q, k, positions = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.arange(5)
+    cos, sin = rotary.table(positions, q.dtype)
+    with torch.no_grad():
+        q_rot, k_rot = rotary.pair(q.requires_grad_(), k, positions)
+    assert torch.equal(q_rot, rotate_whole_half_layout(q, cos, sin))
+    assert torch.equal(k_rot, rotate_whole_half_layout(k, cos, sin))
+    monkeypatch.setattr(positions_module, "FUSED_ROTARY", False)
+    rotary(q, positions)
+    assert len(calls) == 0
+    monkeypatch.setattr(positions_module, "FUSED_ROTARY", True)
+    rotary.pair(q, k, positions)  # only q learns: q through the function, k through the ops
+    assert len(calls) == 1
+
+
+def test_rotate_halves_stays_out_of_tensor_subclasses_and_torch_compile(count_calls) -> None:
+    calls = count_calls(RotateHalves, "forward")
+    rotary = HalfRotaryEmbedding(8, 16, RopeConfig())
+    rotary(torch.randn(1, 2, 5, 8).as_subclass(Sub).requires_grad_(), torch.arange(5))
+    assert len(calls) == 0
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(rotary, backend=backend, fullgraph=True)(torch.randn(1, 2, 5, 8, requires_grad=True),
+                                                          torch.arange(5))  # fmt: skip
+    (graph,) = graphs
+    assert "autograd_function_apply" not in graph and "roll" in graph
+    torch._dynamo.reset()
+
+
+def test_rotate_halves_refuses_a_second_derivative() -> None:
+    x = torch.randn(1, 2, 5, 8, requires_grad=True)
+    y = HalfRotaryEmbedding(8, 16, RopeConfig())(x, torch.arange(5))
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        g.sum().backward()
