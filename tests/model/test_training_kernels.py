@@ -521,3 +521,40 @@ def test_rotate_halves_refuses_a_second_derivative() -> None:
     (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         g.sum().backward()
+
+
+def test_rotate_halves_stays_out_of_other_devices(count_calls) -> None:
+    """On a device other than the CPU (meta stands in for an accelerator) the reference's ops rotate x
+    on its own device, forward and backward; the same call with CPU tensors enters RotateHalves."""
+    calls = count_calls(RotateHalves, "forward")
+    meta = torch.device("meta")
+    x = torch.randn(1, 2, 5, 8, device=meta, requires_grad=True)
+    y = HalfRotaryEmbedding(8, 16, RopeConfig()).to(meta)(x, torch.arange(5, device=meta))
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert y.device == meta and dx.device == meta and dx.shape == x.shape
+    assert len(calls) == 0
+    HalfRotaryEmbedding(8, 16, RopeConfig())(torch.randn(1, 2, 5, 8, requires_grad=True), torch.arange(5))
+    assert len(calls) == 1
+
+
+def test_rotate_halves_gradient_of_a_column_slice_is_dense(monkeypatch, count_calls) -> None:
+    """q as a column slice of a wider projection output (one stacked q/k/v GEMM, FUSE_UNDER_AUTOGRAD):
+    x has gaps between rows. Its gradient equals the reference's and comes back dense in the
+    projection's (B, T, H, E) order, not with x's gaps (a buffer of the whole stacked width)."""
+    torch.manual_seed(0)
+    calls = count_calls(RotateHalves, "forward")
+    rotary = HalfRotaryEmbedding(8, 32, RopeConfig())
+    b, t, h = 2, 7, 3
+    qkv, dy = torch.randn(b, t, 3 * h * 8), torch.randn(b, h, t, 8)
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(positions_module, "FUSED_ROTARY", fast)
+        leaf = qkv.clone().requires_grad_()
+        x = leaf[..., : h * 8].view(b, t, h, 8).transpose(1, 2)  # (B, H, T, E), not dense
+        head_grads = []
+        x.register_hook(head_grads.append)
+        rotary(x, torch.arange(t)).backward(dy)
+        results.append((head_grads[0], leaf.grad))
+    (head_grad, dx), (_, dx_ref) = results
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1 and head_grad.transpose(1, 2).is_contiguous()
