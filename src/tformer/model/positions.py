@@ -242,13 +242,13 @@ class RotateHalves(torch.autograd.Function):
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # noqa: D102
         ctx.save_for_backward(cos, sin)
         ctx.layout = torch.empty_like(x, device="meta").stride()  # x's strides where x is dense
-        return rotate_halves_into(torch.empty(x.shape, dtype=x.dtype), x, cos, sin)
+        return rotate_halves_into(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, cos, sin)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
         cos, sin = ctx.saved_tensors
-        dx = torch.empty_strided(g.shape, ctx.layout, dtype=g.dtype)
+        dx = torch.empty_strided(g.shape, ctx.layout, dtype=g.dtype, device=g.device)
         return rotate_halves_into(dx, g, cos, -sin), None, None
 
 
