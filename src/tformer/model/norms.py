@@ -3,7 +3,7 @@
 "layernorm" (Ba et al., 2016, with bias), "layernorm_nobias", "rmsnorm" (Zhang & Sennrich, 2019).
 
 `RMSNorm` is `nn.RMSNorm` (same parameters, same function) with a training fast path on the CPU, where
-torch's RMSNorm backward is a chain of ~10 elementwise ops: `RMSNormFunction` computes the forward in 4
+torch's RMSNorm backward is a chain of ~10 elementwise ops: `RMSNormFunction` computes the forward in 3
 passes and the backward in 6 from the saved 1 / rms (see there). `nn.RMSNorm` is its slow twin.
 `rms_norms_as_layer_norm(model)` is a decoding-time fast path for RMSNorm on the CPU (see there);
 `nn.RMSNorm` is its slow twin too.

@@ -163,7 +163,8 @@ class HalfRotaryEmbedding(RotaryEmbedding):
     """Fast twin of RotaryEmbedding for the half layout with every feature rotated (Llama):
     x * [cos, cos] + [x2, x1] * [-sin, sin], with both full-width tables precomputed for every position,
     one lookup per (q, k) pair, no torch.cat of halves (in a decoding step q and k are concatenated and
-    rotated as one tensor). Bit-identical to the reference (a - b == a + (-b))."""
+    rotated as one tensor). Bit-identical to the reference (a - b == a + (-b)) without a graph; training
+    (a graph, more than JOINT_MAX_T queries in `pair`) goes through `RotateHalves`, equal to one rounding."""
 
     FLOAT32_BUFFERS = ("cos", "sin", "cos_sin")
 
@@ -206,7 +207,8 @@ FUSED_ROTARY = True  # False: training rotates through rotate_whole_half_layout'
 
 def rotate_halves_applies(x: Tensor) -> bool:
     """Where `RotateHalves` computes the rotation: x records a graph outside torch.compile (which fuses
-    the reference's ops itself), plain CPU tensor of an even head width."""
+    the reference's ops itself), plain CPU tensor of an even head width. (`pair` rotates a query length
+    up to JOINT_MAX_T with the reference's joint ops before asking.)"""
     return (
         FUSED_ROTARY
         and records_graph(x)
