@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 import tformer.model.linear as linear_module
 from tformer import ModelConfig
@@ -49,6 +50,25 @@ def count_calls(monkeypatch):
         return calls
 
     return spy
+
+
+@pytest.fixture
+def trace_graph():
+    """trace_graph(module) -> (compiled module, graphs): `torch.compile` (fullgraph) with a backend that
+    records each captured graph's code and runs it as traced; dynamo is reset before and after the test."""
+    torch._dynamo.reset()
+
+    def trace(module):
+        graphs: list[str] = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm.print_readable(print_output=False))
+            return gm.forward
+
+        return torch.compile(module, backend=backend, fullgraph=True), graphs
+
+    yield trace
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")

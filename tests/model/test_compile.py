@@ -41,7 +41,7 @@ def test_dense_forward_and_backward_trace_as_one_graph(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["pre-norm rope swiglu gqa", "encoder-decoder"])
-def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch) -> None:
+def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch, trace_graph) -> None:
     """Under bf16 autocast the training attention is `score_attention` (an autograd.Function with
     causal blocks): every layer's call traces into the one graph (no SDPA left in it), with the loss and
     gradients of eager mode, bit for bit (eager here with torch's RMSNorm and the rotary reference's ops,
@@ -53,14 +53,7 @@ def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch) -> 
     args = (tokens, tokens) if cfg.arch == "encoder_decoder" else (tokens,)
     model = build_model(cfg).train()
     twin = copy.deepcopy(model)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    compiled, graphs = trace_graph(twin)
     grads = []
     for run, params in ((model, model), (compiled, twin)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -73,7 +66,6 @@ def test_bf16_training_attention_traces_in_the_graph(name: str, monkeypatch) -> 
     assert "scaled_dot_product_attention" not in graph
     for eager, traced in zip(*grads):
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
-    torch._dynamo.reset()
 
 
 def test_eager_calls_still_check_ids() -> None:

@@ -345,7 +345,7 @@ def test_score_attention_in_eval_mode_despite_a_configured_dropout(count_calls) 
     assert len(calls) == 1
 
 
-def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatch) -> None:
+def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatch, trace_graph) -> None:
     """Eager calls reuse one bias per block shape; under torch.compile the bias is traced as ops, the
     lru_cache is never entered (dynamo would trace through it and warn)."""
     score_module.cached_causal_bias.cache_clear()
@@ -359,10 +359,8 @@ def test_causal_bias_is_cached_in_eager_mode_and_traced_when_compiled(monkeypatc
         raise AssertionError("the eager cache entered under torch.compile")
 
     monkeypatch.setattr(score_module, "cached_causal_bias", cache)
-    torch._dynamo.reset()
-    compiled = torch.compile(score_module.score_attention, backend="eager", fullgraph=True)
+    compiled, _ = trace_graph(score_module.score_attention)
     torch.testing.assert_close(compiled(q, k, v, mask), expected, rtol=0, atol=0)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("learns", ["input", "weight"])
@@ -409,20 +407,12 @@ def test_rms_norm_fast_path_stays_out_of_other_devices_subclasses_and_weights(co
     assert len(calls) == 1
 
 
-def test_rms_norm_under_torch_compile_is_torchs() -> None:
+def test_rms_norm_under_torch_compile_is_torchs(trace_graph) -> None:
     """Compiled, RMSNorm traces as torch's rms_norm (which inductor fuses), not as RMSNormFunction."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(RMSNorm(8), backend=backend, fullgraph=True)
+    compiled, graphs = trace_graph(RMSNorm(8))
     compiled(torch.randn(2, 8, requires_grad=True))
     (graph,) = graphs
     assert "autograd_function_apply" not in graph and "rms_norm" in graph
-    torch._dynamo.reset()
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -496,23 +486,15 @@ def test_rotate_halves_only_where_it_applies(monkeypatch, count_calls) -> None:
     assert len(calls) == 1
 
 
-def test_rotate_halves_stays_out_of_tensor_subclasses_and_torch_compile(count_calls) -> None:
+def test_rotate_halves_stays_out_of_tensor_subclasses_and_torch_compile(count_calls, trace_graph) -> None:
     calls = count_calls(RotateHalves, "forward")
     rotary = HalfRotaryEmbedding(8, 16, RopeConfig())
     rotary(torch.randn(1, 2, 5, 8).as_subclass(Sub).requires_grad_(), torch.arange(5))
     assert len(calls) == 0
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(rotary, backend=backend, fullgraph=True)(torch.randn(1, 2, 5, 8, requires_grad=True),
-                                                          torch.arange(5))  # fmt: skip
+    compiled, graphs = trace_graph(rotary)
+    compiled(torch.randn(1, 2, 5, 8, requires_grad=True), torch.arange(5))
     (graph,) = graphs
     assert "autograd_function_apply" not in graph and "roll" in graph
-    torch._dynamo.reset()
 
 
 def test_rotate_halves_refuses_a_second_derivative() -> None:
