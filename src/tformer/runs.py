@@ -7,6 +7,7 @@ import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.distributed.env import resolve_device
 from tformer.model import build_model
 from tformer.train.checkpoint import (
+    CHECKPOINTS_DIR,
     DCP_FORMAT,
     CheckpointError,
     checkpoint_format,
@@ -39,6 +41,27 @@ class LoadedRun:
     checkpoint: Path
     step: int
     src_tokenizer: Tokenizer | None = None  # a translation run's separate source vocabulary
+    averaged_steps: tuple[int, ...] = ()  # load_run(..., average=N): the steps whose weights were averaged
+
+    def weights_words(self) -> str:
+        """Whose weights these are, for a result line: "step 2800", or "step 2800, the mean of the 5
+        checkpoints of steps 2400-2800"."""
+        return weights_words(self.step, self.averaged_steps)
+
+    def file_suffix(self) -> str:
+        """What files written from averaged weights add to their name ("_mean5"), so they never replace
+        those of the newest checkpoint alone."""
+        return f"_mean{len(self.averaged_steps)}" if self.averaged_steps else ""
+
+
+def weights_words(step: int, averaged_steps: Sequence[int] = ()) -> str:
+    """`LoadedRun.weights_words` from a result's "checkpoint_step" and "averaged_steps"."""
+    if not averaged_steps:
+        return f"step {step}"
+    return (
+        f"step {step}, the mean of the {len(averaged_steps)} checkpoints of steps "
+        f"{averaged_steps[0]}-{averaged_steps[-1]}"
+    )
 
 
 COMMAND_OF_TASK = {
@@ -127,11 +150,20 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def load_run(path: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
+def load_run(path: str | Path, device: str | torch.device = "cpu", average: int = 1) -> LoadedRun:
     """A run directory's newest checkpoint (or the checkpoint `path` names): model in eval mode on
-    `device`, tokenizer(s), configs, step. The global RNG state is left as it was."""
+    `device`, tokenizer(s), configs, step. The global RNG state is left as it was.
+
+    average: with N > 1, the model holds the mean of the weights of the run directory's newest N committed
+    checkpoints (checkpoint averaging, as Vaswani et al. 2017 averaged their last 5 for translation); the
+    configs, tokenizers, step and non-float buffers are the newest one's, `averaged_steps` names the steps.
+    A run keeps `keep_last` checkpoints, saved every `save_every` steps."""
+    if isinstance(average, bool) or not isinstance(average, int) or average < 1:
+        raise ValueError(f"average must be a whole number >= 1 (checkpoints to average), got {average!r}")
     device = resolve_device(str(device))  # "auto", or a clear error for a device this machine lacks
     ckpt = find_checkpoint(path)
+    if average > 1:
+        return _averaged_run(Path(path), ckpt, average, device)
     try:
         return _load_checkpoint(ckpt, device)
     except CheckpointError as error:
@@ -164,6 +196,52 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
+
+
+def _averaged_run(path: Path, newest: Path, n: int, device: torch.device) -> LoadedRun:
+    """`load_run(path, device, average=n)`: the mean of the newest n committed checkpoints' weights, summed
+    in float64. Every checkpoint is read and checked whole (as `load_run` reads one) before the mean."""
+    if newest.resolve() == path.resolve() or newest.parent.name != CHECKPOINTS_DIR:
+        raise ValueError(
+            f"averaging checkpoints takes a run directory; {path} is one checkpoint"
+            + (
+                f" (its run directory: {newest.parent.parent})"
+                if newest.parent.name == CHECKPOINTS_DIR
+                else ""
+            )
+        )
+    run_dir = newest.parent.parent
+    found = [c for c in list_checkpoints(run_dir) if step_of(c) <= step_of(newest)]
+    if len(found) < n:
+        raise ValueError(
+            f"{run_dir} holds {len(found)} committed checkpoint(s) ({', '.join(c.name for c in found)}); averaging "
+            f"{n} needs {n}: a run keeps its newest keep_last checkpoints, saved every save_every steps "
+            f"(e.g. tformer train --set save_every=100 --set keep_last={n})"
+        )
+    chosen = found[-n:]
+    cpu = torch.device("cpu")
+    run = _load_checkpoint(chosen[-1], cpu)
+    state = run.model.state_dict()
+    total = {k: v.double() for k, v in state.items() if v.is_floating_point()}
+    for ckpt in chosen[:-1]:
+        other = _load_checkpoint(ckpt, cpu)
+        for what, attr in (("model config", "train_config.model"), ("tokenizer", "tokenizer"),
+                           ("source tokenizer", "src_tokenizer")):  # fmt: skip
+            if attrgetter(attr)(other) != attrgetter(attr)(run):
+                raise CheckpointError(
+                    f"{ckpt} holds another {what} than {chosen[-1]}: only checkpoints of one model can be "
+                    "averaged"
+                )
+        theirs = other.model.state_dict()
+        for k in total:
+            total[k] += theirs[k]
+        del other, theirs
+    with torch.no_grad():
+        for k, mean in total.items():
+            state[k].copy_(mean / n)
+    run.model.to(device)
+    run.averaged_steps = tuple(step_of(c) for c in chosen)
+    return run
 
 
 def truncated_note(n: int, what: str) -> str:

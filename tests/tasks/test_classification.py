@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import shutil
 import warnings
 from pathlib import Path
 
@@ -394,3 +395,20 @@ def test_the_confusion_png_colours_each_cell_by_its_share_of_the_true_class(
     torch.testing.assert_close(
         torch.tensor(shown[0], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
     )
+
+
+def test_averaged_weights_write_their_own_confusion_matrix(trained_run: Path, tmp_path: Path, capsys) -> None:
+    """The run keeps the checkpoints of steps 8 and 12; their mean's matrix goes beside the newest's."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    assert main(["eval", "--run", str(run), "--average", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert Path(result["confusion_png"]).name == "eval_confusion_test_mean2.png"
+    assert (
+        result["averaged_steps"]
+        == [8, 12]
+        == [int(p.name[5:]) for p in sorted(run.glob("checkpoints/step_*"))]
+    )
+    assert main(["classify", "--run", str(run), "--average", "2", "--text", "the match and the team"]) == 0
+    out = capsys.readouterr()
+    assert out.out.split("\t")[0] in LABELS and "weights: the mean of the checkpoints" in out.err

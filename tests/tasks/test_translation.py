@@ -710,3 +710,32 @@ def test_eval_scores_the_copy_baseline_with_the_directions_bleu_tokenizer(traine
     assert zh != sacrebleu.corpus_bleu(srcs, refs).score  # the premise: 13a scores it otherwise
     assert result["copy_bleu"] == pytest.approx(zh)
     Path(result["translations"]).unlink()
+
+
+def test_averaged_weights_write_their_own_translations(trained_run: Path, tmp_path: Path, capsys) -> None:
+    """Two checkpoints of the same weights: the mean is those weights; eval names the steps and writes
+    translations_<split>..._mean2.txt beside (never over) the newest checkpoint's own."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = find_checkpoint(run)
+    shutil.copytree(newest, newest.with_name("step_000001"))
+    argv = ["eval", "--run", str(run), "--max-batches", "1", "--json"]
+    assert main(argv) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--average", "2"]) == 0
+    out = capsys.readouterr()
+    mean = json.loads(out.out)
+    assert mean["averaged_steps"] == [1, alone["checkpoint_step"]] and alone["averaged_steps"] == []
+    assert Path(mean["translations"]).name == "translations_test_sample_mean2.txt"
+    assert Path(mean["translations"]).read_text() == Path(alone["translations"]).read_text()
+    assert mean["bleu"] == alone["bleu"] and "weights: the mean of the checkpoints of steps 1, " in out.err
+    from tformer.tasks.translation import format_result
+
+    assert f"(step {alone['checkpoint_step']}, the mean of the 2 checkpoints of steps 1-" in format_result(
+        mean
+    )
+    text = ["--text", "Der alte Hund sieht die Katze."]
+    assert main(["translate", "--run", str(run), *text]) == 0
+    once = capsys.readouterr().out
+    assert main(["translate", "--run", str(run), *text, "--average", "2"]) == 0
+    assert capsys.readouterr().out == once

@@ -13,15 +13,15 @@ import argparse
 import json
 from collections.abc import Iterator
 
+from tformer.cli.options import load_run_arg
 from tformer.cli.translate import AlignedOutput, read_texts
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.runs import load_run
     from tformer.tasks.classification import load_classifier
 
     given = read_texts(args, "classify")
-    classifier = load_classifier(load_run(args.run))
+    classifier = load_classifier(load_run_arg(args, "classify"))
     ids, cut = classifier.encode(given.texts)
     given.warn_truncated("classify", cut, classifier.max_len)
     probs = classifier.probabilities(ids, batch_size=args.batch_size)

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import torch
 
-from tformer.cli.options import input_name, read_input_file, warn
+from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.runs import load_run
     from tformer.tasks.lm import evaluate_lm
 
     if args.text_file is not None and args.split is not None:
         raise ValueError("give --split or --text-file, not both")
     args.split = args.split or "test"
-    run_ = load_run(args.run)
+    run_ = load_run_arg(args, "eval")
     cfg = run_.train_config
     if cfg.task != "lm":
         return run_task_eval(run_, args)
@@ -50,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
     result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, torch.device("cpu"))
-    result = {"data": what, "checkpoint_step": run_.step, **result}
+    result = {
+        "data": what,
+        "checkpoint_step": run_.step,
+        "averaged_steps": list(run_.averaged_steps),
+        **result,
+    }
     if args.json:
         print(json.dumps(result))
     else:
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if result["windows_scored"] < result["windows"]:  # --max-batches took a sample
             part = f" | {result['windows_scored']} of its {result['windows']} windows (--max-batches)"
         print(
-            f"{what} (step {run_.step}): loss {result['eval_loss']:.4f} nats/token | perplexity "
+            f"{what} ({run_.weights_words()}): loss {result['eval_loss']:.4f} nats/token | perplexity "
             f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char | "
             f"{result['predictions']:,} predictions{part}"
         )

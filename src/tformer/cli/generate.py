@@ -7,7 +7,15 @@ import re
 import sys
 from pathlib import Path
 
-from tformer.cli.options import input_lines, input_name, named_as_flags, read_input_file, utf8_text, warn
+from tformer.cli.options import (
+    input_lines,
+    input_name,
+    load_run_arg,
+    named_as_flags,
+    read_input_file,
+    utf8_text,
+    warn,
+)
 from tformer.generate.engine import check_prompts, generate, truncate_at_stop, truncate_prompts
 from tformer.generate.sampling import SamplingConfig
 
@@ -119,11 +127,11 @@ class TextStream:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.runs import load_run, require_task
+    from tformer.runs import require_task
 
     sampling = sampling_from_args(args)
     prompts, names = read_prompts(args)
-    run_ = load_run(args.run)
+    run_ = load_run_arg(args, "generate")
     require_task(run_, "lm", "language-model")
     tok = run_.tokenizer
     encoded = [tok.encode(p) for p in prompts]

@@ -28,6 +28,19 @@ def register(name: str, help: str, target: str) -> Callable:
     return wrap
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """--run and --average: the commands that load a trained run."""
+    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument(
+        "--average",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="use the mean of the weights of the run directory's newest N checkpoints (checkpoint "
+        "averaging; default 1: the newest alone). A run keeps keep_last of them, saved every save_every steps",
+    )
+
+
 @register(
     "train", "train a model (language modelling by default) from a preset or a config file", "train:run"
 )
@@ -57,7 +70,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @register("generate", "generate text with a trained decoder (KV-cached sampling, streamed)", "generate:run")
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    add_run_arguments(p)
     p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline, \\\\ for a backslash)")
     p.add_argument(
         "--prompts-file",
@@ -117,7 +130,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     "translate", "translate text with a trained encoder-decoder (beam search by default)", "translate:run"
 )
 def _translate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    add_run_arguments(p)
     p.add_argument("--text", default=None, help="one sentence")
     p.add_argument(
         "--file", default=None, help="one sentence per line; - or neither --text nor --file: stdin"
@@ -142,7 +155,7 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
 
 @register("classify", "label texts with a trained encoder classifier", "classify:run")
 def _classify_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    add_run_arguments(p)
     p.add_argument("--text", default=None, help="one text")
     p.add_argument("--file", default=None, help="one text per line; - or neither --text nor --file: stdin")
     p.add_argument("--batch-size", type=positive_int, default=32, help="texts scored together (default 32)")
@@ -155,7 +168,7 @@ def _classify_args(p: argparse.ArgumentParser) -> None:
     "evaluate:run",
 )
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    add_run_arguments(p)
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="default: test")
     p.add_argument(
         "--text-file", default=None, help="evaluate on this text file (- reads stdin) instead of a split"

@@ -159,3 +159,15 @@ def input_lines(text: str) -> list[str]:
 
 def warn(command: str, message: str) -> None:
     print(f"tformer {command}: warning: {message}", file=sys.stderr)
+
+
+def load_run_arg(args, command: str):
+    """The run `--run` names, averaged over `--average` checkpoints; where averaged, one stderr line says
+    which (stdout stays the command's output)."""
+    from tformer.runs import load_run
+
+    run = load_run(args.run, average=args.average)
+    if run.averaged_steps:
+        steps = ", ".join(map(str, run.averaged_steps))
+        print(f"tformer {command}: weights: the mean of the checkpoints of steps {steps}", file=sys.stderr)
+    return run

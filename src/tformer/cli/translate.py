@@ -18,6 +18,7 @@ from pathlib import Path
 from tformer.cli.options import (
     input_lines,
     input_name,
+    load_run_arg,
     named_as_flags,
     read_input_file,
     read_stdin,
@@ -119,12 +120,11 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tformer.runs import load_run
     from tformer.tasks.translation import load_translator
 
     search_cfg = search_from_args(args)
     given = read_texts(args, "translate")
-    translator = load_translator(load_run(args.run))
+    translator = load_translator(load_run_arg(args, "translate"))
     context = translator.model.cfg.max_seq_len
     if args.max_len is not None and args.max_len > context:
         warn(

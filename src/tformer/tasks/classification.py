@@ -33,7 +33,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.generate.engine import as_token_lists
 from tformer.json_files import read_json
-from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
+from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
     MANIFEST,
@@ -230,9 +230,11 @@ def evaluate_dataset(
     return {"eval_loss": loss, "accuracy": scores.accuracy, "macro_f1": scores.macro_f1}, scores
 
 
-def write_confusion(scores: ClassificationScores, run_dir: Path, split: str, prefix: str = "") -> Path | None:
-    """run_dir/<prefix>confusion_<split>.png and .json; None when the directory is not writable."""
-    name = f"{prefix}confusion_{split}"
+def write_confusion(
+    scores: ClassificationScores, run_dir: Path, split: str, prefix: str = "", suffix: str = ""
+) -> Path | None:
+    """run_dir/<prefix>confusion_<split><suffix>.png and .json; None when the directory is not writable."""
+    name = f"{prefix}confusion_{split}{suffix}"
     try:
         (run_dir / f"{name}.json").write_text(json.dumps(scores.to_dict(), indent=2))
         title = f"{split}: accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})"
@@ -284,10 +286,11 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
     collate = ClassificationCollator(classifier.tokenizer.pad_id)
     result, scores = evaluate_dataset(run.model, ds, collate, classifier.labels, cfg.batch_size, max_batches)
-    png = write_confusion(scores, run_dir_of(run.checkpoint), split, prefix="eval_")
+    png = write_confusion(scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=run.file_suffix())
     return {
         "data": f"{cfg.data.corpus} {split} split",
         "checkpoint_step": run.step,
+        "averaged_steps": list(run.averaged_steps),
         "texts_truncated": len(
             set(cut) & set(eval_order(ds, cfg.batch_size, max_batches))
         ),  # of those scored
@@ -302,7 +305,8 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
 
 def format_result(result: dict) -> str:
     lines = [
-        f"{result['data']} (step {result['checkpoint_step']}, {result['n']} texts): accuracy "
+        f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
+        f"{result['n']} texts): accuracy "
         f"{result['accuracy']:.2%} | macro-F1 {result['macro_f1']:.4f} | loss {result['eval_loss']:.4f}"
         + truncated_note(result["texts_truncated"], "text")
     ]

@@ -27,7 +27,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
 from tformer.generate.engine import as_token_lists
-from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated
+from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
     check_data_unchanged,
@@ -345,7 +345,7 @@ def evaluate_run(
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
         loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
-    name = f"translations_{split}.txt" if len(pairs) == len(whole) else f"translations_{split}_sample.txt"
+    name = f"translations_{split}{'' if len(pairs) == len(whole) else '_sample'}{run.file_suffix()}.txt"
     out = run_dir_of(run.checkpoint) / name
     try:
         out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
@@ -355,6 +355,7 @@ def evaluate_run(
     return {
         "data": f"{cfg.data.corpus} {cfg.data.direction} {split} split",
         "checkpoint_step": run.step,
+        "averaged_steps": list(run.averaged_steps),
         "sentences": len(pairs),
         "sources_truncated": len(cut),
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
@@ -392,7 +393,8 @@ def format_result(result: dict) -> str:
         else s["method"]
     )
     return (
-        f"{result['data']} (step {result['checkpoint_step']}, {result['sentences']} sentences, {how}): "
+        f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
+        f"{result['sentences']} sentences, {how}): "
         f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
         f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}\n"
