@@ -58,6 +58,30 @@ def test_an_optimizer_of_another_layout_is_refused_before_the_model_changes(tmp_
     check()
 
 
+def test_optimizer_state_of_another_shape_or_dtype_is_refused_before_anything_loads(tmp_path, trained):
+    """Same group sizes, but each state tensor must fit its parameter: torch would load a mismatch and the
+    fused update would then write out of bounds (a native crash)."""
+    model, opt, sched = trained
+    path = save_checkpoint(tmp_path, 3, model, opt, sched)
+    fresh, _, _ = make(seed=9)
+    order = [p for p in fresh.parameters()]  # the same parameters in another order: shapes swap places
+    reordered = torch.optim.AdamW([order[1], order[0], *order[2:]])
+    assert order[0].shape != order[1].shape
+    check = untouched(fresh, reordered)
+    with pytest.raises(CheckpointError, match=r"optimizer\.json: state\.0\.exp_avg is \(.*\) torch\.float32, its "
+                       r"parameter \(.*\) torch\.float32"):  # fmt: skip
+        load_checkpoint(path, fresh, reordered)
+    check()
+    first = next(iter(opt.state.values()))
+    first["exp_avg_sq"] = first["exp_avg_sq"].double()
+    doubled = save_checkpoint(tmp_path, 4, model, opt, sched)
+    fresh, fresh_opt, fresh_sched = make(seed=9)
+    check = untouched(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=r"state\.0\.exp_avg_sq is .* torch\.float64, its parameter"):
+        load_checkpoint(doubled, fresh, fresh_opt, fresh_sched)
+    check()
+
+
 def test_a_scheduler_the_checkpoint_lacks_is_refused_before_anything_loads(tmp_path, trained):
     model, opt, _ = trained
     path = save_checkpoint(tmp_path, 3, model, opt)  # no scheduler

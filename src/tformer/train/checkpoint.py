@@ -519,6 +519,29 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], so
                 f"{source}: param group {i} has {len(s['params'])} parameters in the checkpoint, "
                 f"{len(c['params'])} in the optimizer"
             )
+    # a state tensor of another shape than its parameter would reach the (fused) update kernels, which
+    # write out of bounds: a native crash, not an error. Per-parameter tensors (exp_avg, momentum_buffer)
+    # must match their parameter's shape and floating dtype; scalars (step) may be anything
+    params = [param for group in current for param in group["params"]]
+    per_param = state.get("state", {})
+    if not isinstance(per_param, dict):
+        raise CheckpointError(f"{source}: 'state' is a {type(per_param).__name__}, not a mapping")
+    for index, entry in per_param.items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params):
+            raise CheckpointError(
+                f"{source}: state for parameter {index!r}; the optimizer's parameters are 0-{len(params) - 1}"
+            )
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{source}: state {index} is a {type(entry).__name__}, not a mapping")
+        param = params[index]
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if value.shape != param.shape or (value.is_floating_point() and value.dtype != param.dtype):
+                raise CheckpointError(
+                    f"{source}: state.{index}.{key} is {tuple(value.shape)} {value.dtype}, its parameter "
+                    f"{tuple(param.shape)} {param.dtype}"
+                )
 
 
 def load_checkpoint(
@@ -535,8 +558,8 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and (rank's) RNG from one checkpoint directory.
 
     Every file is read and checked (manifest size and, with verify, sha256; JSON; safetensors headers;
-    model keys and shapes; optimizer group sizes) before anything is copied, so a CheckpointError
-    leaves model, optimizer, scheduler and RNG untouched. strict=False tolerates missing / unexpected
+    model keys and shapes; optimizer group sizes, state shapes and dtypes) before anything is copied, so
+    a CheckpointError leaves model, optimizer, scheduler and RNG untouched. strict=False tolerates missing / unexpected
     model keys (listed in the result), never a shape mismatch. The result carries what save_checkpoint
     was given (step, tokens_seen, data_state, trainer_state, meta) and this rank's RNG state.
     """
