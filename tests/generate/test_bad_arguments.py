@@ -14,6 +14,7 @@ from tformer import build_model
 from tformer.generate import SamplingConfig
 from tformer.generate.beam import SearchConfig, beam_search, search
 from tformer.generate.engine import generate
+from tformer.model.checks import NonFiniteOutputError
 from tformer.presets import tiny
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=3)
@@ -99,8 +100,30 @@ def test_generate_names_a_model_whose_logits_are_not_finite() -> None:
     with torch.no_grad():
         model.final_norm.weight[0] = float("nan")
     for sampling in (GREEDY, SamplingConfig(temperature=1.0, max_new_tokens=3)):  # greedy had returned id 0
-        with pytest.raises(RuntimeError, match="logits after the prompt are NaN or infinite"):
+        with pytest.raises(NonFiniteOutputError, match="logits after the prompt are NaN or infinite"):
             generate(model, [[1, 2]], sampling)
+
+
+def test_every_search_and_the_classifier_name_outputs_that_are_not_finite() -> None:
+    """A NaN model had given an empty translation by beam search and NaN probabilities, as results."""
+    translator, classifier = tiny_translator_and_classifier()
+    with torch.no_grad():
+        translator.model.lm_head.weight[7] = float("nan")  # one vocabulary entry's logit
+        classifier.model.head.bias[1] = float("inf")
+    for cfg in (SearchConfig(beam_size=4), SearchConfig(method="greedy"), SearchConfig(method="sample")):
+        with pytest.raises(NonFiniteOutputError, match="logits are NaN or infinite"):
+            translator.translate(["the dog barked"], cfg)
+    with pytest.raises(NonFiniteOutputError, match="class logits are NaN or infinite"):
+        classifier.classify(["the market rose"])
+
+
+def test_eval_refuses_scores_that_are_not_finite() -> None:
+    from tformer.cli.evaluate import check_finite_scores
+
+    check_finite_scores({"eval_loss": 2.5, "checkpoint_step": 4, "data": "x"})
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteOutputError, match=f"the run's eval_loss is {bad}: the model's outputs"):
+            check_finite_scores({"eval_loss": bad})
 
 
 def test_callbacks_and_sampling_helpers_check_their_arguments(lm) -> None:

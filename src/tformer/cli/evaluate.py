@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         "averaged_steps": list(run_.averaged_steps),
         **result,
     }
+    check_finite_scores(result)
     if args.json:
         print(json.dumps(result))
     else:
@@ -69,6 +71,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_finite_scores(result: dict) -> None:
+    """NonFiniteOutputError where a score is NaN or infinite (a diverged or damaged model): no result to
+    print, and `--json` would not be JSON."""
+    from tformer.model.checks import NonFiniteOutputError
+
+    for key, value in result.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise NonFiniteOutputError(
+                f"the run's {key} is {value}: the model's outputs are NaN or infinite (damaged or diverged "
+                "weights, or an overflow in low precision)"
+            )
+
+
 def run_task_eval(run_, args: argparse.Namespace) -> int:
     """Translation and classification runs: their task module's evaluate_run / format_result."""
     import importlib
@@ -77,5 +92,6 @@ def run_task_eval(run_, args: argparse.Namespace) -> int:
         raise ValueError(f"--text-file is for language-model runs; this is a {run_.train_config.task} run")
     module = importlib.import_module(f"tformer.tasks.{run_.train_config.task}")
     result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
+    check_finite_scores(result)
     print(json.dumps(result) if args.json else module.format_result(result))
     return 0

@@ -40,7 +40,7 @@ from tformer.config import MAX_SIZE
 from tformer.generate.engine import check_token_id
 from tformer.generate.sampling import sample_next
 from tformer.model.attention import Memory
-from tformer.model.checks import check_not_meta
+from tformer.model.checks import check_finite_outputs, check_not_meta
 from tformer.model.decode_step import Seq2SeqDecodeStep
 from tformer.model.linear import decoding_layout
 from tformer.model.masks import Mask
@@ -184,7 +184,9 @@ def _next_log_probs(
     steps: CachedSteps, prefix: Tensor, banned: Sequence[int], eos_id: int, min_len: int
 ) -> Tensor:
     """Log-probabilities of the next token (R, V): banned ids never, EOS not before min_len tokens."""
-    logp = F.log_softmax(steps.logits(prefix).float(), dim=-1)  # (R, V)
+    logits = steps.logits(prefix)
+    check_finite_outputs(logits, "next-token logits")  # NaN scores would end every beam with nothing
+    logp = F.log_softmax(logits.float(), dim=-1)  # (R, V)
     banned = [*banned, eos_id] if prefix.shape[1] <= min_len else banned  # prefix: BOS + tokens so far
     if banned:
         logp[:, list(banned)] = NEG_INF

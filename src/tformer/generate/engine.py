@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.generate.sampling import SamplingConfig, apply_repetition_penalty, sample_next
-from tformer.model.checks import check_not_meta
+from tformer.model.checks import check_finite_outputs, check_not_meta
 from tformer.model.compiled_step import CompiledDecodeStep
 from tformer.model.decode_step import DecodeStep
 from tformer.model.linear import decoding_layout
@@ -212,11 +212,7 @@ def _generate(
     key_padding = real if padded else None
     cache = model.new_cache(length + sampling.max_new_tokens)
     logits = model(tokens, positions=positions, key_padding_mask=key_padding, cache=cache)[:, -1]
-    if not bool(torch.isfinite(logits).all()):  # greedy would pick id 0 from NaN, sampling fail in torch
-        raise RuntimeError(
-            "the model's next-token logits after the prompt are NaN or infinite: its weights or activations "
-            "hold NaN or inf (e.g. damaged weights, or an overflow in low precision)"
-        )
+    check_finite_outputs(logits, "next-token logits after the prompt")  # greedy would pick id 0 from NaN
     if step_fn is None and fast_decode:  # after the prefill, inside the decoding contexts
         step_fn = DecodeStep.build(model, b)
     generator = torch.Generator(device=device).manual_seed(sampling.seed)

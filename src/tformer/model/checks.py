@@ -8,6 +8,8 @@ at every forward. Eager calls, generation and evaluation check everything.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -119,3 +121,19 @@ def check_key_padding(mask: Tensor | None, batch: int, length: int, name: str) -
     if tuple(mask.shape) != (batch, length):
         raise ValueError(f"{name} must have shape ({batch}, {length}) (batch, keys), got {tuple(mask.shape)}")
     return mask
+
+
+class NonFiniteOutputError(ValueError):
+    """A trained model's outputs are NaN or infinite: decoding, classifying or scoring them would print
+    garbage (or an empty translation) as if it were a result."""
+
+
+def check_finite_outputs(values: Tensor, what: str) -> None:
+    """NonFiniteOutputError where `values` (logits (..., V)) hold NaN or +inf, or a row of -inf alone (a
+    -inf logit on its own is a token ruled out, as a masked or scripted model gives)."""
+    top = values.amax(dim=-1)
+    if bool((values.isnan().any(dim=-1) | (top == math.inf) | (top == -math.inf)).any()):
+        raise NonFiniteOutputError(
+            f"the model's {what} are NaN or infinite: its weights or activations hold NaN or inf (damaged or "
+            "diverged weights, or an overflow in low precision)"
+        )

@@ -33,6 +33,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.generate.engine import as_token_lists
 from tformer.json_files import read_json
+from tformer.model.checks import check_finite_outputs
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
@@ -83,6 +84,7 @@ class Classifier:
                 chunk = order[start : start + batch_size]
                 tokens, mask = pad_sequences([torch.tensor(ids[i]) for i in chunk], self.tokenizer.pad_id)
                 logits = self.model(tokens.to(device), mask.to(device))  # (B, C)
+                check_finite_outputs(logits, "class logits")
                 out[chunk] = logits.float().softmax(dim=-1).cpu()
         finally:  # also when a batch raises: the caller's model keeps its mode
             self.model.train(was_training)
@@ -266,7 +268,7 @@ def load_classifier(run: LoadedRun | str | Path) -> Classifier:
 def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: int | None = None) -> dict:
     """Loss, accuracy, macro-F1, per-class scores and the confusion matrix of a run (or its path) on a
     split; the matrix also goes to <run>/eval_confusion_<split>.png (training's evaluations write
-    confusion_val.png)."""
+    confusion_val.png; a sample of the split, max_batches, to eval_confusion_<split>_sample.png)."""
     check_eval_args(max_batches, split)
     run = require_task(run, "classification", "classification")
     classifier = load_classifier(run)
@@ -286,7 +288,10 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
     collate = ClassificationCollator(classifier.tokenizer.pad_id)
     result, scores = evaluate_dataset(run.model, ds, collate, classifier.labels, cfg.batch_size, max_batches)
-    png = write_confusion(scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=run.file_suffix())
+    sample = "_sample" if scores.n < len(docs) else ""  # --max-batches: never in place of the whole split's
+    png = write_confusion(
+        scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=sample + run.file_suffix()
+    )
     return {
         "data": f"{cfg.data.corpus} {split} split",
         "checkpoint_step": run.step,
