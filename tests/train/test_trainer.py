@@ -55,6 +55,29 @@ def test_one_task_object_serves_one_run(corpus_dir: Path, tmp_path: Path) -> Non
     again.close()
 
 
+def test_an_evaluation_that_fails_saves_its_step_first(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """An error in the evaluation at step 3 (a model whose outputs went NaN, say) had lost every step since
+    the last checkpoint: the step is saved, said in a warning, and the error still stops the run."""
+    cfg = small_config(corpus_dir, steps=8, eval_every=3, save_every=100)
+    trainer = Trainer(cfg, tmp_path / "run", "lm", progress=False)
+
+    def fail():
+        raise ValueError("the model's next-token logits are NaN or infinite")
+
+    monkeypatch.setattr(trainer, "evaluate", fail)
+    saved = r"evaluation at step 3 failed \(below\); the step itself is saved: .*step_000003"
+    with (
+        pytest.warns(UserWarning, match=saved),
+        pytest.raises(ValueError, match="logits are NaN or infinite"),
+    ):
+        trainer.fit()
+    trainer.close()
+    assert latest_checkpoint(tmp_path / "run").name == "step_000003"
+    resumed = Trainer(cfg, tmp_path / "run", "lm", resume=True, progress=False)
+    assert resumed.state.step == 3
+    resumed.close()
+
+
 def test_evaluate_keeps_the_models_mode(corpus_dir: Path, tmp_path: Path) -> None:
     trainer = Trainer(small_config(corpus_dir, steps=1, save_every=1), tmp_path / "m", "lm", progress=False)
     for training in (False, True):  # evaluation had left the model in training mode, whatever it was in

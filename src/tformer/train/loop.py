@@ -468,7 +468,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}")
         if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
-            self._log_eval()
+            self._log_eval_or_keep_the_step()
         if cfg.sample_every and s.step % cfg.sample_every == 0 and self.env.world_size == 1:
             self._log_sample(bar)
         if s.step % cfg.save_every == 0:
@@ -542,6 +542,26 @@ class Trainer:
         if stats:
             record["moe"] = stats
         self.metrics.write(record)
+
+    def _log_eval_or_keep_the_step(self) -> None:
+        """The evaluation of a step that has finished; where it raises (a model whose outputs went NaN, a
+        decoding error), the step is saved first, so the steps since the last checkpoint are not lost (one
+        process: under torchrun a save is a collective, which the other ranks may not reach)."""
+        try:
+            self._log_eval()
+        except Exception:
+            if self.env.world_size == 1 and self.env.is_main:
+                try:
+                    path = self.save()
+                    self.checkpointer.wait()
+                except Exception as error:  # noqa: BLE001 (the evaluation's error is the one raised)
+                    kept = f"saving the step failed too ({error})"
+                else:
+                    kept = f"the step itself is saved: {path}"
+                warnings.warn(
+                    f"the evaluation at step {self.state.step} failed (below); {kept}", stacklevel=2
+                )
+            raise
 
     def _log_eval(self) -> None:
         result = self.evaluate()
