@@ -83,6 +83,8 @@ def test_a_closed_pipe_stops_quietly(trained_run: Path, capsys, monkeypatch) -> 
 def test_generate_errors(trained_run: Path, capsys) -> None:
     assert main(["generate", "--run", str(trained_run), "--prompt", "  "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "--run", str(trained_run)]) == 2  # no prompt option at all
+    assert "no prompt: give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
     long_prompt = " ".join(["to be"] * 100)
     assert main(["generate", "--run", str(trained_run), "--prompt", long_prompt]) == 2
     err = capsys.readouterr().err

@@ -141,6 +141,10 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
 
     whole, one_batch = evaluate_run(run, "train"), evaluate_run(run, "train", max_batches=1)
     assert one_batch["n"] == 8 and whole["texts_truncated"] > 8  # the note had counted the whole split
+    # a sample of the split writes its own matrix: it had replaced the whole split's
+    assert Path(whole["confusion_png"]).name == "eval_confusion_train.png"
+    assert Path(one_batch["confusion_png"]).name == "eval_confusion_train_sample.png"
+    assert json.loads((trained_run / "eval_confusion_train.json").read_text())["n"] == whole["n"]
     assert 0 < one_batch["texts_truncated"] <= 8
 
 

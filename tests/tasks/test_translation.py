@@ -739,3 +739,13 @@ def test_averaged_weights_write_their_own_translations(trained_run: Path, tmp_pa
     once = capsys.readouterr().out
     assert main(["translate", "--run", str(run), *text, "--average", "2"]) == 0
     assert capsys.readouterr().out == once
+
+
+def test_a_min_len_the_context_cannot_hold_is_an_error(trained_run: Path, capsys) -> None:
+    """It had only warned that outputs stop at the context, then stopped them there without an end."""
+    context = load_run(trained_run).model.cfg.max_seq_len
+    argv = ["translate", "--run", str(trained_run), "--text", "Der Hund.", "--sample"]
+    assert main([*argv, "--min-len", str(context), "--max-len", str(context + 50)]) == 2
+    err = capsys.readouterr().err
+    assert f"--min-len {context} leaves no room for the end within the model's context of {context}" in err
+    assert main([*argv, "--min-len", str(context - 1), "--max-len", str(context + 50)]) == 0

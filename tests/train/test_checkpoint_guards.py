@@ -82,6 +82,29 @@ def test_optimizer_state_of_another_shape_or_dtype_is_refused_before_anything_lo
     check()
 
 
+@pytest.mark.parametrize(("key", "value", "error"), [
+    ("step", -3, r"step must be a whole number >= 0, got -3"),
+    ("step", 5, r"step 5, but its COMMITTED manifest says 3"),
+    ("step", "abc", r"step must be a whole number >= 0, got 'abc'"),
+    ("tokens_seen", 1.5, r"tokens_seen must be a whole number >= 0, got 1.5"),
+])  # fmt: skip
+def test_a_trainer_json_whose_counters_were_edited_is_refused(tmp_path, trained, key, value, error):
+    """Edited with its manifest entry rewritten to match: a resume had started at step -3 and rewritten
+    the run's metrics from there."""
+    path = save_checkpoint(tmp_path, 3, *trained)
+    trainer = json.loads((path / "trainer.json").read_text())
+    trainer[key] = value
+    (path / "trainer.json").write_text(json.dumps(trainer))
+    commit = json.loads((path / "COMMITTED").read_text())
+    commit["files"]["trainer.json"] = ckpt.file_entry(path / "trainer.json")
+    (path / "COMMITTED").write_text(json.dumps(commit))
+    fresh = make(seed=9)
+    check = untouched(*fresh[:2])
+    with pytest.raises(CheckpointError, match=r"trainer\.json: " + error):
+        load_checkpoint(path, *fresh)
+    check()
+
+
 def test_a_scheduler_the_checkpoint_lacks_is_refused_before_anything_loads(tmp_path, trained):
     model, opt, _ = trained
     path = save_checkpoint(tmp_path, 3, model, opt)  # no scheduler

@@ -83,7 +83,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         if not prompts:
             raise ValueError(f"prompts file {where} holds no non-empty line")
         return prompts, names
-    if args.prompt is None or not args.prompt.strip():
+    if args.prompt is None:
+        raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE")
+    if not args.prompt.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT (or --prompts-file FILE)")
     return [newlines(utf8_text(args.prompt, "--prompt"))], ["the prompt"]
 

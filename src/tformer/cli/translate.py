@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     given = read_texts(args, "translate")
     translator = load_translator(load_run_arg(args, "translate"))
     context = translator.model.cfg.max_seq_len
+    if search_cfg.min_len >= context:  # outputs stop at the context: the end could never come
+        raise ValueError(
+            f"--min-len {search_cfg.min_len} leaves no room for the end within the model's context of {context} "
+            "tokens"
+        )
     if args.max_len is not None and args.max_len > context:
         warn(
             "translate",

@@ -442,6 +442,9 @@ class _Reader:
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{path}: format_version {version} > {FORMAT_VERSION}")
         self.files: dict[str, Any] = commit["files"]
+        self.step = commit.get("step")
+        if type(self.step) is not int or self.step < 0:
+            raise CheckpointError(f"{path / MARKER}: its step is damaged (not what a tformer save writes)")
         self.format = commit.get("format", "safetensors")
         if self.format == DCP_FORMAT and not (path / DCP_METADATA).is_file():
             raise CheckpointError(
@@ -502,11 +505,29 @@ class _Reader:
             source = str(self.path / f"{stem}.safetensors")
             tensors, _ = _parse_safetensors(self.read(f"{stem}.safetensors"), source)
         try:
-            return unpack(tree, tensors)
+            tree = unpack(tree, tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(
                 f"{self.path / stem}.json: bad structure or tensor reference ({e!r})"
             ) from None
+        if stem == "trainer":
+            self._check_counters(tree)
+        return tree
+
+    def _check_counters(self, trainer: Any) -> None:
+        """trainer.json's step is the one the commit manifest names and its counters are counts: a run
+        resumed from anything else would start at another step (and rewrite its metrics from there)."""
+        where = self.path / "trainer.json"
+        if not isinstance(trainer, dict):
+            raise CheckpointError(f"{where}: not a mapping")
+        for key in ("step", "tokens_seen"):
+            value = trainer.get(key)
+            if (key in trainer or key == "step") and (type(value) is not int or value < 0):
+                raise CheckpointError(f"{where}: {key} must be a whole number >= 0, got {value!r}")
+        if trainer["step"] != self.step:
+            raise CheckpointError(
+                f"{where}: step {trainer['step']}, but its {MARKER} manifest says {self.step}"
+            )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], source: str) -> None:
