@@ -558,3 +558,27 @@ def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
             trainer.task.split_dataset(short[0])
         finally:
             trainer.close()
+
+
+def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path: Path) -> None:
+    """Kept (one setting switches their component back on) but never silently dropped."""
+    cfg = small_config(corpus_dir, steps=1)
+    cfg = cfg.replace(
+        model=cfg.model.replace(positions="sinusoidal", rope=cfg.model.rope.replace(theta=5e5)),
+        optim=cfg.optim.replace(schedule="constant", min_lr_ratio=0.5, decay_frac=0.3),
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Trainer(cfg, tmp_path / "run", "lm", progress=False).close()
+    said = [str(w.message) for w in seen if "is not used by this run" in str(w.message)]
+    assert said == [
+        "model.rope.theta (500000.0: model.positions is 'sinusoidal', not 'rope') is not used by this run",
+        "optim.min_lr_ratio (0.5: the constant schedule never decays) is not used by this run",
+        "optim.decay_frac (0.3: read by schedule 'wsd' only, not 'constant') is not used by this run",
+    ]
+    with warnings.catch_warnings(record=True) as seen:  # the same values where they are read: no warning
+        warnings.simplefilter("always")
+        used = small_config(corpus_dir, steps=1)
+        Trainer(used.replace(optim=used.optim.replace(schedule="wsd", decay_frac=0.3)), tmp_path / "b", "lm",
+                progress=False).close()  # fmt: skip
+    assert not [w for w in seen if "is not used by this run" in str(w.message)]

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tformer.config import MAX_BPE_VOCAB, ModelConfig
+from tformer.config import MAX_BPE_VOCAB, ModelConfig, RopeConfig
 from tformer.schema import Config, ConfigError
 
 # data settings only some tasks read, with the value that means "not set": set for another task, they
@@ -246,3 +246,27 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
             "model.share_embeddings is for arch 'encoder_decoder' only (one embedding for source and target); "
             f"arch {cfg.model.arch!r} would ignore it: leave it true"
         )
+
+
+def unread_settings(cfg: TrainConfig) -> list[str]:
+    """Settings kept in the config but read by a component the run does not use: model.rope.* without
+    RoPE, optim.min_lr_ratio under the constant schedule, optim.decay_frac outside WSD. They stay valid
+    (one setting switches the component back on, as `tformer experiment` does); a new run warns of each
+    that differs from its default (`Trainer` at start), so a value a user gave is never dropped silently."""
+    unread = []
+    if cfg.model.positions != "rope":
+        default = RopeConfig()
+        unread += [
+            f"model.rope.{name} ({getattr(cfg.model.rope, name)!r}: model.positions is "
+            f"{cfg.model.positions!r}, not 'rope')"
+            for name in RopeConfig.__dataclass_fields__
+            if getattr(cfg.model.rope, name) != getattr(default, name)
+        ]
+    optim, default_optim = cfg.optim, OptimConfig()
+    if optim.schedule == "constant" and optim.min_lr_ratio != default_optim.min_lr_ratio:
+        unread.append(f"optim.min_lr_ratio ({optim.min_lr_ratio!r}: the constant schedule never decays)")
+    if optim.schedule != "wsd" and optim.decay_frac != default_optim.decay_frac:
+        unread.append(
+            f"optim.decay_frac ({optim.decay_frac!r}: read by schedule 'wsd' only, not {optim.schedule!r})"
+        )
+    return unread

@@ -43,7 +43,7 @@ from tformer.train.checkpoint import (
     step_of,
     why_none_committed,
 )
-from tformer.train.config import TrainConfig, refuse_ignored_settings
+from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_settings
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
@@ -163,6 +163,9 @@ class Trainer:
         refuse_unfinished(self.run_dir, resume_from)
         if resume_from is None:
             refuse_ignored_settings(cfg)
+            if self.env.is_main:
+                for setting in unread_settings(cfg):
+                    warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=3)
             refuse_foreign_files(self.run_dir)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
