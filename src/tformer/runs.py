@@ -223,8 +223,10 @@ def _averaged_run(path: Path, newest: Path, n: int, device: torch.device) -> Loa
     run = _load_checkpoint(chosen[-1], cpu)
     state = run.model.state_dict()
     total = {k: v.double() for k, v in state.items() if v.is_floating_point()}
+    steps = []
     for ckpt in chosen[:-1]:
         other = _load_checkpoint(ckpt, cpu)
+        steps.append(other.step)
         for what, attr in (("model config", "train_config.model"), ("tokenizer", "tokenizer"),
                            ("source tokenizer", "src_tokenizer")):  # fmt: skip
             if attrgetter(attr)(other) != attrgetter(attr)(run):
@@ -240,7 +242,7 @@ def _averaged_run(path: Path, newest: Path, n: int, device: torch.device) -> Loa
         for k, mean in total.items():
             state[k].copy_(mean / n)
     run.model.to(device)
-    run.averaged_steps = tuple(step_of(c) for c in chosen)
+    run.averaged_steps = (*steps, run.step)  # the steps the checkpoints hold (a copied one may be renamed)
     return run
 
 

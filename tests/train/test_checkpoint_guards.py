@@ -68,18 +68,49 @@ def test_optimizer_state_of_another_shape_or_dtype_is_refused_before_anything_lo
     reordered = torch.optim.AdamW([order[1], order[0], *order[2:]])
     assert order[0].shape != order[1].shape
     check = untouched(fresh, reordered)
-    with pytest.raises(CheckpointError, match=r"optimizer\.json: state\.0\.exp_avg is \(.*\) torch\.float32, its "
-                       r"parameter \(.*\) torch\.float32"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=r"optimizer\.json: state\.0\.exp_avg is \(.*\), its parameter \("
+    ):
         load_checkpoint(path, fresh, reordered)
     check()
-    first = next(iter(opt.state.values()))
+    first = next(iter(opt.state.values()))  # another floating dtype: torch casts it to the parameter's
     first["exp_avg_sq"] = first["exp_avg_sq"].double()
     doubled = save_checkpoint(tmp_path, 4, model, opt, sched)
     fresh, fresh_opt, fresh_sched = make(seed=9)
-    check = untouched(fresh, fresh_opt)
-    with pytest.raises(CheckpointError, match=r"state\.0\.exp_avg_sq is .* torch\.float64, its parameter"):
-        load_checkpoint(doubled, fresh, fresh_opt, fresh_sched)
-    check()
+    load_checkpoint(doubled, fresh, fresh_opt, fresh_sched)
+    assert next(iter(fresh_opt.state.values()))["exp_avg_sq"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["Adafactor", "LBFGS", "SGD"])
+def test_other_optimizers_state_of_their_own_shapes_round_trips(tmp_path, kind):
+    """Adafactor's factored rows and LBFGS's history are not parameter-shaped: still loaded."""
+    model, _, _ = make(seed=1)
+    make_opt = {"Adafactor": lambda p: torch.optim.Adafactor(p), "LBFGS": lambda p: torch.optim.LBFGS(p),
+                "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[kind]  # fmt: skip
+    opt = make_opt(model.parameters())
+    tokens = torch.randint(0, 16, (2, 8))
+
+    def closure():
+        opt.zero_grad()
+        loss = model(tokens).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    path = save_checkpoint(tmp_path, 1, model, opt)
+    fresh, _, _ = make(seed=9)
+    fresh_opt = make_opt(fresh.parameters())
+    load_checkpoint(path, fresh, fresh_opt)
+    assert same(params(fresh), params(model))
+    assert str(fresh_opt.state_dict()["state"]) == str(opt.state_dict()["state"])
+
+
+def test_a_save_refuses_counters_a_load_would_refuse(tmp_path, trained):
+    for kwargs, error in (({"tokens_seen": 1e6}, "tokens_seen must be a whole number >= 0, got 1000000.0"),
+                          ({"step": -1}, "step must be a whole number >= 0, got -1")):  # fmt: skip
+        with pytest.raises(CheckpointError, match=error):
+            save_checkpoint(tmp_path, **{"step": 1, **kwargs}, model=trained[0])
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(("key", "value", "error"), [
@@ -87,13 +118,18 @@ def test_optimizer_state_of_another_shape_or_dtype_is_refused_before_anything_lo
     ("step", 5, r"step 5, but its COMMITTED manifest says 3"),
     ("step", "abc", r"step must be a whole number >= 0, got 'abc'"),
     ("tokens_seen", 1.5, r"tokens_seen must be a whole number >= 0, got 1.5"),
+    ("trainer_state.step", -3, r"trainer_state.step is -3, the checkpoint's step 3"),
+    ("trainer_state.tokens_seen", 1.5, r"trainer_state.tokens_seen is 1.5, the checkpoint's tokens_seen"),
 ])  # fmt: skip
 def test_a_trainer_json_whose_counters_were_edited_is_refused(tmp_path, trained, key, value, error):
     """Edited with its manifest entry rewritten to match: a resume had started at step -3 and rewritten
-    the run's metrics from there."""
-    path = save_checkpoint(tmp_path, 3, *trained)
+    the run's metrics from there (a resume starts from trainer_state, as the Trainer saves it)."""
+    path = save_checkpoint(
+        tmp_path, 3, *trained, tokens_seen=96, trainer_state={"step": 3, "tokens_seen": 96}
+    )
     trainer = json.loads((path / "trainer.json").read_text())
-    trainer[key] = value
+    where, _, name = key.rpartition(".")
+    (trainer[where] if where else trainer)[name] = value
     (path / "trainer.json").write_text(json.dumps(trainer))
     commit = json.loads((path / "COMMITTED").read_text())
     commit["files"]["trainer.json"] = ckpt.file_entry(path / "trainer.json")

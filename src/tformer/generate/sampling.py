@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tformer.model.checks import NonFiniteOutputError
 from tformer.schema import Config, ConfigError, _coerce
 
 __all__ = [
@@ -184,7 +185,7 @@ def sample_next(
             raise ValueError(
                 f"every logit of row {row} is -inf: all its tokens are masked, none can be drawn"
             )
-        raise ValueError(
+        raise NonFiniteOutputError(
             f"the logits of row {row} hold NaN or +inf: the model's output overflowed (e.g. in low "
             "precision) or its weights hold NaN or inf"
         )

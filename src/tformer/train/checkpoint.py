@@ -366,8 +366,9 @@ def save_checkpoint(
     Raises CheckpointError if the step directory exists already: checkpoints are never overwritten.
     One process writes a run's checkpoints: temporary directories of other writers would be cleaned up.
     """
-    if step < 0:
-        raise CheckpointError(f"step must be >= 0, got {step}")
+    for name, value in (("step", step), ("tokens_seen", tokens_seen)):  # what load_checkpoint takes back
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{name} must be a whole number >= 0, got {value!r}")
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
     root = Path(run_dir) / CHECKPOINTS_DIR
@@ -528,6 +529,18 @@ class _Reader:
             raise CheckpointError(
                 f"{where}: step {trainer['step']}, but its {MARKER} manifest says {self.step}"
             )
+        state = trainer.get("trainer_state")  # the Trainer's own copy, which a resume starts from
+        if isinstance(state, dict):
+            for key in ("step", "tokens_seen"):
+                if key in state and (
+                    type(state[key]) is not int or state[key] != trainer.get(key, state[key])
+                ):
+                    raise CheckpointError(
+                        f"{where}: trainer_state.{key} is {state[key]!r}, the checkpoint's {key} {trainer.get(key)!r}"
+                    )
+
+
+PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")  # Adam(W), SGD
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], source: str) -> None:
@@ -540,9 +553,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], so
                 f"{source}: param group {i} has {len(s['params'])} parameters in the checkpoint, "
                 f"{len(c['params'])} in the optimizer"
             )
-    # a state tensor of another shape than its parameter would reach the (fused) update kernels, which
-    # write out of bounds: a native crash, not an error. Per-parameter tensors (exp_avg, momentum_buffer)
-    # must match their parameter's shape and floating dtype; scalars (step) may be anything
+    # a moment or momentum of another shape than its parameter would reach the (fused) update kernels,
+    # which write out of bounds: a native crash, not an error. Those of Adam(W) and SGD must match their
+    # parameter's shape; other optimizers' state (Adafactor's factored rows, LBFGS's history) is their own,
+    # and load_state_dict casts floating state to the parameter's dtype
     params = [param for group in current for param in group["params"]]
     per_param = state.get("state", {})
     if not isinstance(per_param, dict):
@@ -556,12 +570,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], so
             raise CheckpointError(f"{source}: state {index} is a {type(entry).__name__}, not a mapping")
         param = params[index]
         for key, value in entry.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            if value.shape != param.shape or (value.is_floating_point() and value.dtype != param.dtype):
+            if key in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
                 raise CheckpointError(
-                    f"{source}: state.{index}.{key} is {tuple(value.shape)} {value.dtype}, its parameter "
-                    f"{tuple(param.shape)} {param.dtype}"
+                    f"{source}: state.{index}.{key} is {tuple(value.shape)}, its parameter {tuple(param.shape)}"
                 )
 
 
