@@ -180,7 +180,14 @@ def run(args: argparse.Namespace) -> int:
         if "context" in message:
             message += " (or pass --truncate-prompt to keep a prompt's last tokens)"
         raise ValueError(message) from None
-    if args.compile:  # the first step waits for the compiler: say so rather than seem stuck
+    import torch
+
+    from tformer.model.compiled_step import why_not_compiled
+
+    with torch.no_grad():  # as generate asks (grad mode is one of the reasons it checks)
+        compiles = args.compile and why_not_compiled(run_.model) is None
+    if compiles:  # the first step waits for the compiler: say so rather than seem stuck (a model it cannot
+        # compile decodes eagerly, with generate's own warning)
         print(
             "tformer generate: compiling the decoding step with torch.compile (~35-40 s the first time on 2 "
             "CPU cores, a few s when torch's on-disk cache holds it)",
