@@ -200,7 +200,8 @@ def test_compile_reaches_generate_and_decodes_the_same_text(trained_run: Path, c
     assert captured.out == plain and len(calls) == 5  # every step after the prompt's
     assert "compiling the decoding step with torch.compile" in captured.err
     monkeypatch.setattr(compiled_step, "why_not_compiled", lambda model: "block 0's MoE drops tokens")
-    assert main([*argv, "--compile"]) == 0  # a model it cannot compile: no "compiling" line before the warning
+    # a model it cannot compile: no "compiling" line before generate's warning
+    assert main([*argv, "--compile"]) == 0
     captured = capsys.readouterr()
     assert captured.out == plain and "compiling the decoding step" not in captured.err
 

@@ -349,3 +349,35 @@ def test_a_write_that_dies_while_metrics_are_rewound_keeps_the_old_records(
         MetricsLog(tmp_path, tensorboard=False).truncate_after(3)
     monkeypatch.undo()
     assert path.read_text() == "".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (lambda state: state.update(loader="x"), "a loader state holds int seed, epoch and index_in_epoch"),
+        (lambda state: state["loader"].update(index_in_epoch=-5), "a loader position is >= 0, got epoch"),
+        (lambda state: state["loader"].update(epoch=1.5), "a loader state holds int seed"),
+    ],
+)
+def test_a_hand_edited_trainer_state_is_named_on_resume(
+    corpus_dir: Path, tmp_path: Path, edit, error
+) -> None:
+    """trainer.json edited and its manifest entry rewritten to match: the resume names the file, instead
+    of 'string indices must be integers' from inside the loader."""
+    from tformer.train.checkpoint import CheckpointError, file_entry
+
+    cfg = small_config(corpus_dir, steps=2, save_every=2)
+    trainer = Trainer(cfg, tmp_path / "run", "lm", progress=False)
+    trainer.fit()
+    trainer.close()
+    path = latest_checkpoint(tmp_path / "run")
+    data = json.loads((path / "trainer.json").read_text())
+    edit(data["trainer_state"])
+    (path / "trainer.json").write_text(json.dumps(data))
+    commit = json.loads((path / "COMMITTED").read_text())
+    commit["files"]["trainer.json"] = file_entry(path / "trainer.json")
+    (path / "COMMITTED").write_text(json.dumps(commit))
+    with pytest.raises(
+        CheckpointError, match=rf"trainer\.json: the trainer state does not restore \({error}"
+    ):
+        Trainer(cfg.replace(steps=4), tmp_path / "run", "lm", resume=True, progress=False)

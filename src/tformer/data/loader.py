@@ -216,9 +216,19 @@ class ResumableLoader:
         return {"epoch": epoch, "index_in_epoch": index, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position; the saved seed wins, so the batch stream is the saved one."""
-        self.batch_sampler.seed = int(state["seed"])
-        self.epoch, self.index_in_epoch = int(state["epoch"]), int(state["index_in_epoch"])
+        """Continue from a saved position; the saved seed wins, so the batch stream is the saved one.
+        ValueError for a state `state_dict` cannot have written (not ints, a negative position)."""
+        if not isinstance(state, dict) or any(
+            type(state.get(k)) is not int for k in ("seed", "epoch", "index_in_epoch")
+        ):
+            raise ValueError(f"a loader state holds int seed, epoch and index_in_epoch, got {state!r}")
+        if state["epoch"] < 0 or state["index_in_epoch"] < 0:  # (a position past this epoch's end, from a
+            # run of fewer data-parallel ranks, opens the next epoch)
+            raise ValueError(
+                f"a loader position is >= 0, got epoch {state['epoch']}, batch {state['index_in_epoch']}"
+            )
+        self.batch_sampler.seed = state["seed"]
+        self.epoch, self.index_in_epoch = state["epoch"], state["index_in_epoch"]
 
 
 def make_loader(

@@ -311,8 +311,12 @@ class Trainer:
         if self.env.is_main:
             warn_rank_count_change(path, self.env.data_world_size)
         # fields a checkpoint predates (e.g. the spike detector's) keep their defaults
-        self.state = TrainState(**{f.name: t[f.name] for f in fields(TrainState) if f.name in t})
-        self.loader.load_state_dict(t["loader"])
+        try:  # the files' sizes and hashes were checked: what fails here was written by hand
+            self.state = TrainState(**{f.name: t[f.name] for f in fields(TrainState) if f.name in t})
+            self.loader.load_state_dict(t["loader"])
+        except (KeyError, TypeError, ValueError) as e:
+            error = CheckpointError(f"{path / 'trainer.json'}: the trainer state does not restore ({e})")
+            raise self._name_the_previous(path, error) from None
         self.metrics.truncate_after(self.state.step)
         self._saved = (self.state.step, path)  # resuming a finished run must not save its step again
 
