@@ -96,6 +96,11 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
     assert "--new-tokens 1000 does not fit after the 8-token prompt in the context of 64 tokens" in (
         capsys.readouterr().err
     )
+    short = ["--seq-len", "4", "--set", "model.max_seq_len=4", "--set", "data.seq_len=4"]
+    assert main([*argv, *short]) == 2  # had said "--new-tokens 64 does not fit ... at most -4"
+    assert "the context of 4 tokens (model.max_seq_len, or --seq-len if longer) leaves no room to decode" in (
+        capsys.readouterr().err
+    )
     assert main([*argv, "--seq-len", "16"]) == 0  # the default: 64 tokens, or what fits (56 here)
     assert json.loads(capsys.readouterr().out)["decode_new_tokens"] == 56
     # the vocabulary training would build (data.vocab_size: its BPE), not ModelConfig's default of 32000
@@ -103,7 +108,9 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
         main([*argv, "--seq-len", "16", "--set", "data.vocab_size=300", "--set", "model.vocab_size=32000"])
         == 0
     )
-    small = json.loads(capsys.readouterr().out)["params_total"]
+    out, err = capsys.readouterr()
+    small = json.loads(out)["params_total"]
+    assert "model.vocab_size 32000 is replaced by data.vocab_size 300, as training sizes the model" in err
     assert main([*argv, "--seq-len", "16", "--set", "data.vocab_size=600"]) == 0
     assert (
         json.loads(capsys.readouterr().out)["params_total"] - small == 300 * 64

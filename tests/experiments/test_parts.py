@@ -206,6 +206,15 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
     with pytest.warns(UserWarning, match="already holds other files; the study writes its own beside them"):
         prepare_run_dir(other, overwrite=False)
     assert (other / "thesis.tex").read_text() == "the user's"
+    for name in ("report.md", "data.json", "norm_losses.png"):  # a user's files under names a study writes
+        mine = tmp_path / f"mine-{name}"
+        mine.mkdir()
+        (mine / name).write_text("the user's")
+        with pytest.raises(
+            ValueError, match=f"holds {name}, which a study would replace: choose another --out"
+        ):
+            prepare_run_dir(mine, overwrite=False)
+        assert (mine / name).read_text() == "the user's"
     (study / "arms").mkdir()  # a study stopped before its report
     with pytest.raises(
         ValueError,
@@ -232,6 +241,10 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         (
             ["--steps", "3"],
             "--steps 3 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --warmup-steps at most 1, or more --steps",
+        ),
+        (  # no warm-up fits: the steps are what to change (it had said "--warmup-steps at most -1")
+            ["--steps", "1"],
+            "--steps 1 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --steps above 2",
         ),
     ],
 )

@@ -75,10 +75,21 @@ def _setting(args: argparse.Namespace):
     device = resolve_device(cfg.device)
     b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
     # as training sizes it: the vocabulary is the BPE one it trains (data.vocab_size), the context fits T
+    if cfg.model.vocab_size != cfg.data.vocab_size:
+        warn(
+            "bench",
+            f"model.vocab_size {cfg.model.vocab_size} is replaced by data.vocab_size {cfg.data.vocab_size}, as "
+            "training sizes the model by its tokenizer: set data.vocab_size to measure another vocabulary",
+        )
     mcfg = cfg.model.replace(vocab_size=cfg.data.vocab_size, max_seq_len=max(cfg.model.max_seq_len, t))
     room = mcfg.max_seq_len - PROMPT
     # the default shrinks to what fits (if anything does); a count the user asked for is never changed
     n_new = args.new_tokens or (min(DEFAULT_NEW, room) if room > 0 else DEFAULT_NEW)
+    if room < 1:  # not even one decoded token fits: the context is what to change, whatever --new-tokens is
+        raise ValueError(
+            f"the context of {mcfg.max_seq_len} tokens (model.max_seq_len, or --seq-len if longer) leaves no "
+            f"room to decode after the {PROMPT}-token prompt: give a context of at least {PROMPT + 1}"
+        )
     if n_new > room:
         raise ValueError(
             f"--new-tokens {n_new} does not fit after the {PROMPT}-token prompt in the context of "

@@ -136,9 +136,12 @@ def resolve_setting(args: argparse.Namespace, module):
             if args.warmup_steps is not None
             else f"the study's {warmup} warm-up steps"
         )
-        raise ValueError(
-            f"--steps {steps} must cover {given}{need}: give --warmup-steps at most {steps - after}, or more --steps"
+        fix = (
+            f"give --warmup-steps at most {steps - after}, or more --steps"
+            if steps > after
+            else (f"give --steps above {after}")
         )
+        raise ValueError(f"--steps {steps} must cover {given}{need}: {fix}")
     return setting.replace(**changes)
 
 

@@ -214,6 +214,12 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
                 f"{run_dir} holds {', '.join(foreign)} of something else (a training run?); a study needs "
                 "a directory of its own: choose another --out"
             )
+        clash = _study_files(run_dir) if run_dir.is_dir() else []
+        if clash:  # not a study's (no setting, no arms): a user's own files under the names a study writes
+            raise ValueError(
+                f"{run_dir} holds {', '.join(p.name for p in clash)}, which a study would replace: choose "
+                "another --out"
+            )
         if run_dir.is_dir() and any(run_dir.iterdir()):
             warnings.warn(
                 f"{run_dir} already holds other files; the study writes its own beside them (arms/, "
