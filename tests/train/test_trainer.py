@@ -582,3 +582,13 @@ def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path:
         Trainer(used.replace(optim=used.optim.replace(schedule="wsd", decay_frac=0.3)), tmp_path / "b", "lm",
                 progress=False).close()  # fmt: skip
     assert not [w for w in seen if "is not used by this run" in str(w.message)]
+
+
+def test_a_run_inside_its_data_folder_is_refused(corpus_dir: Path, tmp_path: Path) -> None:
+    """Its checkpoints and logs would be scanned as data by every later load (a resume, an evaluation)."""
+    before = sorted(p.name for p in corpus_dir.iterdir())
+    for out in (corpus_dir / "run", corpus_dir, corpus_dir / "runs" / "a"):
+        with pytest.raises(ValueError, match=r"lies inside the data folder .*: its checkpoints and logs"):
+            Trainer(small_config(corpus_dir, steps=1), out, "lm", progress=False)
+    assert sorted(p.name for p in corpus_dir.iterdir()) == before  # nothing written there
+    Trainer(small_config(corpus_dir, steps=1), tmp_path / "beside", "lm", progress=False).close()

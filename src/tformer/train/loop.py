@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tformer.data.corpora import user_corpus
 from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer
 from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
 from tformer.distributed.parallelize import global_routing_stats, parallelize
@@ -58,6 +59,7 @@ from tformer.train.run_dir import (
     lock_run_dir,
     outermost_missing,
     refuse_foreign_files,
+    refuse_run_dir_in_data,
     release_run_dir,
     restore_run_tokenizer,
     take_over,
@@ -167,6 +169,9 @@ class Trainer:
                 for setting in unread_settings(cfg):
                     warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=3)
             refuse_foreign_files(self.run_dir)
+            user = user_corpus(cfg.data.corpus)
+            refuse_run_dir_in_data(self.run_dir, [user[1]] if user else [])  # (an installed corpus's folder
+            # under data.path is read by its own layout, not scanned)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)

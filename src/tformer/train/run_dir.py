@@ -122,6 +122,20 @@ def refuse_foreign_files(run_dir: Path) -> None:
         )
 
 
+def refuse_run_dir_in_data(run_dir: Path, data_paths: list[str]) -> None:
+    """ValueError where a fresh run's directory is a user's data folder or lies inside one (`text:DIR`,
+    `labels:DIR`): every later load of the data (a resume, `tformer eval`) would scan the run's
+    checkpoints and logs as data, and a `labels:` corpus would take the run's folder for a label."""
+    out = Path(run_dir).expanduser().resolve()
+    for given in data_paths:
+        data = Path(given).expanduser().resolve()
+        if data.is_dir() and (out == data or data in out.parents):
+            raise ValueError(
+                f"the run directory {run_dir} lies inside the data folder {given}: its checkpoints and logs "
+                "would be read as data by a resume or an evaluation; choose an --out outside it"
+            )
+
+
 def release_run_dir(run_dir: Path, holder: Any) -> None:
     """`holder` gives the run directory up (the lock, if it is still the one holding it)."""
     key = run_dir.resolve()
