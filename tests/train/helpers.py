@@ -31,3 +31,16 @@ def losses(run_dir: Path) -> list[str]:
     return [
         f"{float(r['loss']).hex()} {float(r['grad_norm']).hex()}" for r in records if r["kind"] == "train"
     ]
+
+
+def edit_checkpoint_json(checkpoint: Path, name: str, edit) -> None:
+    """`edit(obj)` on a checkpoint's JSON file `name`, in place, with its COMMITTED entry rewritten to
+    match: what a hand edit that knows the manifest looks like (the size and hash checks pass)."""
+    from tformer.train.checkpoint import file_entry
+
+    obj = json.loads((checkpoint / name).read_text())
+    edit(obj)
+    (checkpoint / name).write_text(json.dumps(obj))
+    commit = json.loads((checkpoint / "COMMITTED").read_text())
+    commit["files"][name] = file_entry(checkpoint / name)
+    (checkpoint / "COMMITTED").write_text(json.dumps(commit))

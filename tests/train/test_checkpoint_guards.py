@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tests.train import test_checkpoint
+from tests.train.helpers import edit_checkpoint_json
 from tests.train.test_checkpoint import TinyLM, make, params, same
 from tformer.train import checkpoint as ckpt
 from tformer.train.checkpoint import (
@@ -127,13 +128,10 @@ def test_a_trainer_json_whose_counters_were_edited_is_refused(tmp_path, trained,
     path = save_checkpoint(
         tmp_path, 3, *trained, tokens_seen=96, trainer_state={"step": 3, "tokens_seen": 96}
     )
-    trainer = json.loads((path / "trainer.json").read_text())
     where, _, name = key.rpartition(".")
-    (trainer[where] if where else trainer)[name] = value
-    (path / "trainer.json").write_text(json.dumps(trainer))
-    commit = json.loads((path / "COMMITTED").read_text())
-    commit["files"]["trainer.json"] = ckpt.file_entry(path / "trainer.json")
-    (path / "COMMITTED").write_text(json.dumps(commit))
+    edit_checkpoint_json(
+        path, "trainer.json", lambda trainer: (trainer[where] if where else trainer).update({name: value})
+    )
     fresh = make(seed=9)
     check = untouched(*fresh[:2])
     with pytest.raises(CheckpointError, match=r"trainer\.json: " + error):

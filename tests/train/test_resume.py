@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import losses, small_config
+from tests.train.helpers import edit_checkpoint_json, losses, small_config
 from tformer.tasks import make_task
 from tformer.train.checkpoint import latest_checkpoint
 from tformer.train.config import OptimConfig, TrainConfig
@@ -364,19 +364,15 @@ def test_a_hand_edited_trainer_state_is_named_on_resume(
 ) -> None:
     """trainer.json edited and its manifest entry rewritten to match: the resume names the file, instead
     of 'string indices must be integers' from inside the loader."""
-    from tformer.train.checkpoint import CheckpointError, file_entry
+    from tformer.train.checkpoint import CheckpointError
 
     cfg = small_config(corpus_dir, steps=2, save_every=2)
     trainer = Trainer(cfg, tmp_path / "run", "lm", progress=False)
     trainer.fit()
     trainer.close()
-    path = latest_checkpoint(tmp_path / "run")
-    data = json.loads((path / "trainer.json").read_text())
-    edit(data["trainer_state"])
-    (path / "trainer.json").write_text(json.dumps(data))
-    commit = json.loads((path / "COMMITTED").read_text())
-    commit["files"]["trainer.json"] = file_entry(path / "trainer.json")
-    (path / "COMMITTED").write_text(json.dumps(commit))
+    edit_checkpoint_json(
+        latest_checkpoint(tmp_path / "run"), "trainer.json", lambda data: edit(data["trainer_state"])
+    )
     with pytest.raises(
         CheckpointError, match=rf"trainer\.json: the trainer state does not restore \({error}"
     ):

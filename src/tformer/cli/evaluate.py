@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
+from tformer.model.checks import check_finite_scores
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,19 +69,6 @@ def run(args: argparse.Namespace) -> int:
             f"{result['predictions']:,} predictions{part}"
         )
     return 0
-
-
-def check_finite_scores(result: dict) -> None:
-    """NonFiniteOutputError where a score is NaN or infinite (a diverged or damaged model): no result to
-    print, and `--json` would not be JSON."""
-    from tformer.model.checks import NonFiniteOutputError
-
-    for key, value in result.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise NonFiniteOutputError(
-                f"the run's {key} is {value}: the model's outputs are NaN or infinite (damaged or diverged "
-                "weights, or an overflow in low precision)"
-            )
 
 
 def run_task_eval(run_, args: argparse.Namespace) -> int:

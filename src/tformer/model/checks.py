@@ -128,6 +128,17 @@ class NonFiniteOutputError(ValueError):
     garbage (or an empty translation) as if it were a result."""
 
 
+def check_finite_scores(result: dict) -> None:
+    """NonFiniteOutputError where a float in an evaluation's result (a loss, a perplexity) is NaN or
+    infinite: a diverged or damaged model has no result to print or write, and JSON would not hold it."""
+    for key, value in result.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise NonFiniteOutputError(
+                f"the run's {key} is {value}: the model's outputs are NaN or infinite (damaged or diverged "
+                "weights, or an overflow in low precision)"
+            )
+
+
 def check_finite_outputs(values: Tensor, what: str) -> None:
     """NonFiniteOutputError where `values` (logits (..., V)) hold NaN or +inf, or a row of -inf alone (a
     -inf logit on its own is a token ruled out, as a masked or scripted model gives)."""

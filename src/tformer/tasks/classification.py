@@ -33,7 +33,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.eval.classification import ClassificationScores, plot_confusion, score_classification
 from tformer.generate.engine import as_token_lists
 from tformer.json_files import read_json
-from tformer.model.checks import check_finite_outputs
+from tformer.model.checks import check_finite_outputs, check_finite_scores
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
@@ -288,7 +288,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
     collate = ClassificationCollator(classifier.tokenizer.pad_id)
     result, scores = evaluate_dataset(run.model, ds, collate, classifier.labels, cfg.batch_size, max_batches)
-    check_finite_outputs(torch.tensor([result["eval_loss"]]), "losses")  # before a matrix of NaN replaces one
+    check_finite_scores(result)  # before a matrix of NaN replaces one
     sample = "_sample" if scores.n < len(docs) else ""  # --max-batches: never in place of the whole split's
     png = write_confusion(
         scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=sample + run.file_suffix()

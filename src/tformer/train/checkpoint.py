@@ -521,10 +521,9 @@ class _Reader:
         where = self.path / "trainer.json"
         if not isinstance(trainer, dict):
             raise CheckpointError(f"{where}: not a mapping")
-        for key in ("step", "tokens_seen"):
-            value = trainer.get(key)
-            if (key in trainer or key == "step") and (type(value) is not int or value < 0):
-                raise CheckpointError(f"{where}: {key} must be a whole number >= 0, got {value!r}")
+        for key in ("step", *(("tokens_seen",) if "tokens_seen" in trainer else ())):  # (DCP's has no count)
+            if type(trainer.get(key)) is not int or trainer[key] < 0:
+                raise CheckpointError(f"{where}: {key} must be a whole number >= 0, got {trainer.get(key)!r}")
         if trainer["step"] != self.step:
             raise CheckpointError(
                 f"{where}: step {trainer['step']}, but its {MARKER} manifest says {self.step}"
@@ -590,9 +589,9 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and (rank's) RNG from one checkpoint directory.
 
     Every file is read and checked (manifest size and, with verify, sha256; JSON; safetensors headers;
-    model keys and shapes; optimizer group sizes, state shapes and dtypes) before anything is copied, so
-    a CheckpointError leaves model, optimizer, scheduler and RNG untouched. strict=False tolerates missing / unexpected
-    model keys (listed in the result), never a shape mismatch. The result carries what save_checkpoint
+    model keys and shapes; optimizer group sizes and the shapes of Adam / SGD moments; trainer counters)
+    before anything is copied, so a CheckpointError leaves model, optimizer, scheduler and RNG untouched.
+    strict=False tolerates missing / unexpected model keys (listed in the result), never a shape mismatch. The result carries what save_checkpoint
     was given (step, tokens_seen, data_state, trainer_state, meta) and this rank's RNG state.
     """
     path = Path(path)
