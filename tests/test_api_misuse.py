@@ -148,3 +148,54 @@ def test_beam_and_sample_search_check_their_ids_as_search_does() -> None:
     assert (
         len(beam_search(model, src, None, bos_id=1, eos_id=2, max_len=4, banned=[2])) == 2
     )  # runs to max_len
+
+
+def test_switches_take_true_or_false_not_a_truthy_string(trained_run, tmp_path) -> None:
+    """strict="no" and resume="yes" are truthy: they had switched the option on. Each is a TypeError now,
+    before anything is read or written."""
+    from tformer.runs import find_checkpoint, load_run
+    from tformer.train.checkpoint import load_checkpoint
+    from tformer.train.loop import Trainer
+    from tformer.train.presets import get_train_preset
+    from tformer.train.weights import load_weights
+
+    ckpt = find_checkpoint(trained_run)
+    model = load_run(trained_run).model
+    for flag in ("strict", "restore_rng", "verify"):
+        with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'no'"):
+            load_checkpoint(ckpt, model, **{flag: "no"})
+    for flag in ("strict", "trust_pickle"):
+        with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 1"):
+            load_weights(model, ckpt / "model.safetensors", **{flag: 1})
+    with pytest.raises(TypeError, match=r"resume must be True or False, got 'yes'"):
+        Trainer(get_train_preset("tiny-lm"), tmp_path / "run", task=None, resume="yes")
+    assert not (tmp_path / "run").exists()
+
+
+def test_kv_cache_reorder_names_a_bad_index_and_leaves_the_cache_as_it_was() -> None:
+    """reorder had passed any index to index_select: torch's own error, or a float index's, from deep inside."""
+    from tformer.model.cache import KVCache
+
+    cache = KVCache(2, 8)
+    for layer in range(2):
+        cache.update(layer, torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5))
+    before = [t[:, :, :4].clone() for t in cache.k + cache.v]  # the filled slots
+    bad = {
+        r"1-D int64 tensor of the batch rows to keep, got torch.float32 tensor of shape \(2,\)": torch.tensor(
+            [0.0, 1]
+        ),
+        r"1-D int64 tensor of the batch rows to keep, got torch.int64 tensor of shape \(1, 2\)": torch.tensor(
+            [[0, 1]]
+        ),
+        r"1-D int64 tensor of the batch rows to keep, got \[0, 1\]": [0, 1],
+        r"picks rows 0 to 3; the cache holds rows 0 to 2": torch.tensor([0, 3]),
+        r"picks rows -1 to 1; the cache holds rows 0 to 2": torch.tensor([-1, 1]),
+    }
+    for message, index in bad.items():
+        with pytest.raises(ValueError, match=message):
+            cache.reorder(index)
+    with pytest.raises(TypeError, match=r"source must be the memory states \(a tensor\) or None, got list"):
+        cache.reorder(torch.tensor([2, 0]), source=[1])
+    assert all(torch.equal(a[:, :, :4], b) for a, b in zip(cache.k + cache.v, before))
+    cache.reorder(torch.tensor([2, 0], dtype=torch.int32))  # int32 is an index too
+    assert torch.equal(cache.k[1][:, :, :4], before[1].index_select(0, torch.tensor([2, 0])))

@@ -4,6 +4,7 @@ measures when asked for sizes the model does not hold."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -60,7 +61,13 @@ def test_bench_mfu_is_three_forward_flops_per_token_over_the_measured_matmul_rat
     torch.set_num_threads(2)
     try:  # --threads sets torch's thread count for the measurement, and the report says it
         assert main([*argv, "--seq-len", "16", "--json", "--threads", "1"]) == 0
-        assert json.loads(capsys.readouterr().out)["threads"] == 1
+        out, err = capsys.readouterr()
+        assert json.loads(out)["threads"] == 1 and "warning" not in err
+        cores = len(os.sched_getaffinity(0))  # more threads than cores run, with a warning that says so
+        assert main([*argv, "--seq-len", "16", "--json", "--threads", str(cores + 1)]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["threads"] == cores + 1
+        assert f"--threads {cores + 1} is more than the {cores} core" in err
     finally:
         torch.set_num_threads(before)
 

@@ -24,6 +24,14 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 C = TypeVar("C", bound="Config")
 
 
+def require_bool(**flags: object) -> None:
+    """TypeError naming the first of `flags` (name=value) that is not True or False: a truthy string such as
+    "no" would otherwise switch the option on."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 class ConfigError(ValueError):
     """A configuration value or key is not allowed; the message says which and what is."""
 

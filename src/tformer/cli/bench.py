@@ -15,6 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tformer.cli.options import warn_oversubscribed
+
 PROMPT = 8  # tokens of the decoding prompt
 DEFAULT_NEW = 64  # tokens to decode unless --new-tokens says otherwise (fewer where the context is shorter)
 
@@ -34,6 +36,7 @@ def _times(fn, repeats: int, device: torch.device) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    warn_oversubscribed("bench", args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, mcfg, device, (b, t), n_new = _setting(args)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tformer.cli.options import nonnegative_int, positive_int
+from tformer.cli.options import nonnegative_int, positive_int, warn_oversubscribed
 from tformer.experiments import STUDIES
 from tformer.schema import ConfigError
 
@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/experiments/{args.study}{'-quick' if args.quick else ''}")
     if args.report_only and args.resume:
         raise ValueError("give --report-only or --resume, not both")
+    warn_oversubscribed("experiment", args.threads)
     if args.report_only or args.resume:
         option = "--report-only" if args.report_only else "--resume"
         given = [f for f in (*OVERRIDES, "depths", "arch") if getattr(args, f, None) is not None]

@@ -157,6 +157,17 @@ def input_lines(text: str) -> list[str]:
     return lines[:-1] if lines and not lines[-1] else lines
 
 
+def warn_oversubscribed(command: str, threads: int | None) -> None:
+    """Warn when `threads` torch threads would share this process's cores (they run, but slower, and a
+    measurement under them says so little of the machine)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads and threads > cores:
+        warn(command, f"--threads {threads} is more than the {cores} core{'s' if cores != 1 else ''} this "
+                      "process may use: the threads take turns on them, which is slower than one per core")  # fmt: skip
+
+
 def warn(command: str, message: str) -> None:
     print(f"tformer {command}: warning: {message}", file=sys.stderr)
 

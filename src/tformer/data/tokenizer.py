@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tformer.config import MAX_BPE_VOCAB
+from tformer.schema import require_bool
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
@@ -125,7 +126,7 @@ class Tokenizer:
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        _flags(add_bos, add_eos)
+        require_bool(add_bos=add_bos, add_eos=add_eos)
         (text,) = _texts([text], "text")
         return self._wrap(self._backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
@@ -133,7 +134,7 @@ class Tokenizer:
         self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
     ) -> list[list[int]]:
         """Encode many texts at once (parallel in the library)."""
-        _flags(add_bos, add_eos)
+        require_bool(add_bos=add_bos, add_eos=add_eos)
         texts = _texts(texts)
         encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
@@ -245,12 +246,6 @@ def _token_id(value: object, where: str, index: int | None = None) -> int:
             pass
     name = where if index is None else f"{where}[{index}]"
     raise TypeError(f"{name} must be an int token id, got {value!r}")
-
-
-def _flags(add_bos: object, add_eos: object) -> None:
-    for name, value in (("add_bos", add_bos), ("add_eos", add_eos)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 LONG_RUN = 1024  # characters: BPE training time grows with the square of a pre-token's length

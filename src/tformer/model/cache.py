@@ -136,6 +136,11 @@ class KVCache:
         """Keep batch rows `index` (B',) in every buffer, e.g. the surviving beams. `source`: the memory
         states whose rows the reordered cross-attention K/V now match (None: the next memory given to
         use_source is taken as theirs)."""
+        self._check_rows(index)
+        if source is not None and not isinstance(source, Tensor):
+            raise TypeError(
+                f"source must be the memory states (a tensor) or None, got {type(source).__name__}"
+            )
         for i in range(len(self.k)):
             if self.k[i] is not None:
                 self.k[i] = self.k[i].index_select(0, index)
@@ -145,6 +150,29 @@ class KVCache:
                 self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
         if any(kv is not None for kv in self.cross_kv):
             self.cross_source = source
+
+    def _check_rows(self, index: object) -> None:
+        """`index` must pick rows this cache holds: a 1-D integer tensor on its device, each in [0, B)."""
+        held = next(
+            (t for t in self.k + [kv[0] for kv in self.cross_kv if kv is not None] if t is not None), None
+        )
+        if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
+            what = (
+                f"{index.dtype} tensor of shape {tuple(index.shape)}"
+                if isinstance(index, Tensor)
+                else repr(index)
+            )
+            raise ValueError(f"reorder takes a 1-D int64 tensor of the batch rows to keep, got {what}")
+        if held is None:
+            return
+        if index.device != held.device:
+            raise ValueError(f"reorder's index is on {index.device}, the cache on {held.device}")
+        rows = held.shape[0]
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
+            raise ValueError(
+                f"reorder's index picks rows {int(index.min())} to {int(index.max())}; the cache holds rows 0 to "
+                f"{rows - 1}"
+            )
 
     def truncate(self, length: int) -> None:
         """Forget slots from `length` on (e.g. to reuse a prefilled prompt); at 0 the encoder memory's

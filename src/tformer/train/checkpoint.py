@@ -36,6 +36,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from tformer.schema import require_bool
 from tformer.train.state_io import (
     CheckpointError,
     Packer,
@@ -594,6 +595,7 @@ def load_checkpoint(
     strict=False tolerates missing / unexpected model keys (listed in the result), never a shape mismatch. The result carries what save_checkpoint
     was given (step, tokens_seen, data_state, trainer_state, meta) and this rank's RNG state.
     """
+    require_bool(strict=strict, restore_rng=restore_rng, verify=verify)
     path = Path(path)
     reader = _Reader(path, verify)
     meta = reader.json("meta.json")

@@ -34,6 +34,7 @@ from tformer.distributed.env import NullMetrics, init_distributed, resolve_devic
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
+from tformer.schema import require_bool
 from tformer.train.checkpoint import (
     CheckpointError,
     checkpoint_meta,
@@ -104,6 +105,7 @@ class Trainer:
         runs); False nothing on stdout. Rank 0 alone shows anything."""
         if progress not in (True, False, "lines"):
             raise ValueError(f"progress must be True, False or 'lines', got {progress!r}")
+        require_bool(resume=resume)
         if not isinstance(cfg, TrainConfig):
             raise TypeError(
                 f"cfg must be a TrainConfig (e.g. get_train_preset('tiny-lm')), got {type(cfg).__name__}"

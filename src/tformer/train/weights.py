@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tformer.schema import require_bool
 from tformer.train.checkpoint import (
     CheckpointError,
     LoadResult,
@@ -68,6 +69,7 @@ def load_weights(
     which `key` and `trust_pickle` are passed to; a safetensors file is read as one whatever its name).
     Weights that are not finite load with a warning naming them."""
     _check_module(model)
+    require_bool(strict=strict, trust_pickle=trust_pickle)
     path = Path(path)
     if path.suffix in (".pt", ".pth", ".bin") and not _is_safetensors(path):
         tensors = import_torch_weights(path, key=key, trust_pickle=trust_pickle)
