@@ -81,8 +81,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="tokens to generate (default: 200, or what the model's context leaves after the prompt; with "
-        "--truncate-prompt at least half the context)",
+        help="tokens to generate (default: 200, or --min-new-tokens where that is larger, capped by what the "
+        "model's context leaves after the prompt; with --truncate-prompt at least half the context)",
     )
     p.add_argument(
         "--min-new-tokens",
