@@ -533,6 +533,19 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r for r in again if r["kind"] == "eval"] == [r for r in records if r["kind"] == "eval"]
 
 
+def test_activation_checkpointing_under_fsdp_and_expert_parallelism(tmp_path: Path, corpus: Path) -> None:
+    """FSDP2 over blocks that recompute their activations, an MoE model with its experts split over the
+    ranks and dropout on: the losses of the same run without it, bit for bit."""
+    sets = ("parallel.data=fsdp", "parallel.experts=shard", "model.dropout=0.1",
+            "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")  # fmt: skip
+    for name, extra in (("plain", ()), ("ac", ("activation_checkpointing=true",))):
+        proc = torchrun_train(tmp_path / name, corpus, *sets, *extra)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads((tmp_path / "ac" / "config.json").read_text())["activation_checkpointing"] is True
+    assert train_losses(tmp_path / "ac") == train_losses(tmp_path / "plain")
+    assert len(train_losses(tmp_path / "ac")) == 2
+
+
 @pytest.mark.parametrize("experts", ["replicate", "shard"])
 def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, corpus: Path, capsys) -> None:
     """`torchrun -m tformer train` on 4 processes as 2 tensor-parallel pairs with sequence parallelism and

@@ -370,8 +370,10 @@ class MoE(nn.Module):
         return routed.to(flat.dtype) + self.shared(flat)
 
     def observe(self, route: Routing, dropped: Tensor, groups: int | Segments) -> None:
-        """Training-forward bookkeeping: counters, this layer's balance losses, statistics."""
-        counts = self.router.count(route.idx)
+        """Training-forward bookkeeping: counters, this layer's balance losses, statistics. Activation
+        checkpointing's recomputation makes the same losses and statistics (it must save the tensors the
+        forward saved) but leaves the counters alone: the forward counted these tokens."""
+        counts = self.router.count(route.idx, add=not recomputing())
         if route.idx.shape[0] == 0:  # no token (a forward of padding alone): nothing to balance
             self.last_aux = route.logits.sum() * 0.0  # 0, in the graph like the losses it stands for
             entropy = torch.zeros((), device=route.logits.device)
@@ -382,6 +384,12 @@ class MoE(nn.Module):
             p = probabilities(route.scores)
             entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
         self.last_stats = {"counts": counts, "dropped": dropped, "entropy": entropy}
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation checkpointing's recomputation of a block
+    (tformer.train.recompute), whose tokens the forward before it already counted."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # ----------------------------------------------------------------------------- the trainer's channel

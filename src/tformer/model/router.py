@@ -128,11 +128,12 @@ class TopKRouter(Float32Buffers):
             weights = self.normalize(scores.gather(-1, idx)) * self.routed_scaling  # (N, K)
         return Routing(logits, scores, idx, weights)
 
-    def count(self, idx: Tensor) -> Tensor:
-        """Add one training forward's assignments to the counters; return them, (E,)."""
+    def count(self, idx: Tensor, add: bool = True) -> Tensor:
+        """One training forward's assignments per expert, (E,), added to the counters where `add`."""
         counts = torch.bincount(idx.flatten(), minlength=self.weight.shape[0])  # (E,)
-        self.tokens_per_expert += counts
-        self.window_tokens += counts
+        if add:
+            self.tokens_per_expert += counts
+            self.window_tokens += counts
         return counts
 
     @torch.no_grad()

@@ -178,6 +178,7 @@ class TrainConfig(Config):
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     device: str = "auto"
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off

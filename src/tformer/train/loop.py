@@ -49,6 +49,7 @@ from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_se
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
+from tformer.train.recompute import checkpoint_blocks
 from tformer.train.resume import (
     absolute_data_paths,
     check_resume_config,
@@ -244,6 +245,8 @@ class Trainer:
         if meta is not None:
             check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
+        if cfg.activation_checkpointing:  # before data parallelism wraps or shards the blocks
+            checkpoint_blocks(self.model)
         plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
         self.parallel = parallelize(self.model, plan, self.env, self.device)
         self.env.seed_rank(cfg.seed)
