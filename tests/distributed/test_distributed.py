@@ -533,11 +533,18 @@ def test_torchrun_cli_fsdp(tmp_path: Path, corpus: Path) -> None:
     assert [r for r in again if r["kind"] == "eval"] == [r for r in records if r["kind"] == "eval"]
 
 
-def test_activation_checkpointing_under_fsdp_and_expert_parallelism(tmp_path: Path, corpus: Path) -> None:
-    """FSDP2 over blocks that recompute their activations, an MoE model with its experts split over the
-    ranks and dropout on: the losses of the same run without it, bit for bit."""
-    sets = ("parallel.data=fsdp", "parallel.experts=shard", "model.dropout=0.1",
-            "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.data=fsdp", "parallel.experts=shard"), ("parallel.tensor=2", "parallel.sequence=true")],
+    ids=["fsdp+experts", "tensor+sequence"],
+)
+def test_activation_checkpointing_under_each_layout(
+    layout: tuple[str, ...], tmp_path: Path, corpus: Path
+) -> None:
+    """Blocks that recompute their activations under FSDP2 with the experts split over the ranks, or under
+    tensor + sequence parallelism with each expert split by width, in an MoE model with dropout on: the
+    losses of the same run without it, bit for bit."""
+    sets = (*layout, "model.dropout=0.1", "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")
     for name, extra in (("plain", ()), ("ac", ("activation_checkpointing=true",))):
         proc = torchrun_train(tmp_path / name, corpus, *sets, *extra)
         assert proc.returncode == 0, proc.stderr[-6000:]
