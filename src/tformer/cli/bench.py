@@ -118,18 +118,27 @@ def _model_line(model, cfg, device, b: int, t: int, repeats: int) -> dict:
 
 def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     """Training tokens/s (forward, loss, backward, AdamW) and its MFU against a matmul rate of the
-    model's widths measured now."""
+    model's widths measured now; the step as the run's `compile` and `activation_checkpointing` make it
+    (on a copy of the model with its blocks checkpointed: the decoding after runs on the model as built)."""
+    import copy
+
     from tformer.model.stats import flops_per_token
     from tformer.train.optim import make_optimizer
+    from tformer.train.recompute import checkpoint_blocks
     from tformer.train.step import autocast_context
 
-    opt = make_optimizer(model, cfg.optim)
+    trained = model
+    if cfg.activation_checkpointing:
+        trained = copy.deepcopy(model)
+        checkpoint_blocks(trained)
+    forward = torch.compile(trained) if cfg.compile else trained
+    opt = make_optimizer(trained, cfg.optim)
     autocast = autocast_context(device, cfg.dtype)
     x = torch.randint(0, mcfg.vocab_size, (b, t), device=device)
 
     def train_step() -> None:
         with autocast:
-            logits = model(x)
+            logits = forward(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
         loss.backward()
         opt.step()
@@ -153,7 +162,15 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
         "train_tokens_per_s": b * t / train_s,
         "train_tokens_per_s_median": b * t / train_median,
         "train_mfu": train_flops / train_s / peak,
+        "train_compile": cfg.compile,  # the first (warm-up) step compiled, untimed
+        "train_activation_checkpointing": cfg.activation_checkpointing,
     }
+
+
+def _train_how(result: dict) -> str:
+    how = [w for k, w in (("train_compile", "compiled"), ("train_activation_checkpointing", "blocks recomputed"))
+           if result[k]]  # fmt: skip
+    return f" ({', '.join(how)})" if how else ""
 
 
 def _decoding(model, mcfg, device, n_new: int, args: argparse.Namespace) -> dict:
@@ -206,8 +223,9 @@ def _print(result: dict, dtype: str, repeats: int) -> None:
         f"{result['matmul_peak_gflops']:.1f} GFLOP/s (the MFU's denominator, measured now; not the hardware peak)"
     )
     print(
-        f"training (best of {repeats} steps, median in brackets): {result['train_tokens_per_s']:,.0f} "
-        f"tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU {100 * result['train_mfu']:.1f}%"
+        f"training{_train_how(result)} (best of {repeats} steps, median in brackets): "
+        f"{result['train_tokens_per_s']:,.0f} tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU "
+        f"{100 * result['train_mfu']:.1f}%"
     )
     print(
         f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {calls} "
