@@ -1,6 +1,6 @@
 """Activation checkpointing's trade on CPU: the bytes of tensors a training step keeps for its backward
 and the step's time, with every block recomputed in the backward (`activation_checkpointing: true`,
-tformer.train.recompute) against the model as built, on bench_lm.py's dense model (Pre-Norm, RoPE,
+tformer.model.recompute) against the model as built, on bench_lm.py's dense model (Pre-Norm, RoPE,
 SwiGLU; d_model 512, 8 layers, 8 heads, FFN 1376, vocab 8192, batch 8 x 256, fp32).
 
 The bytes are counted exactly (a saved-tensors hook adds up every tensor autograd keeps; shared storage
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import LoadMeter, print_table, round_robin, setup, summarize, write_json  # noqa: E402
 
 from tformer import build_model, get_preset  # noqa: E402
-from tformer.train.recompute import checkpoint_blocks  # noqa: E402
+from tformer.model.recompute import checkpoint_blocks  # noqa: E402
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeyp
     import torch
 
     from tformer.cli import bench
-    from tformer.train import recompute
+    from tformer.model import recompute
 
     compiled, checkpointed = [], []
     monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or model)

@@ -543,7 +543,7 @@ def test_activation_checkpointing_under_each_layout(
 ) -> None:
     """Blocks that recompute their activations under FSDP2 with the experts split over the ranks, or under
     tensor + sequence parallelism with each expert split by width, in an MoE model with dropout on: the
-    losses of the same run without it, bit for bit."""
+    losses and routing statistics of the same run without it, bit for bit."""
     sets = (*layout, "model.dropout=0.1", "model.moe={n_experts: 4, top_k: 2, first_dense: 1}")
     for name, extra in (("plain", ()), ("ac", ("activation_checkpointing=true",))):
         proc = torchrun_train(tmp_path / name, corpus, *sets, *extra)
@@ -551,6 +551,14 @@ def test_activation_checkpointing_under_each_layout(
     assert json.loads((tmp_path / "ac" / "config.json").read_text())["activation_checkpointing"] is True
     assert train_losses(tmp_path / "ac") == train_losses(tmp_path / "plain")
     assert len(train_losses(tmp_path / "ac")) == 2
+
+    def routing(
+        run: Path,
+    ) -> list[dict]:  # the global routing statistics logged each step: tokens counted once
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["moe"] for r in records if r["kind"] == "train"]
+
+    assert routing(tmp_path / "ac") == routing(tmp_path / "plain") and routing(tmp_path / "ac")[0]
 
 
 @pytest.mark.parametrize("experts", ["replicate", "shard"])

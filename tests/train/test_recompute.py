@@ -13,11 +13,11 @@ import torch
 from tests.train.helpers import losses, small_config
 from tformer import build_model
 from tformer.config import MoEConfig
-from tformer.model.moe import moe_aux_loss
+from tformer.model.moe import MoE, moe_aux_loss
+from tformer.model.recompute import checkpoint_blocks, is_recomputed
 from tformer.presets import tiny
 from tformer.tasks import make_task
 from tformer.train.loop import Trainer
-from tformer.train.recompute import checkpoint_blocks
 
 CONFIGS = {
     "decoder, Pre-Norm RoPE": tiny().replace(dropout=0.1, attn_dropout=0.1),
@@ -59,6 +59,18 @@ def test_recomputed_blocks_give_the_same_step_and_keep_fewer_activations(name: s
     blocks = checkpoint_blocks(recomputed)
     assert blocks == cfg.n_layers + (cfg.resolved_n_encoder_layers if cfg.arch == "encoder_decoder" else 0)
     loss, grads, buffers, saved = one_step(built, cfg)
+    layers = [m for m in recomputed.modules() if isinstance(m, MoE)]
+    counted = []  # Router.count's `add` of each call: the recomputation reaches the MoE layers, and does not add
+    for layer in layers:
+        real = layer.router.count
+        layer.router.count = lambda idx, add=True, real=real: counted.append(add) or real(idx, add)
+    aux = {}
+
+    def keep_first_aux(m: MoE, args, out) -> None:
+        aux.setdefault(id(m), m.last_aux)
+
+    for layer in layers:  # the forward's balance losses, which the recomputation must not replace
+        layer.register_forward_hook(keep_first_aux)
     loss2, grads2, buffers2, saved2 = one_step(recomputed, cfg)
     assert loss.item() == loss2.item()
     assert len(grads) == len(grads2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
@@ -66,8 +78,36 @@ def test_recomputed_blocks_give_the_same_step_and_keep_fewer_activations(name: s
     assert all(torch.equal(a, b) for a, b in zip(buffers, buffers2))
     if cfg.moe is not None:
         assert any(b.sum() > 0 for n, b in built.named_buffers() if n.endswith("tokens_per_expert"))
+        assert counted == [True] * len(layers) + [False] * len(layers), counted
+        # kept from the forward: a loss made in the recomputation held its graph (the block's activations)
+        assert all(layer.last_aux is aux[id(layer)] for layer in layers)
     assert saved2 < saved / 2, (saved2, saved)  # each block keeps its input alone
     assert [n for n, _ in built.named_parameters()] == [n for n, _ in recomputed.named_parameters()]
+
+
+def test_outside_a_training_graph_the_blocks_run_as_built() -> None:
+    """Evaluation, decoding and a KV cache call the plain forward: the flat decoding step still takes the
+    model (its tokens those of the model as built), and a training forward that fills a cache writes each
+    slot once (a recomputation would write them again in the backward)."""
+    from tformer.generate.engine import generate
+    from tformer.generate.sampling import SamplingConfig
+    from tformer.model.decode_step import unsupported
+
+    torch.manual_seed(0)
+    built = build_model(CONFIGS["DeepSeekMoE decoder"]).eval()
+    recomputed = copy.deepcopy(built)
+    checkpoint_blocks(recomputed)
+    with torch.no_grad():
+        assert unsupported(recomputed) is None
+    copied = copy.deepcopy(recomputed)  # the copy's blocks recompute their own forward, not the original's
+    assert copied.blocks[0].forward.args[0].__self__ is copied.blocks[0]
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    assert generate(built, [[5, 9, 2, 7]], greedy) == generate(recomputed, [[5, 9, 2, 7]], greedy)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    recomputed.train()
+    cache = recomputed.new_cache()
+    recomputed(prompt, cache=cache).sum().backward()
+    assert cache.seq_len == prompt.shape[1]
 
 
 def test_blocks_are_checkpointed_once() -> None:
@@ -85,12 +125,16 @@ def test_a_run_with_activation_checkpointing_trains_and_resumes_as_one_without(
     cfg = small_config(corpus_dir)
     Trainer(cfg, tmp_path / "plain", make_task("lm"), progress=False).fit()
     on = cfg.replace(activation_checkpointing=True)
-    trainer = Trainer(on, tmp_path / "ac", make_task("lm"), progress=False)
-    assert "forward" in trainer.model.blocks[0].__dict__
-    trainer.fit(until=4)
-    Trainer(cfg, tmp_path / "ac", make_task("lm"), resume=True, progress=False).fit()  # switched off
-    assert losses(tmp_path / "plain") == losses(tmp_path / "ac")
-    assert len(losses(tmp_path / "ac")) == cfg.steps
+    for first, then in ((on, cfg), (cfg, on)):  # switched off, then on, at the resume
+        run = tmp_path / f"ac_first_{first.activation_checkpointing}"
+        trainer = Trainer(first, run, make_task("lm"), progress=False)
+        assert is_recomputed(trainer.model.blocks[0].forward) == first.activation_checkpointing
+        trainer.fit(until=4)
+        resumed = Trainer(then, run, make_task("lm"), resume=True, progress=False)
+        assert is_recomputed(resumed.model.blocks[0].forward) == then.activation_checkpointing
+        resumed.fit()
+        assert losses(tmp_path / "plain") == losses(run)
+        assert len(losses(run)) == cfg.steps
 
 
 @pytest.mark.slow

@@ -122,9 +122,9 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     (on a copy of the model with its blocks checkpointed: the decoding after runs on the model as built)."""
     import copy
 
+    from tformer.model.recompute import checkpoint_blocks
     from tformer.model.stats import flops_per_token
     from tformer.train.optim import make_optimizer
-    from tformer.train.recompute import checkpoint_blocks
     from tformer.train.step import autocast_context
 
     trained = model

@@ -56,7 +56,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue exactly from the run directory's last checkpoint, with the run's own config.json "
         "(--set may change steps, the eval / save / log / sample cadence, keep_last, the non-finite and "
-        "spike guards, device, compile and parallel.*; model, data, optimizer, batch and seed must stay as "
+        "spike guards, device, compile, activation_checkpointing and parallel.*; model, data, optimizer, batch and seed must stay as "
         "they were)",
     )
     p.add_argument(

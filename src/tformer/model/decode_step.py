@@ -39,6 +39,7 @@ from tformer.model.ffn import GeluFFN, ReluFFN, SwiGLU
 from tformer.model.linear import _DECODING, row_blocked_linear
 from tformer.model.norms import is_rms_norm, rms_norm_as_layer_norm
 from tformer.model.positions import HalfRotaryEmbedding, NoPositions, NoRotary, rotate_whole_half_layout
+from tformer.model.recompute import is_recomputed
 from tformer.model.transformer import DecoderLM, EncoderDecoder
 
 Fn = Callable[[Tensor], Tensor]
@@ -199,11 +200,14 @@ class _CrossBlock(_Block):
 
 def _own_forward(module: nn.Module) -> bool:
     """Whether `module` computes what its class says: no forward set on the instance except by the
-    decoding contexts (`row_blocked_linears`, `rms_norms_as_layer_norm`), no forward hooks."""
+    decoding contexts (`row_blocked_linears`, `rms_norms_as_layer_norm`) and activation checkpointing
+    (`checkpoint_blocks`), no forward hooks."""
     if module._forward_hooks or module._forward_pre_hooks:
         return False
     forward = module.__dict__.get("forward")
     if forward is None:
+        return True
+    if is_recomputed(forward):  # activation checkpointing: the block's own forward outside training
         return True
     decoding = _DECODING.get()
     if type(module) is nn.Linear:

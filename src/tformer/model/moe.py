@@ -371,24 +371,32 @@ class MoE(nn.Module):
 
     def observe(self, route: Routing, dropped: Tensor, groups: int | Segments) -> None:
         """Training-forward bookkeeping: counters, this layer's balance losses, statistics. Activation
-        checkpointing's recomputation makes the same losses and statistics (it must save the tensors the
-        forward saved) but leaves the counters alone: the forward counted these tokens."""
-        counts = self.router.count(route.idx, add=not recomputing())
-        if route.idx.shape[0] == 0:  # no token (a forward of padding alone): nothing to balance
-            self.last_aux = route.logits.sum() * 0.0  # 0, in the graph like the losses it stands for
-            entropy = torch.zeros((), device=route.logits.device)
-            self.last_stats = {"counts": counts, "dropped": dropped, "entropy": entropy}
+        checkpointing's recomputation computes the losses again (it must save the tensors the forward
+        saved) but keeps the forward's counters, losses and statistics: the forward counted these tokens,
+        and a loss kept from the recomputation would hold its graph (the block's activations) after the
+        backward."""
+        again = recomputing()
+        counts = self.router.count(route.idx, add=not again)
+        none = route.idx.shape[0] == 0  # no token (a forward of padding alone): nothing to balance
+        # 0 without tokens, in the graph like the losses it stands for
+        aux = route.logits.sum() * 0.0 if none else self.balance(route, groups)
+        if again:
             return
-        self.last_aux = self.balance(route, groups)
+        self.last_aux = aux
         with torch.no_grad():
-            p = probabilities(route.scores)
-            entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+            if none:
+                entropy = torch.zeros((), device=route.logits.device)
+            else:
+                p = probabilities(route.scores)
+                entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
         self.last_stats = {"counts": counts, "dropped": dropped, "entropy": entropy}
 
 
 def recomputing() -> bool:
     """Whether this forward runs inside a backward: activation checkpointing's recomputation of a block
-    (tformer.train.recompute), whose tokens the forward before it already counted."""
+    (tformer.model.recompute), whose tokens the forward before it already counted. (The test torch's
+    FSDP2 makes for its backward hooks; a forward between backward calls, as gradient accumulation runs
+    them, is not inside one.)"""
     return torch._C._current_graph_task_id() != -1
 
 

@@ -34,6 +34,7 @@ from tformer.distributed.env import NullMetrics, init_distributed, resolve_devic
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
 from tformer.model import build_model
+from tformer.model.recompute import checkpoint_blocks
 from tformer.schema import require_bool
 from tformer.train.checkpoint import (
     CheckpointError,
@@ -49,7 +50,6 @@ from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_se
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
-from tformer.train.recompute import checkpoint_blocks
 from tformer.train.resume import (
     absolute_data_paths,
     check_resume_config,
