@@ -484,3 +484,28 @@ def test_a_forward_of_padding_alone_runs_the_moe_layer_on_no_token() -> None:
     layer(x, torch.zeros(2, 5, dtype=torch.bool))
     assert layer.last_aux.requires_grad  # in the router's graph, as the losses it stands for
     layer.last_aux.backward()  # so a backward of the balance loss alone runs on such a batch too
+
+
+def test_a_model_that_has_trained_can_be_copied() -> None:
+    """copy.deepcopy (and AveragedModel, which makes one) of an MoE model after a training forward had
+    failed on the layers' last balance loss, a tensor inside the step's graph: the copy holds it detached,
+    computes what the model computes, and the model keeps its own."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    from tformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(moe=MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01)))
+    x = torch.randint(0, 128, (2, 8))
+    model(x).sum().backward()
+    copied = copy.deepcopy(model)
+    AveragedModel(model)
+    layer, its_copy = model.blocks[1].ffn, copied.blocks[1].ffn
+    assert layer.last_aux.grad_fn is not None and its_copy.last_aux.grad_fn is None
+    assert torch.equal(layer.last_aux.detach(), its_copy.last_aux)
+    assert its_copy.last_stats.keys() == layer.last_stats.keys()
+    model.eval(), copied.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), copied(x))

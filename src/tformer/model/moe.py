@@ -346,6 +346,15 @@ class MoE(nn.Module):
         self.last_aux: Tensor = torch.zeros(())
         self.last_stats: dict[str, Tensor] = {}
 
+    def __getstate__(self) -> dict:
+        """The module's state with the last training forward's loss and statistics detached: a copy
+        (copy.deepcopy, torch.optim.swa_utils.AveragedModel) of a model that has trained had failed on
+        that loss, a tensor inside the step's graph."""
+        state = dict(self.__dict__)
+        state["last_aux"] = self.last_aux.detach()
+        state["last_stats"] = {k: v.detach() for k, v in self.last_stats.items()}
+        return state
+
     def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
         """x (B, T, D); tokens (B, T) bool, True for real tokens (None: all are). Padding is left out of
         the layer: no expert, capacity slot, load count, balance loss or statistic sees it, and its
