@@ -3,9 +3,10 @@ and the step's time, with every block recomputed in the backward (`activation_ch
 tformer.model.recompute) against the model as built, on bench_lm.py's dense model (Pre-Norm, RoPE,
 SwiGLU; d_model 512, 8 layers, 8 heads, FFN 1376, vocab 8192, batch 8 x 256, fp32).
 
-The bytes are counted exactly (a saved-tensors hook adds up every tensor autograd keeps; shared storage
-is counted once per save, as the hook sees it). The times are a round-robin of the two in one process
-(harness.py): best time and the paired median ratio.
+The bytes are the activations autograd keeps for the backward: a saved-tensors hook sees every tensor
+saved, and each storage is counted once (q, k and v share their input), the parameters' own left out.
+The times are a round-robin of the two in one process (harness.py): best time and the paired median
+ratio.
 
     PYTHONPATH=src python benchmarks/bench_recompute.py   # ~1 minute, writes results/recompute.json
 """
@@ -41,10 +42,13 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (8, 256))
 
     def step(model: torch.nn.Module) -> int:
-        saved = [0]
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[0] += t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -52,7 +56,7 @@ def main() -> None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
         loss.backward()
         model.zero_grad(set_to_none=True)
-        return saved[0]
+        return sum(saved.values())
 
     saved = {"as built": step(built), "blocks recomputed": step(recomputed)}
     with LoadMeter() as load:

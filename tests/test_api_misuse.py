@@ -157,7 +157,7 @@ def test_switches_take_true_or_false_not_a_truthy_string(trained_run, tmp_path) 
     from tformer.train.checkpoint import load_checkpoint
     from tformer.train.loop import Trainer
     from tformer.train.presets import get_train_preset
-    from tformer.train.weights import load_weights
+    from tformer.train.weights import import_torch_weights, load_weights
 
     ckpt = find_checkpoint(trained_run)
     model = load_run(trained_run).model
@@ -167,6 +167,8 @@ def test_switches_take_true_or_false_not_a_truthy_string(trained_run, tmp_path) 
     for flag in ("strict", "trust_pickle"):
         with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 1"):
             load_weights(model, ckpt / "model.safetensors", **{flag: 1})
+    with pytest.raises(TypeError, match=r"trust_pickle must be True or False, got 'no'"):
+        import_torch_weights(tmp_path / "weights.pt", trust_pickle="no")
     with pytest.raises(TypeError, match=r"resume must be True or False, got 'yes'"):
         Trainer(get_train_preset("tiny-lm"), tmp_path / "run", task=None, resume="yes")
     assert not (tmp_path / "run").exists()
@@ -194,6 +196,8 @@ def test_kv_cache_reorder_names_a_bad_index_and_leaves_the_cache_as_it_was() -> 
     for message, index in bad.items():
         with pytest.raises(ValueError, match=message):
             cache.reorder(index)
+    with pytest.raises(ValueError, match=r"reorder's index is on meta, the cache on cpu"):
+        cache.reorder(torch.tensor([0, 1], device="meta"))
     with pytest.raises(TypeError, match=r"source must be the memory states \(a tensor\) or None, got list"):
         cache.reorder(torch.tensor([2, 0]), source=[1])
     assert all(torch.equal(a[:, :, :4], b) for a, b in zip(cache.k + cache.v, before))

@@ -126,28 +126,30 @@ def test_bench_measures_what_was_asked_or_says_why_not(capsys) -> None:
 
 def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeypatch) -> None:
     """`compile` and `activation_checkpointing` had been ignored by bench's training step without a word:
-    the step now runs as a run of that config would (torch.compile stubbed here to record its call), on
-    a copy whose blocks recompute, so the decoding after runs on the model as built."""
+    the timed steps now run through the compiled callable (torch.compile stubbed here with a wrapper that
+    counts its calls) over blocks that recompute, which run as built again for the decoding after."""
     import torch
 
     from tformer.cli import bench
-    from tformer.model import recompute
+    from tformer.model.recompute import is_recomputed
 
-    compiled, checkpointed = [], []
-    monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or model)
-    real = recompute.checkpoint_blocks
-    monkeypatch.setattr(recompute, "checkpoint_blocks", lambda m: checkpointed.append(m) or real(m))
+    calls, seen = [], {}
+
+    def fake_compile(model):
+        seen["recomputed"] = is_recomputed(model.blocks[0])
+        return lambda x: calls.append(1) or model(x)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
     decoded = []
     monkeypatch.setattr(bench, "_decoding", lambda model, *a: decoded.append(model) or {})
-    monkeypatch.setattr(bench, "_print", lambda *a: None)
-    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--seq-len", "16", "--json"]
-    assert main([*argv, "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "2", "--seq-len", "16"]
+    assert main([*argv, "--json", "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["train_compile"] is True and result["train_activation_checkpointing"] is True
-    assert compiled == checkpointed and len(compiled) == 1  # the checkpointed copy is what was compiled
-    assert decoded[0] is not compiled[0] and "forward" not in decoded[0].blocks[0].__dict__
-    assert "forward" in compiled[0].blocks[0].__dict__
+    assert seen["recomputed"] and len(calls) == 3  # one warm-up step and the 2 timed ones
+    assert not is_recomputed(decoded[0].blocks[0])  # decoded as built
+    monkeypatch.setattr(bench, "_print", lambda result, *a: print(bench._train_how(result)))
+    assert main([*argv, "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
+    assert capsys.readouterr().out.strip() == "(compiled, blocks recomputed)"
     assert main(argv) == 0  # neither: the model as built, not compiled
-    result = json.loads(capsys.readouterr().out)
-    assert result["train_compile"] is False and result["train_activation_checkpointing"] is False
-    assert len(compiled) == 1 and len(checkpointed) == 1
+    assert capsys.readouterr().out.strip() == "" and len(calls) == 6

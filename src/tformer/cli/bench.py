@@ -119,20 +119,17 @@ def _model_line(model, cfg, device, b: int, t: int, repeats: int) -> dict:
 def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     """Training tokens/s (forward, loss, backward, AdamW) and its MFU against a matmul rate of the
     model's widths measured now; the step as the run's `compile` and `activation_checkpointing` make it
-    (on a copy of the model with its blocks checkpointed: the decoding after runs on the model as built)."""
-    import copy
-
-    from tformer.model.recompute import checkpoint_blocks
+    (the blocks run as built again for the decoding after it). The MFU counts the model's FLOPs, not a
+    recomputation's."""
+    from tformer.model.recompute import checkpoint_blocks, plain_blocks
     from tformer.model.stats import flops_per_token
     from tformer.train.optim import make_optimizer
     from tformer.train.step import autocast_context
 
-    trained = model
     if cfg.activation_checkpointing:
-        trained = copy.deepcopy(model)
-        checkpoint_blocks(trained)
-    forward = torch.compile(trained) if cfg.compile else trained
-    opt = make_optimizer(trained, cfg.optim)
+        checkpoint_blocks(model)
+    forward = torch.compile(model) if cfg.compile else model
+    opt = make_optimizer(model, cfg.optim)
     autocast = autocast_context(device, cfg.dtype)
     x = torch.randint(0, mcfg.vocab_size, (b, t), device=device)
 
@@ -155,6 +152,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, repeats, device)[0]
     train_s, train_median = _times(train_step, repeats, device)
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
+    plain_blocks(model)
     model.eval()
     return {
         "matmul_shape": [a.shape[0], a.shape[1], w.shape[0]],  # (M, K) @ (K, N): the MFU's denominator

@@ -207,7 +207,7 @@ def _own_forward(module: nn.Module) -> bool:
     forward = module.__dict__.get("forward")
     if forward is None:
         return True
-    if is_recomputed(forward):  # activation checkpointing: the block's own forward outside training
+    if is_recomputed(module):  # activation checkpointing: the block's own forward outside training
         return True
     decoding = _DECODING.get()
     if type(module) is nn.Linear:

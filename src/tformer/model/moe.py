@@ -403,9 +403,9 @@ class MoE(nn.Module):
 
 def recomputing() -> bool:
     """Whether this forward runs inside a backward: activation checkpointing's recomputation of a block
-    (tformer.model.recompute), whose tokens the forward before it already counted. (The test torch's
-    FSDP2 makes for its backward hooks; a forward between backward calls, as gradient accumulation runs
-    them, is not inside one.)"""
+    (tformer.model.recompute), whose tokens the forward before it already counted. torch's FSDP2 tells
+    its backward hooks from its forward ones the same way. A forward between two backward calls (each
+    micro-batch of gradient accumulation) is not inside one; tformer runs no forward from a backward hook."""
     return torch._C._current_graph_task_id() != -1
 
 

@@ -158,6 +158,7 @@ def import_torch_weights(
     legacy file you made yourself) unpickles everything, which runs whatever code the file names; the
     weights must still be a dict of tensors.
     """
+    require_bool(trust_pickle=trust_pickle)  # a truthy "no" would unpickle everything
     path = Path(path)
     if trust_pickle:
         warnings.warn(
