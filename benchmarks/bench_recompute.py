@@ -3,8 +3,8 @@ and the step's time, with every block recomputed in the backward (`activation_ch
 tformer.model.recompute) against the model as built, on bench_lm.py's dense model (Pre-Norm, RoPE,
 SwiGLU; d_model 512, 8 layers, 8 heads, FFN 1376, vocab 8192, batch 8 x 256, fp32).
 
-The bytes are the activations autograd keeps for the backward: a saved-tensors hook sees every tensor
-saved, and each storage is counted once (q, k and v share their input), the parameters' own left out.
+The bytes are the activations autograd keeps for the backward (tformer.model.stats.activation_bytes: a
+saved-tensors hook sees every tensor saved; each storage counted once, the parameters left out).
 The times are a round-robin of the two in one process (harness.py): best time and the paired median
 ratio.
 
@@ -26,6 +26,7 @@ from harness import LoadMeter, print_table, round_robin, setup, summarize, write
 
 from tformer import build_model, get_preset  # noqa: E402
 from tformer.model.recompute import checkpoint_blocks  # noqa: E402
+from tformer.model.stats import activation_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -42,21 +43,12 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (8, 256))
 
     def step(model: torch.nn.Module) -> int:
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
+        def loss() -> torch.Tensor:
+            return F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
-        loss.backward()
+        kept = activation_bytes(model, loss)  # the backward runs inside
         model.zero_grad(set_to_none=True)
-        return sum(saved.values())
+        return kept
 
     saved = {"as built": step(built), "blocks recomputed": step(recomputed)}
     with LoadMeter() as load:

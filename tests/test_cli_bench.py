@@ -146,10 +146,14 @@ def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeyp
     assert main([*argv, "--json", "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["train_compile"] is True and result["train_activation_checkpointing"] is True
-    assert seen["recomputed"] and len(calls) == 3  # one warm-up step and the 2 timed ones
+    assert seen["recomputed"] and len(calls) == 4  # a warm-up step, the 2 timed ones, the activations count
     assert not is_recomputed(decoded[0].blocks[0])  # decoded as built
     monkeypatch.setattr(bench, "_print", lambda result, *a: print(bench._train_how(result)))
     assert main([*argv, "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
     assert capsys.readouterr().out.strip() == "(compiled, blocks recomputed)"
     assert main(argv) == 0  # neither: the model as built, not compiled
-    assert capsys.readouterr().out.strip() == "" and len(calls) == 6
+    assert capsys.readouterr().out.strip() == "" and len(calls) == 8
+    assert main([*argv, "--json"]) == 0  # the activations kept for the backward: far more without it
+    assert (
+        json.loads(capsys.readouterr().out)["train_activation_mib"] > 2 * result["train_activation_mib"] > 0
+    )

@@ -148,3 +148,21 @@ def test_embed_scale_with_tied_embeddings_scales_the_input_by_sqrt_d(arch: str) 
         model(tokens, tokens)
     torch.testing.assert_close(seen[0], model.tok_embed.weight[tokens] * cfg.d_model**0.5)
     assert model.lm_head.weight is model.tok_embed.weight
+
+
+def test_activation_bytes_counts_each_saved_storage_once_without_the_weights() -> None:
+    """y = x W^T saves x (and W, a parameter: left out); y * y saves y, twice, counted once."""
+    import torch
+    from torch import nn
+
+    from tformer.model.stats import activation_bytes
+
+    layer = nn.Linear(4, 3, bias=False)
+    x = torch.randn(5, 4, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        y = layer(x)
+        return (y * y).sum()
+
+    assert activation_bytes(layer, loss) == x.nbytes + 5 * 3 * 4
+    assert layer.weight.grad is not None  # the backward ran

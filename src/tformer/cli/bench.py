@@ -122,7 +122,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     (the blocks run as built again for the decoding after it). The MFU counts the model's FLOPs, not a
     recomputation's."""
     from tformer.model.recompute import checkpoint_blocks, plain_blocks
-    from tformer.model.stats import flops_per_token
+    from tformer.model.stats import activation_bytes, flops_per_token
     from tformer.train.optim import make_optimizer
     from tformer.train.step import autocast_context
 
@@ -151,6 +151,13 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
 
     peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, repeats, device)[0]
     train_s, train_median = _times(train_step, repeats, device)
+
+    def loss() -> torch.Tensor:
+        with autocast:
+            return F.cross_entropy(forward(x).flatten(0, 1).float(), x.flatten())
+
+    kept = activation_bytes(model, loss)  # one more forward and backward, untimed
+    opt.zero_grad(set_to_none=True)
     train_flops = 3 * flops_per_token(mcfg, t, causal=True) * b * t
     plain_blocks(model)
     model.eval()
@@ -162,6 +169,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
         "train_mfu": train_flops / train_s / peak,
         "train_compile": cfg.compile,  # the first (warm-up) step compiled, untimed
         "train_activation_checkpointing": cfg.activation_checkpointing,
+        "train_activation_mib": kept / 2**20,  # kept for the backward (tformer.model.stats.activation_bytes)
     }
 
 
@@ -223,7 +231,8 @@ def _print(result: dict, dtype: str, repeats: int) -> None:
     print(
         f"training{_train_how(result)} (best of {repeats} steps, median in brackets): "
         f"{result['train_tokens_per_s']:,.0f} tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU "
-        f"{100 * result['train_mfu']:.1f}%"
+        f"{100 * result['train_mfu']:.1f}%, {result['train_activation_mib']:,.1f} MiB of activations kept for "
+        "the backward"
     )
     print(
         f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {calls} "

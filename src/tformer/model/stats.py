@@ -102,3 +102,23 @@ def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
         d_shared=width // m,
     )
     return cfg.replace(moe=moe)
+
+
+def activation_bytes(model: nn.Module, forward) -> int:
+    """Bytes of the activations autograd keeps for the backward of `forward()` (which returns the loss;
+    its backward runs here, and the gradients are left on the parameters): every tensor saved for the
+    backward, each storage once (q, k and v share their input), the model's parameters left out.
+    Activation checkpointing's recomputed blocks keep only their inputs."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    loss.backward()
+    return sum(saved.values())
