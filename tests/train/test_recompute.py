@@ -15,6 +15,7 @@ from tformer import build_model
 from tformer.config import MoEConfig
 from tformer.model.moe import MoE, moe_aux_loss
 from tformer.model.recompute import checkpoint_blocks, is_recomputed
+from tformer.model.stats import activation_bytes
 from tformer.presets import tiny
 from tformer.tasks import make_task
 from tformer.train.loop import Trainer
@@ -32,22 +33,20 @@ CONFIGS = {
 
 
 def one_step(model: torch.nn.Module, cfg) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], int]:
-    """Loss, gradients, buffers after one backward, and the bytes of tensors saved for that backward."""
+    """Loss, gradients, buffers after one backward, and the bytes of activations kept for that backward."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (3, 24), generator=gen)
-    saved = [0]
+    losses = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
+    def loss() -> torch.Tensor:
+        out = model(x, x) if cfg.arch == "encoder_decoder" else model(x)
+        losses.append(out.float().logsumexp(-1).mean() + moe_aux_loss(model))
+        return losses[-1]
 
     torch.manual_seed(1)  # the dropout masks
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x, x) if cfg.arch == "encoder_decoder" else model(x)
-        loss = out.float().logsumexp(-1).mean() + moe_aux_loss(model)
-    loss.backward()
+    saved = activation_bytes(model, loss)  # the backward runs inside
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return loss.detach(), grads, [b.clone() for b in model.buffers()], saved[0]
+    return losses[0].detach(), grads, [b.clone() for b in model.buffers()], saved
 
 
 @pytest.mark.parametrize("name", CONFIGS)
