@@ -145,15 +145,18 @@ def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeyp
     argv = ["bench", "--preset", "tiny-lm", "--repeats", "2", "--seq-len", "16"]
     assert main([*argv, "--json", "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["train_compile"] is True and result["train_activation_checkpointing"] is True
+    assert result["train_compile"] is True and result["train_activation_checkpointing"] == "full"
     assert seen["recomputed"] and len(calls) == 4  # a warm-up step, the 2 timed ones, the activations count
     assert not is_recomputed(decoded[0].blocks[0])  # decoded as built
     monkeypatch.setattr(bench, "_print", lambda result, *a: print(bench._train_how(result)))
     assert main([*argv, "--set", "compile=true", "--set", "activation_checkpointing=true"]) == 0
-    assert capsys.readouterr().out.strip() == "(compiled, blocks recomputed)"
+    assert capsys.readouterr().out.strip() == "(compiled, activation checkpointing full)"
+    assert main([*argv, "--set", "activation_checkpointing=selective"]) == 0
+    assert capsys.readouterr().out.strip() == "(activation checkpointing selective)"
     assert main(argv) == 0  # neither: the model as built, not compiled
-    assert capsys.readouterr().out.strip() == "" and len(calls) == 8
+    assert capsys.readouterr().out.strip() == "" and len(calls) == 8  # the selective run not compiled
     assert main([*argv, "--json"]) == 0  # the activations kept for the backward: far more without it
-    assert (
-        json.loads(capsys.readouterr().out)["train_activation_mib"] > 2 * result["train_activation_mib"] > 0
-    )
+    plain = json.loads(capsys.readouterr().out)["train_activation_mib"]
+    assert main([*argv, "--json", "--set", "activation_checkpointing=selective"]) == 0
+    selective = json.loads(capsys.readouterr().out)["train_activation_mib"]
+    assert plain > selective > 2 * result["train_activation_mib"] > 0, (plain, selective, result)

@@ -166,3 +166,11 @@ def test_activation_bytes_counts_each_saved_storage_once_without_the_weights() -
 
     assert activation_bytes(layer, loss) == x.nbytes + 5 * 3 * 4
     assert layer.weight.grad is not None  # the backward ran
+    kept = []  # a storage the forward made and holds without autograd saving it (as selective checkpointing
+    # keeps its outputs) counts; the returned loss and what the forward freed do not
+
+    def holding() -> torch.Tensor:
+        kept.append(torch.ones(7, 2) * 2)
+        return (layer(x) * 3).sum()
+
+    assert activation_bytes(layer, holding) == x.nbytes + 7 * 2 * 4

@@ -57,6 +57,19 @@ def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: 
     return y
 
 
+@torch.library.custom_op("tformer::expert_products", mutates_args=())
+def expert_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    """`loop_products` into a new output, as one operator: selective activation checkpointing keeps or
+    recomputes whole operators, and could not keep the loop's products, which each write into a share of
+    one buffer (`out=`); as one operator it keeps their output (tformer.model.recompute)."""
+    return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))
+
+
+@expert_products.register_fake
+def _(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
 class LoopGroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W[e]^T + b[e], one matmul per expert that has rows, written into
     one preallocated output; backward writes each expert's weight gradient once into one (E, out, in)
@@ -67,7 +80,7 @@ class LoopGroupedLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.counts, ctx.has_bias = counts, b is not None
-        return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))
+        return expert_products(x, w, b, counts)
 
     @staticmethod
     def backward(ctx, dy: Tensor):

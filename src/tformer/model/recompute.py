@@ -1,6 +1,15 @@
-"""Activation checkpointing (`activation_checkpointing: true` in a run's config): every Transformer
-block keeps only its input for the backward and runs its forward again there, so a step holds one
-block's activations at a time instead of every layer's, for about one more forward of compute.
+"""Activation checkpointing (`activation_checkpointing` in a run's config): each Transformer block keeps
+less of its forward for the backward and computes the rest again there.
+
+- "full": a block keeps only its input and runs its whole forward again in the backward, so a step holds
+  one block's activations at a time instead of every layer's, for about one more forward of compute.
+- "selective": a block keeps the outputs of its products (`mm`, `addmm`, `bmm`, `baddbmm`,
+  `_grouped_mm`, the MoE loop kernel's `tformer::expert_products`) and of SDPA, and recomputes the rest
+  in the backward: norms, RoPE, activations, dropout, residual adds, casts, the MoE routing. Those ops
+  are cheap to run again and their outputs are a large share of the activations
+  (benchmarks/bench_recompute.py measures the trade against "full" and the model as built).
+  This is PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`) with a
+  policy by op, as torchtitan's "op" mode saves products and attention.
 
 A block's forward becomes `recomputed_forward` over its own: a training forward that records a graph
 (no KV cache) runs under `torch.utils.checkpoint.checkpoint` (non-reentrant, the RNG state kept, so
@@ -20,35 +29,78 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tformer.model import moe  # noqa: F401  (registers torch.ops.tformer.expert_products)
 from tformer.model.blocks import Block
 from tformer.model.cache import NO_CACHE
 
+MODES = ("full", "selective")  # what checkpoint_blocks takes; a run's config adds "none"
 
-def recomputed_forward(forward: Callable[..., Tensor], x: Tensor, positions, mask, cache, *memory) -> Tensor:
-    """`forward` (a block's own, bound) recomputed in the backward when it records a training graph
-    without a KV cache; called as it is otherwise."""
+_aten = torch.ops.aten
+# the ops whose outputs "selective" keeps: products and attention (not their out= overloads: a kept
+# output would not be written into the caller's buffer in the recomputation)
+SAVED_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_grouped_mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+) | {torch.ops.tformer.expert_products.default}  # the MoE loop kernel's products (tformer.model.moe)
+
+
+def _keep_products_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_products_and_attention)
+
+
+def recomputed_forward(
+    forward: Callable[..., Tensor], x: Tensor, positions, mask, cache, *memory, selective: bool = False
+) -> Tensor:
+    """`forward` (a block's own, bound) recomputed in the backward, all of it or (`selective`) all but its
+    products and attention, when it records a training graph without a KV cache; called as it is
+    otherwise."""
     if cache is NO_CACHE and torch.is_grad_enabled() and forward.__self__.training:
-        return checkpoint(forward, x, positions, mask, cache, *memory, use_reentrant=False)
+        policy = {"context_fn": _SELECTIVE} if selective else {}
+        return checkpoint(forward, x, positions, mask, cache, *memory, use_reentrant=False, **policy)
     return forward(x, positions, mask, cache, *memory)
 
 
-def is_recomputed(module: nn.Module) -> bool:
-    """Whether `module`'s instance-level forward is what `checkpoint_blocks` set on it, over its own
-    forward (a shallow copy of a block would hold the original's)."""
+def recompute_mode(module: nn.Module) -> str:
+    """ "full" or "selective" where `module`'s instance-level forward is what `checkpoint_blocks` set on it,
+    over its own forward (a shallow copy of a block would hold the original's); "none" otherwise."""
     forward = module.__dict__.get("forward")
-    return getattr(forward, "func", None) is recomputed_forward and forward.args[0].__self__ is module
+    if getattr(forward, "func", None) is not recomputed_forward or forward.args[0].__self__ is not module:
+        return "none"
+    return "selective" if forward.keywords.get("selective") else "full"
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Make every block of `model` recompute its activations in the backward; return how many blocks.
-    (A partial over the bound forward: a deep copy or pickle of the model rebinds it to the copy.)"""
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether `checkpoint_blocks` made `module` recompute activations (either mode)."""
+    return recompute_mode(module) != "none"
+
+
+def checkpoint_blocks(model: nn.Module, mode: str = "full") -> int:
+    """Make every block of `model` recompute its activations in the backward, all of them ("full") or all
+    but its products' and attention's ("selective"); return how many blocks. (A partial over the bound
+    forward: a deep copy or pickle of the model rebinds it to the copy.)"""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {', '.join(MODES)}, got {mode!r}")
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         if "forward" in block.__dict__:
             raise ValueError(f"block {type(block).__name__} already has a forward of its own on the instance")
-        block.forward = functools.partial(recomputed_forward, block.forward)
+        block.forward = functools.partial(recomputed_forward, block.forward, selective=mode == "selective")
     return len(blocks)
 
 

@@ -14,6 +14,9 @@ import numbers
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tformer.config import ConfigError, ModelConfig, MoEConfig
 
@@ -104,21 +107,44 @@ def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
     return cfg.replace(moe=moe)
 
 
+class _Created(TorchDispatchMode):
+    """Every storage an op returns while the mode is on: weak references, newest per address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta":
+                storage = t.untyped_storage()
+                known = self.storages.get(storage.data_ptr())
+                if known is None or known[0].expired():  # a freed storage's address reused
+                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
 def activation_bytes(model: nn.Module, forward) -> int:
     """Bytes of the activations autograd keeps for the backward of `forward()` (which returns the loss;
     its backward runs here, and the gradients are left on the parameters): every tensor saved for the
-    backward, each storage once (q, k and v share their input), the model's parameters left out.
-    Activation checkpointing's recomputed blocks keep only their inputs."""
+    backward, and every storage the forward made that is still alive when it returns (what activation
+    checkpointing holds: a recomputed block's input, selective checkpointing's kept outputs), each
+    storage once (q, k and v share their input), the model's parameters and the returned loss left out."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    created = _Created()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
         loss = forward()
+    returned = {t.untyped_storage().data_ptr() for t in tree_leaves(loss) if isinstance(t, torch.Tensor)}
+    for address, (ref, nbytes) in created.storages.items():
+        if not ref.expired() and address not in returned:
+            saved.setdefault(address, nbytes)
     loss.backward()
-    return sum(saved.values())
+    return sum(nbytes for address, nbytes in saved.items() if address not in weights)

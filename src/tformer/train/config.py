@@ -178,7 +178,10 @@ class TrainConfig(Config):
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
+    # recompute activations in the backward to save memory (tformer.model.recompute): "full" (each block
+    # keeps its input only) or "selective" (each keeps its products' and attention's outputs); true and
+    # false, which runs saved before "selective" hold, read as "full" and "none"
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
     device: str = "auto"
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
@@ -188,6 +191,10 @@ class TrainConfig(Config):
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def check(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):
+            object.__setattr__(
+                self, "activation_checkpointing", "full" if self.activation_checkpointing else "none"
+            )
         for name in (
             "steps",
             "batch_size",

@@ -245,8 +245,8 @@ class Trainer:
         if meta is not None:
             check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)
-        if cfg.activation_checkpointing:  # before data parallelism wraps or shards the blocks
-            checkpoint_blocks(self.model)
+        if cfg.activation_checkpointing != "none":  # before data parallelism wraps or shards the blocks
+            checkpoint_blocks(self.model, cfg.activation_checkpointing)
         plan = make_plan(cfg.parallel, self.env.world_size)  # DDP / FSDP2 / expert parallel, or nothing
         self.parallel = parallelize(self.model, plan, self.env, self.device)
         self.env.seed_rank(cfg.seed)
