@@ -174,3 +174,11 @@ def test_activation_bytes_counts_each_saved_storage_once_without_the_weights() -
         return (layer(x) * 3).sum()
 
     assert activation_bytes(layer, holding) == x.nbytes + 7 * 2 * 4
+    outside, counter = torch.randn(100), torch.zeros(1)
+
+    def touching() -> torch.Tensor:  # views and in-place results of tensors made before: not activations
+        kept.append(outside[10:20])
+        counter.add_(1)
+        return (layer(x) * 3).sum()
+
+    assert activation_bytes(layer, touching) == x.nbytes

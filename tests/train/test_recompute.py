@@ -140,7 +140,8 @@ def test_the_config_takes_a_mode_and_the_booleans_of_earlier_runs(corpus_dir: Pa
             == read
         )
     with pytest.raises(
-        ConfigError, match="activation_checkpointing must be one of 'none', 'full', 'selective'"
+        ConfigError,
+        match="activation_checkpointing must be one of 'none', 'full', 'selective', got 'partial'",
     ):
         cfg.replace(activation_checkpointing="partial")
 
@@ -188,3 +189,44 @@ def test_recomputed_blocks_under_torch_compile(mode: str) -> None:
     assert abs(loss.item() - loss2.item()) < 1e-5
     assert len(grads) == len(grads2) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, grads2))
     assert all(torch.equal(a, b) for a, b in zip(buffers, buffers2))
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder", "decoder"])
+def test_selective_under_bf16_autocast_gives_the_same_step(arch: str) -> None:
+    """Under bf16 autocast the CPU trains attention with `score_attention` (batched products, one of them
+    scaled in place): selective checkpointing recomputes that attention whole, and the loss and gradients
+    are those of the model as built."""
+    cfg = tiny().replace(arch=arch, dropout=0.1, **({"n_classes": 3} if arch == "encoder" else {}))
+    torch.manual_seed(0)
+    built = build_model(cfg)
+    selective = copy.deepcopy(built)
+    checkpoint_blocks(selective, "selective")
+    results = []
+    for model in (built, selective):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(one_step(model, cfg, count=False))
+    (loss, grads, _, _), (loss2, grads2, _, _) = results
+    assert loss.item() == loss2.item()
+    assert len(grads) == len(grads2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_selective_keeps_attention_kernels_only_without_dropout() -> None:
+    """A fused attention kernel that draws dropout is recomputed: kept, it would skip its random draws in
+    the recomputation and shift every later random op's masks (the dropout argument found by name)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from tformer.model.recompute import _keep_products_and_attention as policy
+
+    aten = torch.ops.aten
+    q = torch.zeros(1, 1, 2, 4)
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert policy(None, flash, q, q, q) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, flash, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    efficient = aten._scaled_dot_product_efficient_attention.default  # dropout_p is its 6th argument
+    assert policy(None, efficient, q, q, q, None, False, 0.2) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, efficient, q, q, q, None, False) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, aten.bmm.default, q, q) == CheckpointPolicy.PREFER_RECOMPUTE  # attention's scores
+    assert policy(None, aten.mul.Tensor, q, q) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -57,7 +57,11 @@ def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: 
     return y
 
 
-@torch.library.custom_op("tformer::expert_products", mutates_args=())
+@torch.library.custom_op(  # the schema given: torch < 2.6 infers none from `list[int]` or string annotations
+    "tformer::expert_products",
+    mutates_args=(),
+    schema="(Tensor x, Tensor w, Tensor? b, SymInt[] counts) -> Tensor",
+)
 def expert_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
     """`loop_products` into a new output, as one operator: selective activation checkpointing keeps or
     recomputes whole operators, and could not keep the loop's products, which each write into a share of

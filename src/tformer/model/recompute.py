@@ -3,10 +3,11 @@ less of its forward for the backward and computes the rest again there.
 
 - "full": a block keeps only its input and runs its whole forward again in the backward, so a step holds
   one block's activations at a time instead of every layer's, for about one more forward of compute.
-- "selective": a block keeps the outputs of its products (`mm`, `addmm`, `bmm`, `baddbmm`,
-  `_grouped_mm`, the MoE loop kernel's `tformer::expert_products`) and of SDPA, and recomputes the rest
-  in the backward: norms, RoPE, activations, dropout, residual adds, casts, the MoE routing. Those ops
-  are cheap to run again and their outputs are a large share of the activations
+- "selective": a block keeps the outputs of its linear layers' products (`mm`, `addmm`, `_grouped_mm`,
+  the MoE loop kernel's `tformer::expert_products`) and of SDPA's fused kernels without dropout, and
+  recomputes the rest in the backward: norms, RoPE, activations, dropout, residual adds, casts, the
+  MoE routing, and attention computed as batched products (`score_attention` in bf16 on the CPU, SDPA's
+  math path). Those ops are cheap to run again and their outputs are a large share of the activations
   (benchmarks/bench_recompute.py measures the trade against "full" and the model as built).
   This is PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`) with a
   policy by op, as torchtitan's "op" mode saves products and attention.
@@ -38,27 +39,40 @@ from tformer.model.cache import NO_CACHE
 MODES = ("full", "selective")  # what checkpoint_blocks takes; a run's config adds "none"
 
 _aten = torch.ops.aten
-# the ops whose outputs "selective" keeps: products and attention (not their out= overloads: a kept
-# output would not be written into the caller's buffer in the recomputation)
+# the ops whose outputs "selective" keeps: the products of the linear layers, the fused attention kernels
+# and the MoE loop kernel's products. Not bmm / baddbmm (the attention of `score_attention` and SDPA's
+# math path, recomputed whole: keeping their score matrices would cost as much memory as not
+# checkpointing them), not out= overloads (a kept output would not be written into the caller's buffer)
 SAVED_OPS = frozenset(
+    getattr(_aten, name).default for name in ("mm", "addmm", "_grouped_mm") if hasattr(_aten, name)
+) | {torch.ops.tformer.expert_products.default}
+ATTENTION_OPS = frozenset(
     getattr(_aten, name).default
     for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_grouped_mm",
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
     )
     if hasattr(_aten, name)
-) | {torch.ops.tformer.expert_products.default}  # the MoE loop kernel's products (tformer.model.moe)
+)
+
+
+def _dropout_p(op, args, kwargs) -> float:
+    """The dropout probability an attention op is called with (by its schema: the position differs)."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            return args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value or 0.0)
+    return 0.0
 
 
 def _keep_products_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Keep the products and the attention kernels' outputs, recompute every other op. An attention
+    kernel that draws dropout is recomputed too: kept, it would not draw its random numbers again in the
+    recomputation, and every later random op of the block (the residual dropout) would draw other masks."""
+    if op in SAVED_OPS or (op in ATTENTION_OPS and _dropout_p(op, args, kwargs) == 0.0):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_products_and_attention)

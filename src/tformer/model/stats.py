@@ -10,6 +10,7 @@ decoder LM's, the encoder-decoder's decoder's). Training = 3 x forward.
 
 from __future__ import annotations
 
+import gc
 import numbers
 
 import torch
@@ -108,7 +109,8 @@ def fine_grained(cfg: ModelConfig, m: int, n_shared: int) -> ModelConfig:
 
 
 class _Created(TorchDispatchMode):
-    """Every storage an op returns while the mode is on: weak references, newest per address."""
+    """Every storage an op makes while the mode is on (not a view's, an in-place or out= op's: theirs
+    existed before): weak references, the newest per address."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -116,35 +118,45 @@ class _Created(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
         for t in tree_leaves(out):
             if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta":
-                storage = t.untyped_storage()
-                known = self.storages.get(storage.data_ptr())
-                if known is None or known[0].expired():  # a freed storage's address reused
-                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                _remember(self.storages, t)
         return out
 
 
+def _remember(storages: dict[int, tuple[StorageWeakRef, int]], t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    known = storages.get(storage.data_ptr())
+    if known is None or known[0].expired():  # a freed storage's address reused
+        storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+
+
 def activation_bytes(model: nn.Module, forward) -> int:
-    """Bytes of the activations autograd keeps for the backward of `forward()` (which returns the loss;
-    its backward runs here, and the gradients are left on the parameters): every tensor saved for the
-    backward, and every storage the forward made that is still alive when it returns (what activation
-    checkpointing holds: a recomputed block's input, selective checkpointing's kept outputs), each
-    storage once (q, k and v share their input), the model's parameters and the returned loss left out."""
+    """Bytes of the activations autograd keeps for the backward of `forward()` (which returns the loss
+    tensor; its backward runs here, and the gradients are left on the parameters): every tensor saved for
+    the backward and every storage the forward made, each still alive when the forward returns (what
+    activation checkpointing holds, a recomputed block's input and selective checkpointing's kept
+    outputs, lives outside autograd's saved tensors), each storage once (q, k and v share their input),
+    the model's parameters and the returned loss left out."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    seen: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
+        _remember(seen, t)
         return t
 
     created = _Created()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
         loss = forward()
-    returned = {t.untyped_storage().data_ptr() for t in tree_leaves(loss) if isinstance(t, torch.Tensor)}
-    for address, (ref, nbytes) in created.storages.items():
-        if not ref.expired() and address not in returned:
-            saved.setdefault(address, nbytes)
+    gc.collect()  # what only a reference cycle still holds is not kept for the backward
+    returned = loss.untyped_storage().data_ptr()
+    kept = {
+        address: nbytes
+        for storages in (seen, created.storages)
+        for address, (ref, nbytes) in storages.items()
+        if not ref.expired() and address not in weights and address != returned
+    }
     loss.backward()
-    return sum(nbytes for address, nbytes in saved.items() if address not in weights)
+    return sum(kept.values())

@@ -180,8 +180,8 @@ class TrainConfig(Config):
     compile: bool = False
     # recompute activations in the backward to save memory (tformer.model.recompute): "full" (each block
     # keeps its input only) or "selective" (each keeps its products' and attention's outputs); true and
-    # false, which runs saved before "selective" hold, read as "full" and "none"
-    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    # false, which runs saved before "selective" hold, read as "full" and "none" (__post_init__)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     device: str = "auto"
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
@@ -190,11 +190,14 @@ class TrainConfig(Config):
     sample_tokens: int = 200  # new tokens of a language model's sample
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def check(self) -> None:
-        if isinstance(self.activation_checkpointing, bool):
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # a run saved before "selective", or YAML's true
             object.__setattr__(
                 self, "activation_checkpointing", "full" if self.activation_checkpointing else "none"
             )
+        super().__post_init__()
+
+    def check(self) -> None:
         for name in (
             "steps",
             "batch_size",
