@@ -57,7 +57,7 @@ def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: 
     return y
 
 
-@torch.library.custom_op(  # the schema given: torch < 2.6 infers none from `list[int]` or string annotations
+@torch.library.custom_op(  # the schema given, not inferred from this module's string annotations
     "tformer::expert_products",
     mutates_args=(),
     schema="(Tensor x, Tensor w, Tensor? b, SymInt[] counts) -> Tensor",
