@@ -124,7 +124,7 @@ def test_bench_text_output_says_what_the_json_holds(capsys, monkeypatch) -> None
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"model: {r['params_total']:,} parameters ({r['params_active']:,} active")
     assert "batch 2 x 16, cpu, float32, " in lines[0]
-    assert f"training (best of 1 steps, median in brackets): {2 * 16 / 0.25:,.0f} tokens/s" in lines[2]
+    assert f"training, best of 1 steps (median in brackets): {2 * 16 / 0.25:,.0f} tokens/s" in lines[2]
     assert lines[2].endswith(
         f"MFU {100 * r['train_mfu']:.1f}%, {r['train_activation_mib']:,.1f} MiB of activations kept for the backward"
     )

@@ -180,7 +180,7 @@ def _train_how(result: dict) -> str:
     how = (["compiled"] if result["train_compile"] else []) + (
         [] if recompute == "none" else [f"activation checkpointing {recompute}"]
     )
-    return f" ({', '.join(how)})" if how else ""
+    return "".join(f", {w}" for w in how)
 
 
 def _decoding(model, mcfg, device, n_new: int, args: argparse.Namespace) -> dict:
@@ -233,7 +233,7 @@ def _print(result: dict, dtype: str, repeats: int) -> None:
         f"{result['matmul_peak_gflops']:.1f} GFLOP/s (the MFU's denominator, measured now; not the hardware peak)"
     )
     print(
-        f"training{_train_how(result)} (best of {repeats} steps, median in brackets): "
+        f"training{_train_how(result)}, best of {repeats} steps (median in brackets): "
         f"{result['train_tokens_per_s']:,.0f} tokens/s ({result['train_tokens_per_s_median']:,.0f}), MFU "
         f"{100 * result['train_mfu']:.1f}%, {result['train_activation_mib']:,.1f} MiB of activations kept for "
         "the backward"
