@@ -15,7 +15,9 @@ Sections (each a round-robin of its variants, see harness.py for the method):
   compile (only with --compile) tformer under torch.compile vs tformer eager, fp32.
 
 A step is what both sides do: forward, the same cross-entropy on fp32 logits (computed outside both
-models), backward, one fused AdamW step, zero_grad(set_to_none). HF runs with use_cache=False.
+models, as tformer's trainer does by default), backward, one fused AdamW step, zero_grad(set_to_none).
+HF runs with use_cache=False. `--loss-ab` adds to the dense sections a row of tformer with its fused
+head and loss (`fused_loss: true`, tformer.model.loss: no tokens x vocabulary logits; it saves memory).
 
     python benchmarks/bench_lm.py            # ~10 minutes on a 2-core CPU, writes results/lm.json
     python benchmarks/bench_lm.py --quick    # < 1 minute smoke check (tiny shapes)
@@ -163,15 +165,15 @@ def dense_gemm_shapes(s: dict, tokens: int) -> list[MatmulShape]:
 
 # ----------------------------------------------------------------------------- one training step
 def make_step(model: nn.Module, call: Callable, tokens: torch.Tensor, autocast) -> Callable[[], float]:
-    """Closure doing forward, loss, backward and one fused AdamW step; returns the loss."""
+    """Closure doing forward and loss (`call(model, inputs, targets)`), backward and one fused AdamW step;
+    returns the loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     model.train()
 
     def step() -> float:
         with autocast():
-            logits = call(model, inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = call(model, inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -180,12 +182,21 @@ def make_step(model: nn.Module, call: Callable, tokens: torch.Tensor, autocast) 
     return step
 
 
-def call_tformer(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    return model(inputs)
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def call_hf(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=inputs, use_cache=False).logits
+def call_tformer(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logits_loss(model(inputs), targets)
+
+
+def call_tformer_fused(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`fused_loss: true`: the model's fused head and cross-entropy (summed; here the mean)."""
+    return model(inputs, targets=targets) / targets.numel()
+
+
+def call_hf(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logits_loss(model(input_ids=inputs, use_cache=False).logits, targets)
 
 
 def bf16_autocast():
@@ -252,6 +263,9 @@ def run_section(
     }
 
 
+FUSED = "tformer, fused head and loss"
+
+
 def dense_pair(s: dict) -> tuple[nn.Module, nn.Module]:
     """HF Llama and tformer's dense LM with the same weights (the same first loss)."""
     hf = hf_llama(s, max(512, s["seq"]), use_cache=False)
@@ -271,18 +285,21 @@ def autocast_for(dtype: str) -> Callable:
     return bf16_autocast if dtype == "bf16" else contextlib.nullcontext
 
 
-def dense_section(s: dict, rounds: int, dtype: str) -> dict:
+def dense_section(s: dict, rounds: int, dtype: str, loss_ab: bool = False) -> dict:
     torch.manual_seed(0)
     hf, ours = dense_pair(s)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
     autocast = autocast_for(dtype)
+    models = {"HF LlamaForCausalLM": hf, "tformer DecoderLM": ours}
     steps = {
         "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
         "tformer DecoderLM": make_step(ours, call_tformer, tokens, autocast),
     }
-    flops = {
-        name: train_flops(m, s) for name, m in (("HF LlamaForCausalLM", hf), ("tformer DecoderLM", ours))
-    }
+    if loss_ab:  # the same weights again, stepped by their own optimizer
+        twin = copy.deepcopy(ours)
+        models[FUSED] = twin
+        steps[FUSED] = make_step(twin, call_tformer_fused, tokens, autocast)
+    flops = {name: train_flops(m, s) for name, m in models.items()}
     peaks = dense_peaks(s, dtype)
     notes = ["same weights both sides; the first-step losses are printed in the JSON (first_step_loss)"]
     title = f"dense LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} x {s['seq']}"
@@ -349,9 +366,11 @@ def compile_section(s: dict, rounds: int, dtype: str) -> dict:
     autocast = autocast_for(dtype)
     steps = {
         "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
-        "HF torch.compile": make_step(hf_c, lambda m, x: call_hf(hf_fwd, x), tokens, autocast),
+        "HF torch.compile": make_step(hf_c, lambda m, x, t: call_hf(hf_fwd, x, t), tokens, autocast),
         "tformer eager": make_step(ours, call_tformer, tokens, autocast),
-        "tformer torch.compile": make_step(ours_c, lambda m, x: ours_fwd(x), tokens, autocast),
+        "tformer torch.compile": make_step(
+            ours_c, lambda m, x, t: call_tformer(ours_fwd, x, t), tokens, autocast
+        ),
     }
     flops = {n: train_flops(ours, s) for n in steps}
     peaks = dense_peaks(s, dtype)
@@ -381,6 +400,11 @@ def main() -> None:
         default=["dense", "bf16", "moe"],
     )
     ap.add_argument("--compile", action="store_true", help="add the torch.compile section")
+    ap.add_argument(
+        "--loss-ab",
+        action="store_true",
+        help=f"dense sections: add a row '{FUSED}' (fused_loss: true)",
+    )
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
@@ -392,12 +416,12 @@ def main() -> None:
     results = {}
     for name in sections:
         if name == "dense":
-            results["dense_fp32"] = dense_section(s, rounds, "fp32")
+            results["dense_fp32"] = dense_section(s, rounds, "fp32", args.loss_ab)
         elif name == "bf16":
             sb = dict(s)
             if not cpu_info()["native_bf16_matmul"] and not args.quick:
                 sb["batch"] = 1  # a bf16 GEMM without bf16 instructions runs ~15-20x below fp32 here
-            results["dense_bf16"] = dense_section(sb, rounds, "bf16")
+            results["dense_bf16"] = dense_section(sb, rounds, "bf16", args.loss_ab)
             if sb["batch"] != s["batch"]:
                 note = (
                     "this CPU has no bf16 matmul instructions (no AVX512-BF16/AMX): torch's bf16 GEMM is "

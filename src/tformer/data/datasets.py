@@ -22,8 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tformer.data.tokenizer import Tokenizer
-
-IGNORE_INDEX = -100
+from tformer.model.loss import IGNORE_INDEX  # noqa: F401  (torch's default; the fused loss skips it)
 
 
 def _check_nonempty(n: int, what: str) -> None:

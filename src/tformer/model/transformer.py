@@ -3,7 +3,9 @@
 Shapes: tokens (B, T) int; key_padding_mask (B, T) bool, True for real tokens (for cached decoding it
 covers every key slot, cached ones included); positions (T,) or (B, T); hidden (B, T, D); logits
 (B, T, V) or (B, n_classes). Each constructor reads the config once; each forward validates its
-inputs on the host, builds the mask as data, then runs the blocks.
+inputs on the host, builds the mask as data, then runs the blocks. Given `targets` (B, T), the decoder
+LM's and the encoder-decoder's forward return the summed cross-entropy instead of the logits, from the
+fused head (tformer.model.loss), which never makes the (B, T, V) logits.
 """
 
 from __future__ import annotations
@@ -19,12 +21,29 @@ from tformer.config import ModelConfig
 from tformer.model.attention import Memory
 from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
 from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
-from tformer.model.checks import check_key_padding, check_positions, check_tokens
+from tformer.model.checks import check_key_padding, check_positions, check_targets, check_tokens
 from tformer.model.init import init_weights
 from tformer.model.linear import autocast_input
+from tformer.model.loss import IGNORE_INDEX, linear_cross_entropy
 from tformer.model.masks import causal_mask, padding_mask
 from tformer.model.norms import make_norm
 from tformer.model.positions import NoRotary, make_positions
+
+
+def head_output(
+    head: nn.Linear, h: Tensor, targets: Tensor | None = None, label_smoothing: float = 0.0
+) -> Tensor:
+    """The logits head(h) (B, T, V); given targets (B, T), the sum of their cross-entropy (fp32 scalar;
+    IGNORE_INDEX positions add nothing) from the fused head and loss."""
+    if targets is None:
+        return head(h)
+    if not isinstance(targets, Tensor) or targets.shape != h.shape[:-1]:
+        got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+        raise ValueError(
+            f"targets must be a tensor of shape {tuple(h.shape[:-1])} (one per position), got {got}"
+        )
+    check_targets(targets, head.out_features, "targets", ignore_index=IGNORE_INDEX)
+    return linear_cross_entropy(h, head.weight, targets, label_smoothing)
 
 
 class Stack(nn.Module):
@@ -91,6 +110,8 @@ class DecoderLM(Stack):
         positions: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         cache: NoCache = NO_CACHE,
+        targets: Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> Tensor:
         check_tokens(tokens, self.cfg.vocab_size, device=self.tok_embed.weight.device)
         cache = as_cache(cache, len(self.blocks))
@@ -102,7 +123,7 @@ class DecoderLM(Stack):
         x = self.embed(tokens, positions)
         for block in self.blocks:
             x = block(x, positions, mask, cache)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+        return head_output(self.lm_head, self.final_norm(x), targets, label_smoothing)  # (B, T, V) or loss
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)
@@ -199,6 +220,8 @@ class EncoderDecoder(nn.Module):
         positions: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         cache: NoCache = NO_CACHE,
+        targets: Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> Tensor:
         if not isinstance(memory, Memory):
             raise ValueError("the decoder needs the encoder memory: call decode(tgt, model.encode(src), ...)")
@@ -218,7 +241,8 @@ class EncoderDecoder(nn.Module):
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
         positions = self.decoder.resolve_positions(tgt, positions, start, "target")
-        return self.lm_head(self.decoder(tgt, positions, key_padding_mask, cache, memory))  # (B, T, V)
+        h = self.decoder(tgt, positions, key_padding_mask, cache, memory)
+        return head_output(self.lm_head, h, targets, label_smoothing)  # (B, T, V) or the summed loss
 
     def forward(
         self,
@@ -226,6 +250,8 @@ class EncoderDecoder(nn.Module):
         tgt: Tensor,
         src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
+        targets: Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> Tensor:
         check_tokens(src, self.cfg.resolved_src_vocab_size, "source tokens", self.lm_head.weight.device)
         check_tokens(tgt, self.cfg.vocab_size, "target tokens", self.lm_head.weight.device)
@@ -233,7 +259,14 @@ class EncoderDecoder(nn.Module):
             raise ValueError(
                 f"source batch size {src.shape[0]} does not match target batch size {tgt.shape[0]}"
             )
-        return self.decode(tgt, self.encode(src, src_key_padding_mask), key_padding_mask=tgt_key_padding_mask)
+        memory = self.encode(src, src_key_padding_mask)
+        return self.decode(
+            tgt,
+            memory,
+            key_padding_mask=tgt_key_padding_mask,
+            targets=targets,
+            label_smoothing=label_smoothing,
+        )
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)

@@ -27,14 +27,21 @@ from tformer.tasks.corpus import (
     train_tokenizer,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, target_count
 from tformer.tasks.stream import BatchStream, check_eval_args
 from tformer.train.config import TrainConfig
 
 SAMPLE_PROMPT = "ROMEO.\n"
 
 
-def lm_loss_sum(model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> tuple[Tensor, int]:
+def lm_loss_sum(
+    model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0, fused: bool = False
+) -> tuple[Tensor, int]:
+    """(summed next-token loss, target count); `fused`: the model's fused head and loss, else its logits."""
+    if fused:
+        return model(batch.ids, targets=batch.targets, label_smoothing=label_smoothing), target_count(
+            batch.targets
+        )
     return cross_entropy_sum(model(batch.ids), batch.targets, label_smoothing)  # logits (B, T, V)
 
 
@@ -99,7 +106,7 @@ class LMTask:
         return BatchStream(loader)
 
     def loss(self, model: nn.Module, batch: LMBatch) -> tuple[Tensor, int]:
-        return lm_loss_sum(model, batch, self.cfg.label_smoothing)
+        return lm_loss_sum(model, batch, self.cfg.label_smoothing, fuses_loss(self.cfg))
 
     def count_targets(self, batch: LMBatch) -> int:
         return int((batch.targets != IGNORE_INDEX).sum())

@@ -26,7 +26,7 @@ def cross_entropy_sum(
 
     logits (..., C) and targets (...) of the same leading shape; computed in fp32."""
     check_targets(targets, logits.shape[-1], name, ignore_index=IGNORE_INDEX)
-    count = int((targets != IGNORE_INDEX).sum())
+    count = target_count(targets)
     if vocab_split(logits):  # a training step under tensor parallelism: logits split by vocabulary
         from tformer.distributed.vocab import vocab_parallel_cross_entropy
 
@@ -39,6 +39,18 @@ def cross_entropy_sum(
         label_smoothing=label_smoothing,
     )
     return loss, count
+
+
+def target_count(targets: Tensor) -> int:
+    """The targets that count (not IGNORE_INDEX)."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def fuses_loss(cfg) -> bool:
+    """Whether a training step of this TrainConfig takes its loss from the model's fused head
+    (`fused_loss`), which needs the whole head on each rank: not under tensor parallelism, whose head
+    splits the vocabulary and hands its logits to the vocabulary-parallel loss."""
+    return cfg.fused_loss and cfg.parallel.tensor == 1
 
 
 def vocab_split(logits: Tensor) -> bool:

@@ -36,7 +36,7 @@ from tformer.tasks.corpus import (
     warn_if_split_changed,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, target_count
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.train.config import DataConfig, TrainConfig
 
@@ -135,9 +135,20 @@ class Translator:
 
 
 def seq2seq_loss_sum(
-    model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0
+    model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0, fused: bool = False
 ) -> tuple[Tensor, int]:
+    """(summed target-token loss, target count); `fused`: the model's fused head and loss, else its logits."""
     # Right-padded targets need no key mask: causal attention never reaches the padding after a token.
+    if fused:
+        loss = model(
+            batch.src,
+            batch.tgt_in,
+            batch.src_mask,
+            None,
+            targets=batch.tgt_out,
+            label_smoothing=label_smoothing,
+        )
+        return loss, target_count(batch.tgt_out)
     logits = model(batch.src, batch.tgt_in, batch.src_mask, None)  # (B, T, V)
     return cross_entropy_sum(logits, batch.tgt_out, label_smoothing, "target tokens")
 
@@ -212,7 +223,7 @@ class TranslationTask:
         return bucketed_train_stream(self.train_ds, self.collate, cfg, rank, world_size)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
-        return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing)
+        return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing, fuses_loss(self.cfg))
 
     def count_targets(self, batch: Seq2SeqBatch) -> int:
         return int((batch.tgt_out != IGNORE_INDEX).sum())

@@ -182,6 +182,10 @@ class TrainConfig(Config):
     # keeps its input only) or "selective" (each keeps its products' and attention's outputs); true and
     # false, which runs saved before "selective" hold, read as "full" and "none" (__post_init__)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # the language model's and the translation model's head and loss as one operation, a block of rows
+    # at a time, never making the (tokens x vocabulary) logits: less memory, not faster (tformer.model.loss).
+    # Tensor parallelism splits the head by vocabulary and always takes the logits
+    fused_loss: bool = False
     device: str = "auto"
     max_nonfinite: int = 3
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off

@@ -1,0 +1,57 @@
+"""`fused_loss: true` trains the language model and the translation model through the fused head and loss
+(tformer.model.loss), and the losses follow those of the logits path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tformer.model.transformer as transformer
+from tests.words import write_word_corpus
+from tformer.tasks import make_task
+from tformer.train.config import DataConfig, TrainConfig
+from tformer.train.loop import Trainer
+from tformer.train.presets import tiny_lm, tiny_translation
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def lm_config(tmp_path: Path) -> TrainConfig:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    write_word_corpus(root)
+    base = tiny_lm()
+    return base.replace(
+        model=base.model.replace(d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32),
+        data=DataConfig(corpus=f"text:{root}", vocab_size=300, seq_len=32),
+        steps=6,
+        batch_size=4,
+        eval_every=6,
+        eval_batches=1,
+        log_every=1,
+        label_smoothing=0.1,
+    )
+
+
+def translation_config(dictionary: Path) -> TrainConfig:
+    cfg = tiny_translation()
+    return cfg.replace(data=cfg.data.replace(path=str(dictionary)), steps=4, log_every=1)
+
+
+@pytest.mark.parametrize("task", ["lm", "translation"])
+def test_fused_loss_trains_as_the_logits_path(task: str, tmp_path: Path, dictionary_file: Path, count_calls):
+    cfg = lm_config(tmp_path) if task == "lm" else translation_config(dictionary_file)
+    assert cfg.fused_loss is False  # the default: the logits path, faster at these vocabularies
+    calls = count_calls(transformer, "linear_cross_entropy")
+    Trainer(cfg, tmp_path / "logits", make_task(task), progress=False).fit()
+    assert not calls
+    Trainer(cfg.replace(fused_loss=True), tmp_path / "fused", make_task(task), progress=False).fit()
+    assert len(calls) == cfg.steps  # one micro-batch per step, each through the fused head
+    logits, fused = train_losses(tmp_path / "logits"), train_losses(tmp_path / "fused")
+    assert len(logits) == len(fused) == cfg.steps
+    assert fused == pytest.approx(logits, rel=1e-4)  # fp32 rounding apart, the same training
