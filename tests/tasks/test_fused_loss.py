@@ -55,3 +55,14 @@ def test_fused_loss_trains_as_the_logits_path(task: str, tmp_path: Path, diction
     logits, fused = train_losses(tmp_path / "logits"), train_losses(tmp_path / "fused")
     assert len(logits) == len(fused) == cfg.steps
     assert fused == pytest.approx(logits, rel=1e-4)  # fp32 rounding apart, the same training
+
+
+def test_a_resume_may_switch_the_fused_loss(tmp_path: Path) -> None:
+    cfg = lm_config(tmp_path).replace(save_every=3)
+    Trainer(cfg, tmp_path / "logits", make_task("lm"), progress=False).fit()
+    Trainer(cfg, tmp_path / "switched", make_task("lm"), progress=False).fit(until=3)
+    fused = cfg.replace(fused_loss=True)
+    Trainer(fused, tmp_path / "switched", make_task("lm"), resume=True, progress=False).fit()
+    saved = json.loads((tmp_path / "switched" / "config.json").read_text())
+    assert saved["fused_loss"] is True
+    assert train_losses(tmp_path / "switched") == pytest.approx(train_losses(tmp_path / "logits"), rel=1e-4)
