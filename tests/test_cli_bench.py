@@ -157,6 +157,10 @@ def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeyp
     assert capsys.readouterr().out.strip() == "" and len(calls) == 8  # the selective run not compiled
     assert main([*argv, "--json"]) == 0  # the activations kept for the backward: far more without it
     plain = json.loads(capsys.readouterr().out)["train_activation_mib"]
+    assert main([*argv, "--json", "--set", "fused_loss=true"]) == 0  # the head's logits never whole
+    fused = json.loads(capsys.readouterr().out)
+    assert fused["train_fused_loss"] is True and fused["train_activation_mib"] < plain
+    assert bench._train_how(fused) == ", fused head and loss"
     assert main([*argv, "--json", "--set", "activation_checkpointing=selective"]) == 0
     selective = json.loads(capsys.readouterr().out)["train_activation_mib"]
     assert plain > selective > 2 * result["train_activation_mib"] > 0, (plain, selective, result)

@@ -118,7 +118,8 @@ def _model_line(model, cfg, device, b: int, t: int, repeats: int) -> dict:
 
 def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     """Training tokens/s (forward, loss, backward, AdamW) and its MFU against a matmul rate of the
-    model's widths measured now; the step as the run's `compile` and `activation_checkpointing` make it
+    model's widths measured now; the step as the run's `compile`, `activation_checkpointing` and
+    `fused_loss` make it
     (the blocks run as built again for the decoding after it). The MFU counts the model's FLOPs, not a
     recomputation's."""
     from tformer.model.recompute import checkpoint_blocks, plain_blocks
@@ -133,10 +134,14 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     autocast = autocast_context(device, cfg.dtype)
     x = torch.randint(0, mcfg.vocab_size, (b, t), device=device)
 
+    def step_loss() -> torch.Tensor:  # under autocast
+        if cfg.fused_loss:  # the model's fused head and loss (tformer.model.loss), as the trainer takes it
+            return forward(x, targets=x) / x.numel()
+        return F.cross_entropy(forward(x).flatten(0, 1).float(), x.flatten())
+
     def train_step() -> None:
         with autocast:
-            logits = forward(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+            loss = step_loss()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -154,7 +159,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
 
     def loss() -> torch.Tensor:
         with autocast:
-            return F.cross_entropy(forward(x).flatten(0, 1).float(), x.flatten())
+            return step_loss()
 
     # one more forward and backward, untimed; eager even with `compile` (under the counter's dispatch mode
     # and hooks torch.compile runs the model's own forward, not its graphs)
@@ -171,6 +176,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
         "train_mfu": train_flops / train_s / peak,
         "train_compile": cfg.compile,  # the first (warm-up) step compiled, untimed
         "train_activation_checkpointing": cfg.activation_checkpointing,
+        "train_fused_loss": cfg.fused_loss,
         "train_activation_mib": kept / 2**20,  # the eager backward's (tformer.model.stats.activation_bytes)
     }
 
@@ -180,6 +186,7 @@ def _train_how(result: dict) -> str:
     how = (["compiled"] if result["train_compile"] else []) + (
         [] if recompute == "none" else [f"activation checkpointing {recompute}"]
     )
+    how += ["fused head and loss"] if result.get("train_fused_loss") else []
     return "".join(f", {w}" for w in how)
 
 
