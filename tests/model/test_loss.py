@@ -164,3 +164,31 @@ def test_model_rejects_bad_targets():
     bad[1, 3] = 50
     with pytest.raises(ValueError, match=r"targets contains id 50 at \(batch 1, position 3\).*0\.\.49"):
         model(tokens, targets=bad)
+    with pytest.raises(
+        TypeError, match="targets must be a torch.long tensor of class ids, got dtype torch.int32"
+    ):
+        model(tokens, targets=tokens.int())
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\), got 1.5"):
+        model(tokens, targets=tokens, label_smoothing=1.5)
+
+
+def test_a_head_split_by_vocabulary_is_refused() -> None:
+    """Under tensor parallelism the head's weight is a DTensor split by vocabulary: targets= says to take
+    the logits and the vocabulary-parallel loss (here a one-process gloo group holds the DTensor)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=16)
+    model = build_model(cfg.replace(tie_embeddings=False))
+    tokens = torch.randint(0, 50, (2, 8))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model.lm_head.weight = torch.nn.Parameter(
+            distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)])
+        )
+        with pytest.raises(ValueError, match="tensor parallelism splits it by vocabulary: take the logits"):
+            model(tokens, targets=tokens)
+    finally:
+        dist.destroy_process_group()

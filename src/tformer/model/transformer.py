@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import replace
 
 import torch
@@ -43,6 +44,15 @@ def head_output(
             f"targets must be a tensor of shape {tuple(h.shape[:-1])} (one per position), got {got}"
         )
     check_targets(targets, head.out_features, "targets", ignore_index=IGNORE_INDEX)
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(head.weight, dtensor.DTensor):
+        raise ValueError(
+            "targets= needs the whole output head on this rank, and tensor parallelism splits it by "
+            "vocabulary: take the logits (model(...) without targets) and the vocabulary-parallel loss "
+            "(tformer.tasks.losses.cross_entropy_sum)"
+        )
     return linear_cross_entropy(h, head.weight, targets, label_smoothing)
 
 
