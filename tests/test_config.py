@@ -335,6 +335,23 @@ def test_a_setting_the_run_would_ignore_is_refused_when_it_starts(tmp_path) -> N
         with pytest.raises(ConfigError, match=rf"model.{name} is read by arch 'encoder' \(classification\) only: arch 'encoder_decoder' would ignore it"):  # fmt: skip
             refuse_ignored_settings(translation.with_overrides({f"model.{name}": value}))
     refuse_ignored_settings(classify.with_overrides({"model.pooling": "cls"}))  # read there
+    with pytest.raises(ConfigError, match="fused_loss is read by the lm and translation tasks only"):
+        refuse_ignored_settings(classify.with_overrides({"fused_loss": True}))
+    refuse_ignored_settings(translation.with_overrides({"fused_loss": True}))  # read there
+
+
+def test_the_fused_loss_under_tensor_parallelism_is_named_as_unread() -> None:
+    """Tensor parallelism splits the head by vocabulary and takes the logits path: fused_loss is then
+    kept in the config but not read, and a new run warns of it (Trainer, with the other unread settings)."""
+    from tformer.train.config import unread_settings
+
+    lm = get_train_preset("tiny-lm").with_overrides({"fused_loss": True})
+    assert unread_settings(lm) == []
+    split = lm.with_overrides({"parallel.tensor": 2})
+    assert [s for s in unread_settings(split) if s.startswith("fused_loss")] == [
+        "fused_loss (True: tensor parallelism splits the head by vocabulary, so the steps take the logits "
+        "and the vocabulary-parallel loss)"
+    ]
 
 
 @pytest.mark.parametrize(

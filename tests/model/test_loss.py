@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tformer import ModelConfig, build_model
 from tformer.model import loss as loss_mod
@@ -84,12 +85,67 @@ def test_fused_equals_twin_under_bf16_autocast(small_blocks, eps):
         assert (a - exact).abs().max() <= 2 * (b - exact).abs().max() + 1e-3 * scale  # no worse than the twin
 
 
-def test_no_grad_computes_the_loss_only():
-    h, w, targets = _inputs(seed=3)
-    with torch.no_grad():
+class _CountProducts(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.addmm_,
+        )
+        return func(*args, **(kwargs or {}))
+
+
+def test_without_gradients_only_the_loss_is_computed(small_blocks):
+    """No grad mode, or no input that wants a gradient: one product per block (the logits), not three."""
+    h, w, targets = _inputs(seed=3)  # 210 rows: 14 blocks of 16
+    expected = linear_cross_entropy_reference(h, w, targets, 0.1).detach()
+    with torch.no_grad(), _CountProducts() as counter:
         loss = linear_cross_entropy(h, w, targets, 0.1)
-    assert not loss.requires_grad
-    torch.testing.assert_close(loss, linear_cross_entropy_reference(h, w, targets, 0.1).detach())
+    assert not loss.requires_grad and counter.products == 14
+    torch.testing.assert_close(loss, expected)
+    with torch.inference_mode():  # (a dispatch mode sees no ops there)
+        torch.testing.assert_close(linear_cross_entropy(h, w, targets, 0.1), expected)
+    with _CountProducts() as counter:
+        linear_cross_entropy(h.detach(), w.detach(), targets, 0.1)
+    assert counter.products == 14
+    with _CountProducts() as counter:
+        linear_cross_entropy(h, w, targets, 0.1)
+    assert counter.products == 3 * 14  # the logits, grad h and grad W of each block
+
+
+def test_no_second_derivative():
+    """The gradients are constants made in the forward: create_graph=True raises instead of a gradient
+    penalty that would silently add nothing."""
+    h, w, targets = _inputs(seed=6)
+    with pytest.raises(
+        RuntimeError, match=r"has no second derivative: for a gradient penalty or create_graph"
+    ):
+        torch.autograd.grad(linear_cross_entropy(h, w, targets), h, create_graph=True)
+    (grad_h,) = torch.autograd.grad(linear_cross_entropy(h, w, targets), h)  # the first derivative works
+    assert grad_h.shape == h.shape
+
+
+@pytest.mark.slow
+def test_a_compiled_model_does_not_recompile_per_token_count():
+    """The fused loss runs eagerly between the compiled graphs: six sequence lengths compile the model
+    twice (one static graph, then a dynamic one), as the logits path does; the loss equals the eager one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, dropout=0.0)
+    torch._dynamo.reset()
+    model = build_model(cfg)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    for t in (8, 12, 16, 20, 24, 28):
+        x, y = torch.randint(0, 300, (2, t)), torch.randint(0, 300, (2, t))
+        loss = compiled(x, targets=y)
+        loss.backward()
+        torch.testing.assert_close(loss, model(x, targets=y), rtol=1e-5, atol=1e-4)
+    assert counter.frame_count == 2
 
 
 def test_gradient_for_the_weight_alone_and_for_the_input_alone():
@@ -158,8 +214,14 @@ def test_model_rejects_bad_targets():
     cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=16)
     model = build_model(cfg)
     tokens = torch.randint(0, 50, (2, 8))
-    with pytest.raises(ValueError, match=r"targets must be a tensor of shape \(2, 8\).*got \(2, 7\)"):
+    with pytest.raises(
+        ValueError, match=r"targets must have the shape of the input tokens \(2, 8\).*got \(2, 7\)"
+    ):
         model(tokens, targets=tokens[:, 1:])
+    with pytest.raises(TypeError, match="targets must be a torch.Tensor of class ids, got list"):
+        model(tokens, targets=tokens.tolist())
+    with pytest.raises(ValueError, match="targets are on meta, the model on cpu: move one to the other"):
+        model(tokens, targets=torch.empty(2, 8, dtype=torch.long, device="meta"))
     bad = tokens.clone()
     bad[1, 3] = 50
     with pytest.raises(ValueError, match=r"targets contains id 50 at \(batch 1, position 3\).*0\.\.49"):
@@ -192,3 +254,32 @@ def test_a_head_split_by_vocabulary_is_refused() -> None:
             model(tokens, targets=tokens)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_targets_are_refused_before_any_block_runs(arch: str, count_calls) -> None:
+    """Bad targets= are refused before the first block (or the encoder) runs, so a refused call changes
+    nothing; a loss with a KV cache is refused and the cache keeps its length (decoding takes logits)."""
+    cfg = ModelConfig(arch=arch, vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=16)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, 50, (1, 4))
+    blocks = model.encoder.blocks if arch == "encoder_decoder" else model.blocks
+    calls = count_calls(blocks[0], "forward")
+    args = (tokens, tokens) if arch == "encoder_decoder" else (tokens,)
+    with pytest.raises(ValueError, match="targets contains id 50"):
+        model(*args, targets=torch.full_like(tokens, 50))
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        model(*args, targets=tokens, label_smoothing=-0.1)
+    assert not calls
+    cache = model.new_cache()
+    if arch == "decoder":
+        model(tokens, cache=cache)
+        call = lambda: model(tokens, cache=cache, targets=tokens)  # noqa: E731
+    else:
+        memory = model.encode(tokens)
+        model.decode(tokens, memory, cache=cache)
+        call = lambda: model.decode(tokens, memory, cache=cache, targets=tokens)  # noqa: E731
+    assert cache.seq_len == 4
+    with pytest.raises(ValueError, match="targets= returns a training loss and takes no KV cache"):
+        call()
+    assert cache.seq_len == 4

@@ -66,3 +66,15 @@ def test_a_resume_may_switch_the_fused_loss(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "switched" / "config.json").read_text())
     assert saved["fused_loss"] is True
     assert train_losses(tmp_path / "switched") == pytest.approx(train_losses(tmp_path / "logits"), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_fused_loss_under_torch_compile(tmp_path: Path) -> None:
+    """`compile: true` compiles the model's forward, the fused head and loss included (its targets are
+    checked without a host read there): the same losses as the eager fused run, to fp32 rounding."""
+    cfg = lm_config(tmp_path).replace(fused_loss=True, steps=3, eval_every=3)
+    cfg = cfg.replace(model=cfg.model.replace(dropout=0.0))  # compiled dropout draws other masks
+    Trainer(cfg, tmp_path / "eager", make_task("lm"), progress=False).fit()
+    Trainer(cfg.replace(compile=True), tmp_path / "compiled", make_task("lm"), progress=False).fit()
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-4)

@@ -60,12 +60,23 @@ def check_tokens(
 
 
 def check_targets(
-    targets: Tensor, n_classes: int, name: str = "targets", ignore_index: int | None = None
+    targets: Tensor,
+    n_classes: int,
+    name: str = "targets",
+    ignore_index: int | None = None,
+    device: torch.device | None = None,
 ) -> Tensor:
     """targets: integer class ids in [0, n_classes), or ignore_index (checked before the loss: torch's
-    cross-entropy says only "Target 64 is out of bounds" on the CPU and asserts on a GPU)."""
+    cross-entropy says only "Target 64 is out of bounds" on the CPU and asserts on a GPU); on `device`
+    where given."""
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of class ids, got {type(targets).__name__}")
     if targets.dtype != torch.long:  # cross-entropy takes int64 class ids (and -100 needs a signed type)
         raise TypeError(f"{name} must be a torch.long tensor of class ids, got dtype {targets.dtype}")
+    if device is not None and targets.device != device:
+        raise ValueError(f"{name} are on {targets.device}, the model on {device}: move one to the other")
+    if torch.compiler.is_compiling():  # a host read would split the compiled graph (see the module doc)
+        return targets
     bad_mask = (targets < 0) | (targets >= n_classes)
     if ignore_index is not None:
         bad_mask &= targets != ignore_index

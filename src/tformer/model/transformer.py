@@ -31,19 +31,21 @@ from tformer.model.norms import make_norm
 from tformer.model.positions import NoRotary, make_positions
 
 
-def head_output(
-    head: nn.Linear, h: Tensor, targets: Tensor | None = None, label_smoothing: float = 0.0
-) -> Tensor:
-    """The logits head(h) (B, T, V); given targets (B, T), the sum of their cross-entropy (fp32 scalar;
-    IGNORE_INDEX positions add nothing) from the fused head and loss."""
-    if targets is None:
-        return head(h)
-    if not isinstance(targets, Tensor) or targets.shape != h.shape[:-1]:
-        got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+def check_loss_targets(
+    targets: Tensor, head: nn.Linear, tokens: Tensor, cache: NoCache, label_smoothing: float
+) -> None:
+    """targets= of a training forward, checked before anything runs (a refused call leaves the cache and
+    the MoE counters as they were): one class id per input token, on the model's device, no cache (a
+    loss is for training; decoding takes the logits), label smoothing in [0, 1), and the whole head on
+    this rank."""
+    if isinstance(cache, KVCache):
+        raise ValueError("targets= returns a training loss and takes no KV cache: decode without targets")
+    check_targets(targets, head.out_features, "targets", IGNORE_INDEX, head.weight.device)
+    if targets.shape != tokens.shape:
         raise ValueError(
-            f"targets must be a tensor of shape {tuple(h.shape[:-1])} (one per position), got {got}"
+            f"targets must have the shape of the input tokens {tuple(tokens.shape)} (one per position), "
+            f"got {tuple(targets.shape)}"
         )
-    check_targets(targets, head.out_features, "targets", ignore_index=IGNORE_INDEX)
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -53,6 +55,15 @@ def head_output(
             "vocabulary: take the logits (model(...) without targets) and the vocabulary-parallel loss "
             "(tformer.tasks.losses.cross_entropy_sum)"
         )
+
+
+def head_output(
+    head: nn.Linear, h: Tensor, targets: Tensor | None = None, label_smoothing: float = 0.0
+) -> Tensor:
+    """The logits head(h) (B, T, V); given targets (B, T) (checked by check_loss_targets), the sum of
+    their cross-entropy (fp32 scalar; IGNORE_INDEX positions add nothing) from the fused head and loss."""
+    if targets is None:
+        return head(h)
     return linear_cross_entropy(h, head.weight, targets, label_smoothing)
 
 
@@ -124,6 +135,8 @@ class DecoderLM(Stack):
         label_smoothing: float = 0.0,
     ) -> Tensor:
         check_tokens(tokens, self.cfg.vocab_size, device=self.tok_embed.weight.device)
+        if targets is not None:
+            check_loss_targets(targets, self.lm_head, tokens, cache, label_smoothing)
         cache = as_cache(cache, len(self.blocks))
         b, t = tokens.shape
         start = cache.seq_len
@@ -246,6 +259,8 @@ class EncoderDecoder(nn.Module):
                 f"the encoder memory's states are {tuple(memory.states.shape)}, not (batch, source length, "
                 f"d_model={self.cfg.d_model}): give decode this model's own encode(src)"
             )
+        if targets is not None:
+            check_loss_targets(targets, self.lm_head, tgt, cache, label_smoothing)
         cache = as_cache(cache, len(self.decoder.blocks))
         cache.use_source(memory.states)  # the caller's tensor: the decoder may cast a copy under autocast
         start = cache.seq_len
@@ -269,6 +284,8 @@ class EncoderDecoder(nn.Module):
             raise ValueError(
                 f"source batch size {src.shape[0]} does not match target batch size {tgt.shape[0]}"
             )
+        if targets is not None:  # before the encoder runs (decode checks them again)
+            check_loss_targets(targets, self.lm_head, tgt, NO_CACHE, label_smoothing)
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(
             tgt,

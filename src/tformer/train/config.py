@@ -261,6 +261,11 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
             "model.share_embeddings is for arch 'encoder_decoder' only (one embedding for source and target); "
             f"arch {cfg.model.arch!r} would ignore it: leave it true"
         )
+    if cfg.fused_loss and cfg.task == "classification":
+        raise ConfigError(
+            "fused_loss is read by the lm and translation tasks only (a vocabulary-wide head): task "
+            "'classification' would ignore it; leave it false"
+        )
 
 
 def unread_settings(cfg: TrainConfig) -> list[str]:
@@ -280,6 +285,11 @@ def unread_settings(cfg: TrainConfig) -> list[str]:
     optim, default_optim = cfg.optim, OptimConfig()
     if optim.schedule == "constant" and optim.min_lr_ratio != default_optim.min_lr_ratio:
         unread.append(f"optim.min_lr_ratio ({optim.min_lr_ratio!r}: the constant schedule never decays)")
+    if cfg.fused_loss and cfg.parallel.tensor > 1:
+        unread.append(
+            "fused_loss (True: tensor parallelism splits the head by vocabulary, so the steps take the "
+            "logits and the vocabulary-parallel loss)"
+        )
     if optim.schedule != "wsd" and optim.decay_frac != default_optim.decay_frac:
         unread.append(
             f"optim.decay_frac ({optim.decay_frac!r}: read by schedule 'wsd' only, not {optim.schedule!r})"
