@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 import tformer.model.transformer as transformer
+from tests.train.helpers import small_config
 from tests.words import write_word_corpus
 from tformer.tasks import make_task
-from tformer.train.config import DataConfig, TrainConfig
+from tformer.train.config import TrainConfig
 from tformer.train.loop import Trainer
-from tformer.train.presets import tiny_lm, tiny_translation
+from tformer.train.presets import tiny_translation
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -25,17 +26,7 @@ def lm_config(tmp_path: Path) -> TrainConfig:
     root = tmp_path / "corpus"
     root.mkdir()
     write_word_corpus(root)
-    base = tiny_lm()
-    return base.replace(
-        model=base.model.replace(d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32),
-        data=DataConfig(corpus=f"text:{root}", vocab_size=300, seq_len=32),
-        steps=6,
-        batch_size=4,
-        eval_every=6,
-        eval_batches=1,
-        log_every=1,
-        label_smoothing=0.1,
-    )
+    return small_config(root, steps=6, eval_every=6, eval_batches=1, save_every=6, label_smoothing=0.1)
 
 
 def translation_config(dictionary: Path) -> TrainConfig:
