@@ -22,6 +22,11 @@ def train_losses(run_dir: Path) -> list[float]:
     return [float(r["loss"]) for r in records if r["kind"] == "train"]
 
 
+def eval_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["eval_loss"]) for r in records if r["kind"] == "eval"]
+
+
 def lm_config(tmp_path: Path) -> TrainConfig:
     root = tmp_path / "corpus"
     root.mkdir()
@@ -41,11 +46,17 @@ def test_fused_loss_trains_as_the_logits_path(task: str, tmp_path: Path, diction
     calls = count_calls(transformer, "linear_cross_entropy")
     Trainer(cfg, tmp_path / "logits", make_task(task), progress=False).fit()
     assert not calls
-    Trainer(cfg.replace(fused_loss=True), tmp_path / "fused", make_task(task), progress=False).fit()
-    assert len(calls) == cfg.steps  # one micro-batch per step, each through the fused head
+    trainer = Trainer(cfg.replace(fused_loss=True), tmp_path / "fused", make_task(task), progress=False)
+    trainer.fit()
+    trained = len(calls)
+    assert trained > cfg.steps  # one micro-batch per step, each through the fused head, and the evaluation
     logits, fused = train_losses(tmp_path / "logits"), train_losses(tmp_path / "fused")
     assert len(logits) == len(fused) == cfg.steps
     assert fused == pytest.approx(logits, rel=1e-4)  # fp32 rounding apart, the same training
+    assert eval_losses(tmp_path / "fused") == pytest.approx(eval_losses(tmp_path / "logits"), rel=1e-4)
+    assert len(eval_losses(tmp_path / "fused")) == 1
+    trainer.task.evaluate(trainer.model, max_batches=1)  # the evaluation alone: the fused head, no logits
+    assert len(calls) > trained
 
 
 def test_a_resume_may_switch_the_fused_loss(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
-    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, cpu, cfg.fused_loss)
     result = {
         "data": what,
         "checkpoint_step": run_.step,

@@ -117,7 +117,9 @@ class LMTask:
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
         check_eval_args(max_batches, split)
         ds, chars = (self.val_ds, self.val_chars) if split == "val" else self.split_dataset(split)
-        return evaluate_lm(model, ds, chars, self.cfg.batch_size, max_batches, self.device)
+        return evaluate_lm(
+            model, ds, chars, self.cfg.batch_size, max_batches, self.device, fuses_loss(self.cfg)
+        )
 
     def tokenizer_json(self) -> str:
         return self.tokenizer.to_json_str()
@@ -161,9 +163,11 @@ def evaluate_lm(
     batch_size: int,
     max_batches: int | None,
     device: torch.device,
+    fused: bool = False,
 ) -> dict[str, float]:
     """Loss over up to max_batches * batch_size windows spread evenly over the split (all when it fits);
-    `windows` / `windows_scored` and `predictions` say how much of it was scored (max_batches None: all)."""
+    `windows` / `windows_scored` and `predictions` say how much of it was scored (max_batches None: all).
+    `fused`: the model's fused head and loss (a run with fused_loss), which never makes the logits."""
     check_eval_args(max_batches)
     n = len(ds)
     take = n if max_batches is None else min(n, max_batches * batch_size)
@@ -171,7 +175,7 @@ def evaluate_lm(
     total, count = 0.0, 0
     for i in range(0, len(index), batch_size):
         batch = collate_lm([ds[j] for j in index[i : i + batch_size]]).to(device)
-        loss, targets = lm_loss_sum(model, batch)
+        loss, targets = lm_loss_sum(model, batch, fused=fused)
         total, count = total + float(loss), count + targets
     loss = total / max(1, count)
     tokens_per_char = ds.n_tokens / max(1, chars)

@@ -237,7 +237,8 @@ class TranslationTask:
     def evaluate(self, model: nn.Module, max_batches: int, split: str = "val") -> dict[str, float]:
         check_eval_args(max_batches, split)
         ds = self.val_ds if split == "val" else self.dataset(self.corpus[split])
-        result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device)
+        fused = fuses_loss(self.cfg)
+        result = evaluate_loss(model, ds, self.collate, self.cfg.batch_size, max_batches, self.device, fused)
         take = None if max_batches is None else max_batches * self.cfg.batch_size
         pairs = spread(list(self.corpus[split]), take)
         hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH, warn=False)
@@ -281,17 +282,23 @@ def check_scoreable(ds: Seq2SeqDataset, what: str, seq_len: int) -> None:
 
 @torch.no_grad()
 def evaluate_loss(
-    model: nn.Module, ds: Seq2SeqDataset, collate: Callable, batch_size: int, max_batches: int, device
+    model: nn.Module,
+    ds: Seq2SeqDataset,
+    collate: Callable,
+    batch_size: int,
+    max_batches: int,
+    device,
+    fused: bool = False,
 ) -> dict[str, float]:
     """Loss per target token (no smoothing) over up to max_batches * batch_size pairs spread evenly over
-    the split, batched in length order."""
+    the split, batched in length order; `fused`: the model's fused head and loss (a run with fused_loss)."""
     lengths = ds.lengths()
     take = None if max_batches is None else max_batches * batch_size  # None: the whole split
     order = sorted(spread(range(len(ds)), take), key=lambda i: lengths[i])
     total, count = 0.0, 0
     for start in range(0, len(order), batch_size):
         batch = collate([ds[i] for i in order[start : start + batch_size]]).to(device)
-        loss, n = seq2seq_loss_sum(model, batch)
+        loss, n = seq2seq_loss_sum(model, batch, fused=fused)
         total, count = total + float(loss), count + n
     loss = total / max(1, count)
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
@@ -355,7 +362,8 @@ def evaluate_run(
     collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
-        loss = evaluate_loss(run.model, ds, collate, 64, 10**9, next(run.model.parameters()).device)
+        device = next(run.model.parameters()).device
+        loss = evaluate_loss(run.model, ds, collate, 64, 10**9, device, cfg.fused_loss)
     name = f"translations_{split}{'' if len(pairs) == len(whole) else '_sample'}{run.file_suffix()}.txt"
     out = run_dir_of(run.checkpoint) / name
     try:
