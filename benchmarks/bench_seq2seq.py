@@ -327,6 +327,7 @@ def main() -> None:
     p.add_argument("--run", default=None, help="a trained translation run: also time beam search on it")
     p.add_argument("--skip-bf16", action="store_true")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, the machine's cores)")
+    p.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = p.parse_args()
     setup(threads=args.threads)
     s = QUICK if args.quick else FULL
@@ -338,7 +339,7 @@ def main() -> None:
         note = "batch 1 x 32: this CPU has no native bf16 matmul" if slow else "same shape as fp32"
         results["bf16"] = train_section(shape, "bf16", note)
     results["beam"] = beam_section(s, args.run)
-    write_json("seq2seq_quick.json" if args.quick else "seq2seq.json", results)
+    write_json(args.out or ("seq2seq_quick.json" if args.quick else "seq2seq.json"), results)
 
 
 if __name__ == "__main__":
