@@ -164,3 +164,25 @@ def test_bench_trains_as_the_run_would_compile_and_checkpoint_it(capsys, monkeyp
     assert main([*argv, "--json", "--set", "activation_checkpointing=selective"]) == 0
     selective = json.loads(capsys.readouterr().out)["train_activation_mib"]
     assert plain > selective > 2 * result["train_activation_mib"] > 0, (plain, selective, result)
+
+
+def test_bench_decides_dtype_auto_as_a_run_would(capsys, monkeypatch) -> None:
+    from tformer.cli import bench
+    from tformer.train import step
+
+    monkeypatch.setattr(step, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(bench, "_decoding", lambda *a: {})
+    argv = [
+        "bench",
+        "--preset",
+        "tiny-lm",
+        "--repeats",
+        "1",
+        "--seq-len",
+        "16",
+        "--json",
+        "--set",
+        "dtype=auto",
+    ]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"

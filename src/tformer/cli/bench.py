@@ -63,6 +63,7 @@ def _setting(args: argparse.Namespace):
     from tformer.distributed.env import resolve_device
     from tformer.train.config import ParallelConfig
     from tformer.train.presets import LM_PRESETS
+    from tformer.train.step import resolve_dtype
 
     cfg = resolve_train_config(args, default_preset="shakespeare")
     if cfg.model.arch != "decoder":
@@ -76,6 +77,7 @@ def _setting(args: argparse.Namespace):
             "parallel.* is not used: bench measures one process (scale-out: torchrun -m tformer train)",
         )
     device = resolve_device(cfg.device)
+    cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, device))  # auto: what a run would compute in here
     b, t = args.batch_size or cfg.batch_size, args.seq_len or cfg.data.seq_len
     # as training sizes it: the vocabulary is the BPE one it trains (data.vocab_size), the context fits T
     if cfg.model.vocab_size != cfg.data.vocab_size:

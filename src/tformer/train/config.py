@@ -176,7 +176,10 @@ class TrainConfig(Config):
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # bfloat16: bf16 autocast (weights and optimizer in fp32); auto: bfloat16 where the device multiplies
+    # bf16 natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32, decided when the
+    # run starts and recorded in its config.json (a resume computes as the run began)
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     compile: bool = False
     # recompute activations in the backward to save memory (tformer.model.recompute): "full" (each block
     # keeps its input only) or "selective" (each keeps its products' and attention's outputs); true and

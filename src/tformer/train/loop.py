@@ -67,7 +67,7 @@ from tformer.train.run_dir import (
     take_over,
     writing,
 )
-from tformer.train.step import NonFiniteError, autocast_context, train_step
+from tformer.train.step import NonFiniteError, autocast_context, resolve_dtype, train_step
 
 __all__ = ["TrainState", "Trainer", "resolve_device"]
 
@@ -156,6 +156,9 @@ class Trainer:
                 meta = checkpoint_meta(resume_from)
             except CheckpointError as e:
                 raise self._name_the_previous(resume_from, e) from None
+            if cfg.dtype == "auto":  # what the run recorded when it started, on whatever machine
+                recorded = (meta.get("train_config") or {}).get("dtype")
+                cfg = cfg.replace(dtype=recorded if recorded in ("float32", "bfloat16") else "auto")
             check_resume_config(cfg, meta, resume_from, model=False)
             if self.env.is_main:
                 warn_compile_switch(cfg, meta)
@@ -166,6 +169,9 @@ class Trainer:
                     f"before it. Pass steps >= {at}, or start a new run with another --out"
                 )
         refuse_unfinished(self.run_dir, resume_from)
+        if cfg.dtype == "auto":  # decided once; config.json records the choice
+            cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, self.device))
+        self.cfg = cfg
         if resume_from is None:
             refuse_ignored_settings(cfg)
             if self.env.is_main:

@@ -109,6 +109,18 @@ def cpu_has_native_bf16() -> bool | None:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """TrainConfig.dtype as the run computes: "auto" is "bfloat16" where the device multiplies bf16
+    natively (CUDA with bf16 support; a CPU with AVX512-BF16 or AMX), else "float32"."""
+    if dtype != "auto":
+        return dtype
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = device.type == "cpu" and bool(cpu_has_native_bf16())
+    return "bfloat16" if native else "float32"
+
+
 def autocast_context(device: torch.device, dtype: str):
     if dtype == "bfloat16":
         if device.type == "cpu" and cpu_has_native_bf16() is False:
