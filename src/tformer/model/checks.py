@@ -9,6 +9,7 @@ at every forward. Eager calls, generation and evaluation check everything.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -57,6 +58,13 @@ def check_tokens(
             f"allowed ids are 0..{vocab_size - 1} (vocab_size={vocab_size})"
         )
     return tokens
+
+
+def is_dtensor(t: object) -> bool:
+    """A DTensor (only possible once torch.distributed.tensor is imported; this never imports it): a
+    tensor-parallel layer's weight, or the logits of a head split by vocabulary."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def check_targets(

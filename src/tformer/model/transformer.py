@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import replace
 
 import torch
@@ -22,7 +21,7 @@ from tformer.config import ModelConfig
 from tformer.model.attention import Memory
 from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
 from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
-from tformer.model.checks import check_key_padding, check_positions, check_targets, check_tokens
+from tformer.model.checks import check_key_padding, check_positions, check_targets, check_tokens, is_dtensor
 from tformer.model.init import init_weights
 from tformer.model.linear import autocast_input
 from tformer.model.loss import IGNORE_INDEX, linear_cross_entropy
@@ -48,8 +47,7 @@ def check_loss_targets(
         )
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(head.weight, dtensor.DTensor):
+    if is_dtensor(head.weight):
         raise ValueError(
             "targets= needs the whole output head on this rank, and tensor parallelism splits it by "
             "vocabulary: take the logits (model(...) without targets) and the vocabulary-parallel loss "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tformer.data.datasets import IGNORE_INDEX, LMBatch, PackedLMDataset, collate_lm
+from tformer.data.datasets import LMBatch, PackedLMDataset, collate_lm
 from tformer.data.loader import make_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
@@ -109,7 +109,7 @@ class LMTask:
         return lm_loss_sum(model, batch, self.cfg.label_smoothing, fuses_loss(self.cfg))
 
     def count_targets(self, batch: LMBatch) -> int:
-        return int((batch.targets != IGNORE_INDEX).sum())
+        return target_count(batch.targets)
 
     def count_inputs(self, batch: LMBatch) -> int:
         return batch.ids.numel()

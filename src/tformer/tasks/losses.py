@@ -10,13 +10,11 @@ loss is computed from the pieces (tformer.distributed.vocab).
 
 from __future__ import annotations
 
-import sys
-
 import torch.nn.functional as F
 from torch import Tensor
 
 from tformer.data.datasets import IGNORE_INDEX
-from tformer.model.checks import check_targets
+from tformer.model.checks import check_targets, is_dtensor
 
 
 def cross_entropy_sum(
@@ -56,5 +54,4 @@ def fuses_loss(cfg) -> bool:
 def vocab_split(logits: Tensor) -> bool:
     """A DTensor (only possible once torch.distributed.tensor is imported): the logits of a head split by
     vocabulary, kept split for the loss (tformer.distributed.vocab)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(logits, dtensor.DTensor)
+    return is_dtensor(logits)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.data.corpus_base import Corpus, Pair
-from tformer.data.datasets import IGNORE_INDEX, Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
+from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, search
@@ -226,7 +226,7 @@ class TranslationTask:
         return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing, fuses_loss(self.cfg))
 
     def count_targets(self, batch: Seq2SeqBatch) -> int:
-        return int((batch.tgt_out != IGNORE_INDEX).sum())
+        return target_count(batch.tgt_out)
 
     def count_inputs(self, batch: Seq2SeqBatch) -> int:
         return int(batch.tgt_mask.sum())  # target tokens: what tokens/s means for seq2seq here
