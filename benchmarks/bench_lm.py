@@ -9,9 +9,10 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          section then runs at batch 1 x 256 and says so.
   moe    a DeepSeekMoE LM (first layer dense, then 64 routed experts of width 344, top-6, 2 shared,
          sigmoid scores, top-k renormalised) vs HF `DeepseekV3ForCausalLM` with the same widths and
-         expert counts. HF's attention is MLA (low-rank K/V, rope on part of each head), ours is plain
-         MHA: we pick kv_lora_rank so the attention parameters match within a few percent, and count
-         each side's own FLOPs.
+         expert counts, fp32. HF's attention is MLA (low-rank K/V, rope on part of each head), ours is
+         plain MHA: we pick kv_lora_rank so the attention parameters match within a few percent, and
+         count each side's own FLOPs.
+  moe-bf16  the same under bf16 autocast (batch 1 on a CPU without bf16 instructions, as bf16).
   compile (only with --compile) tformer under torch.compile vs tformer eager, fp32.
 
 A step is what both sides do: forward, the same cross-entropy on fp32 logits (computed outside both
@@ -212,9 +213,14 @@ def run_section(
     s: dict,
     rounds: int,
     notes: list[str],
+    warmup: int = 1,
 ) -> dict:
+    """warmup: untimed steps of each model first (the first one's loss is recorded)."""
     variants = {**steps, **{f"matmul peak ({k})": p for k, p in peaks.items()}}
     first_losses = {name: fn() for name, fn in steps.items()}  # also the warm-up
+    for _ in range(warmup - 1):
+        for fn in steps.values():
+            fn()
     with LoadMeter() as load:
         times = round_robin(variants, rounds, warmup=0)
     tokens = s["batch"] * s["seq"]
@@ -306,8 +312,9 @@ def dense_section(s: dict, rounds: int, dtype: str, loss_ab: bool = False) -> di
     return run_section(title, steps, flops, peaks, s, rounds, notes)
 
 
-def moe_section(s: dict, m: dict, rounds: int) -> dict:
+def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32") -> dict:
     torch.manual_seed(0)
+    autocast = autocast_for(dtype)
     hf = hf_deepseek_v3(s, m)
     ours = tformer_moe(s, m)
     for p in hf.parameters():  # HF leaves the router at zero until from_pretrained; give it a random init
@@ -315,8 +322,8 @@ def moe_section(s: dict, m: dict, rounds: int) -> dict:
             nn.init.normal_(p, std=0.02)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
     steps = {
-        "HF DeepseekV3ForCausalLM": make_step(hf, call_hf, tokens, contextlib.nullcontext),
-        "tformer DecoderLM (MoE)": make_step(ours, call_tformer, tokens, contextlib.nullcontext),
+        "HF DeepseekV3ForCausalLM": make_step(hf, call_hf, tokens, autocast),
+        "tformer DecoderLM (MoE)": make_step(ours, call_tformer, tokens, autocast),
     }
     # HF q/k heads are nope + rope = head_dim features, v heads head_dim: the same d_qk = d_v as ours
     d_attn_hf = s["heads"] * (s["d_model"] // s["heads"])
@@ -349,11 +356,18 @@ def moe_section(s: dict, m: dict, rounds: int) -> dict:
         "MFU counts each side's own FLOPs (active experts + shared + router); the peak runs the active "
         "experts as one dense FFN of the same width",
     ]
+    warmup = 1
+    if dtype == "bf16":  # oneDNN compiles a kernel per new GEMM shape, and expert row counts vary
+        warmup = 5
+        notes.append("5 untimed steps of each model first: bf16 GEMMs compile a kernel per new shape")
     title = (
-        f"DeepSeekMoE LM training step, fp32, batch {s['batch']} x {s['seq']}, {m['n_experts']} experts "
-        f"x {m['d_expert']} top-{m['top_k']} + {m['n_shared']} shared"
+        f"DeepSeekMoE LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} "
+        f"x {s['seq']}, {m['n_experts']} experts x {m['d_expert']} top-{m['top_k']} + {m['n_shared']} shared"
     )
-    return run_section(title, steps, flops, {"fp32": MatmulPeak(shapes)}, s, rounds, notes)
+    peaks = {"fp32": MatmulPeak(shapes)}
+    if dtype == "bf16":
+        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+    return run_section(title, steps, flops, peaks, s, rounds, notes, warmup)
 
 
 def compile_section(s: dict, rounds: int, dtype: str) -> dict:
@@ -396,8 +410,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["dense", "bf16", "moe", "compile", "compile-bf16"],
-        default=["dense", "bf16", "moe"],
+        choices=["dense", "bf16", "moe", "moe-bf16", "compile", "compile-bf16"],
+        default=["dense", "bf16", "moe", "moe-bf16"],
     )
     ap.add_argument("--compile", action="store_true", help="add the torch.compile section")
     ap.add_argument(
@@ -431,6 +445,11 @@ def main() -> None:
                 print("  " + note)
         elif name == "moe":
             results["moe_fp32"] = moe_section(s, MOE_QUICK if args.quick else MOE, rounds)
+        elif name == "moe-bf16":
+            sb = dict(s)
+            if not cpu_info()["native_bf16_matmul"] and not args.quick:
+                sb["batch"] = 1  # as the dense bf16 section
+            results["moe_bf16"] = moe_section(sb, MOE_QUICK if args.quick else MOE, rounds, "bf16")
         elif name == "compile":
             results["compile_fp32"] = compile_section(s, rounds, "fp32")
         elif name == "compile-bf16":

@@ -133,6 +133,70 @@ def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, count_calls
             torch.testing.assert_close(a, ref)
 
 
+def test_row_pieces_bound_the_shapes_that_reduced_precision_products_ask_for() -> None:
+    """fp32 rows run whole; bf16 / fp16 rows on the CPU in a multiple of ROW_QUANTUM and the rest, so every
+    row count up to 2,048 needs at most 2,048 / Q + Q - 1 product shapes (oneDNN compiles one per shape)."""
+    q = moe_module.ROW_QUANTUM
+    pieces = moe_module.row_pieces
+    assert pieces(2 * q + 5, torch.empty(0)) == (slice(0, 2 * q + 5),)
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    assert pieces(2 * q + 5, bf16) == (slice(0, 2 * q), slice(2 * q, 2 * q + 5))
+    assert pieces(2 * q, bf16) == (slice(0, 2 * q),) and pieces(q - 1, bf16) == (slice(0, q - 1),)
+    assert pieces(q + 1, torch.empty(0, dtype=torch.float16)) == (slice(0, q), slice(q, q + 1))
+    lengths = set()
+    for n in range(1, 2049):
+        got = pieces(n, bf16)
+        assert (
+            got[0].start == 0 and got[-1].stop == n and all(a.stop == b.start for a, b in zip(got, got[1:]))
+        )
+        lengths.update(s.stop - s.start for s in got)
+    assert len(lengths) <= 2048 // q + q - 1
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_float64(bias: bool) -> None:
+    """Under bf16 the loop kernel's forward and backward products take each expert's rows in pieces
+    (shapes recorded); output and gradients equal float64 products of the same bf16 values to bf16
+    rounding (the weight gradient adds its pieces' products in bf16)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q = moe_module.ROW_QUANTUM
+    counts = [2 * q + 7, 0, q, 5, q + 1]
+    torch.manual_seed(0)
+    w = torch.randn(5, 24, 40).bfloat16().requires_grad_()
+    b = torch.randn(5, 24).bfloat16().requires_grad_() if bias else None
+    x = torch.randn(sum(counts), 40).bfloat16().requires_grad_()
+    g = torch.randn(sum(counts), 24).bfloat16()
+
+    class Sizes(TorchDispatchMode):
+        """The sizes of every product's first operand: rows (forward, input gradient) or reduction
+        length (weight gradient), beside the widths 24 and 40."""
+
+        seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                self.seen.update(args[0 if func.overloadpacket is torch.ops.aten.mm else 1].shape)
+            return func(*args, **(kwargs or {}))
+
+    with Sizes():
+        y = loop_grouped_linear(x, w, b, counts)
+        y.backward(g)
+    assert Sizes.seen - {24, 40} == {2 * q, q, 7, 5, 1}
+    rows = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    ref = torch.einsum("nd,nod->no", x64, w64[rows]) + (0 if b is None else b.detach().double()[rows])
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-1)
+    torch.testing.assert_close(
+        x.grad.double(), torch.einsum("no,nod->nd", g64, w64[rows]), rtol=1e-2, atol=1e-1
+    )
+    dw = torch.zeros_like(w64).index_add_(0, rows, g64[:, :, None] * x64[:, None, :])
+    torch.testing.assert_close(w.grad.double(), dw, rtol=1e-2, atol=2e-1)
+    if b is not None:
+        torch.testing.assert_close(b.grad.double(), torch.zeros(5, 24, dtype=torch.float64).index_add_(0, rows, g64),
+                                   rtol=1e-2, atol=1e-1)  # fmt: skip
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_loop_kernel_without_autograd_skips_the_function_and_equals_its_autograd_twin(
     bias: bool, count_calls

@@ -34,8 +34,33 @@ from tformer.model.linear import (
 )
 from tformer.model.router import BalanceLoss, Routing, Segments, TopKRouter, probabilities
 
-
 # ----------------------------------------------------------------------------- grouped matmul kernels
+# torch multiplies bf16 and fp16 on the CPU with oneDNN, which compiles a kernel for every distinct shape
+# (~4 ms each on an Intel Xeon) and keeps the last 1,024 (ONEDNN_PRIMITIVE_CACHE_CAPACITY). An expert's
+# row count changes at every step, so whole per-expert products asked for thousands of shapes, missed the
+# cache and spent most of a step compiling: bench_lm.py's DeepSeekMoE LM under bf16 autocast took 6.3 s a
+# step against HF's 2.5 s (2.4 s with a cache large enough to hold every shape). The loop therefore
+# multiplies an expert's rows in at most two pieces, a multiple of ROW_QUANTUM rows and the rest: at most
+# max_rows / ROW_QUANTUM + ROW_QUANTUM - 1 row counts per product. That model then compiles ~380 kernels in
+# its first steps, none after the fourth, and steps in 1.85-1.95 s with a quantum of 32 or 64 (16: 2.04;
+# 128: 2.46, the cache still overflows; 256: 5.25). fp32 products (MKL) compile nothing and run whole.
+ROW_QUANTUM = 32
+
+
+def row_pieces(n: int, x: Tensor) -> tuple[slice, ...]:
+    """The row slices an expert's n rows of x are multiplied in: [0, n) whole, except on the CPU in a
+    reduced precision (oneDNN), where n > ROW_QUANTUM not a multiple of it splits in two."""
+    tail = n % ROW_QUANTUM
+    if (
+        n <= ROW_QUANTUM
+        or not tail
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.bfloat16, torch.float16)
+    ):
+        return (slice(0, n),)
+    return slice(0, n - tail), slice(n - tail, n)
+
+
 def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: Tensor) -> Tensor:
     """y[rows of e] = x[rows of e] @ W[e]^T + b[e] for each expert e with rows (views of that expert
     only: with 64 experts and 6 of them chosen, splitting and unbinding all 64 cost more than the
@@ -50,10 +75,12 @@ def loop_products(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int], y: 
         start += n
         if blocks and n <= max_rows:  # a few rows: a product bound by reading the weights
             row_blocked_linear(xe, we, be, blocks, out=ye)
-        elif be is not None:
-            torch.addmm(be, xe, we.t(), out=ye)
-        else:
-            torch.mm(xe, we.t(), out=ye)
+            continue
+        for rows in row_pieces(n, x):
+            if be is not None:
+                torch.addmm(be, xe[rows], we.t(), out=ye[rows])
+            else:
+                torch.mm(xe[rows], we.t(), out=ye[rows])
     return y
 
 
@@ -99,8 +126,12 @@ class LoopGroupedLinear(torch.autograd.Function):
                 if not counts[e]:
                     dwe.zero_()
                     continue
-                torch.mm(dye, we, out=dxe)
-                torch.mm(dye.t(), xe, out=dwe)
+                for i, rows in enumerate(row_pieces(counts[e], x)):
+                    torch.mm(dye[rows], we, out=dxe[rows])
+                    if i == 0:
+                        torch.mm(dye[rows].t(), xe[rows], out=dwe)
+                    else:  # the weight gradient sums over the rows: the next piece adds to it
+                        dwe.addmm_(dye[rows].t(), xe[rows])
                 if db is not None:
                     torch.sum(dye, dim=0, out=db[e])
         return dx, dw, db, None
