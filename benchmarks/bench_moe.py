@@ -2,8 +2,9 @@
 DeepSeek-V3 MoE blocks (experts implementation "grouped_mm", the default a PreTrainedModel picks in
 transformers 5.x, and "eager"), and a dense SwiGLU of the same active width.
 
-Training: forward + backward of one block on 2048 tokens (8 x 256), d_model 512, fp32. Decode: forward
-only on 8 tokens (8 sequences x 1). Every variant runs in the same process, interleaved round-robin
+Training: forward + backward of one block on 2048 tokens (8 x 256), d_model 512, fp32 (`--bf16`: the
+forward under bf16 autocast, after 5 warm-up calls instead of 2, since torch's bf16 CPU products compile a
+kernel for every new shape). Decode: forward only on 8 tokens (8 sequences x 1). Every variant runs in the same process, interleaved round-robin
 with a rotating order after warm-up; we report the best time and paired-median ratios (the median over
 rounds of the same-round time ratio). Both sides do the same work: the weights are copied from the HF
 block into ours so routing is identical, and our balance-loss coefficients are 0 (HF computes its
@@ -168,29 +169,33 @@ def active_matmul_params(spec: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- timing
-def train_step(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
+def train_step(block: nn.Module, x: torch.Tensor, g: torch.Tensor, autocast=contextlib.nullcontext) -> None:
     for p in block.parameters():
         p.grad = None
     x.grad = None
-    y = block(x)
+    with autocast():
+        y = block(x)
     (y[0] if isinstance(y, tuple) else y).backward(g)
 
 
-def decode_step(block: nn.Module, x: torch.Tensor, reps: int) -> None:
+def decode_step(block: nn.Module, x: torch.Tensor, reps: int, autocast=contextlib.nullcontext) -> None:
     """HF's blocks as they are; tformer's in the decoding mode `generate` enters (`decoding_layout`: few-row
     products as row-blocked batched products where they pay on this machine, docs/performance.md)."""
     ours = not type(block).__module__.startswith("transformers")
-    with torch.inference_mode(), decoding_layout(block) if ours else contextlib.nullcontext():
+    with torch.inference_mode(), autocast(), decoding_layout(block) if ours else contextlib.nullcontext():
         for _ in range(reps):
             block(x)
 
 
-def measure(blocks: dict[str, nn.Module], step, rounds: int, per_call: int, peak) -> tuple[dict, float]:
+def measure(
+    blocks: dict[str, nn.Module], step, rounds: int, per_call: int, peak, warmup: int = 2
+) -> tuple[dict, float]:
     """Times per call of every block, round-robin with a rotating order, and the best matmul GFLOP/s
     of `peak` timed once per round under the same conditions."""
     names = list(blocks)
     for name in names:  # warm-up
-        step(blocks[name]), step(blocks[name])
+        for _ in range(warmup):
+            step(blocks[name])
     times, peaks = {n: [] for n in names}, []
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -201,9 +206,9 @@ def measure(blocks: dict[str, nn.Module], step, rounds: int, per_call: int, peak
     return times, max(peaks)
 
 
-def matmul_peak(rows: int, d_in: int, d_out: int):
-    """A probe returning the GFLOP/s of one fp32 (rows x d_in) @ (d_in x d_out) matmul."""
-    a, b = torch.randn(rows, d_in), torch.randn(d_in, d_out)
+def matmul_peak(rows: int, d_in: int, d_out: int, dtype: torch.dtype = torch.float32):
+    """A probe returning the GFLOP/s of one (rows x d_in) @ (d_in x d_out) matmul in `dtype`."""
+    a, b = torch.randn(rows, d_in, dtype=dtype), torch.randn(d_in, d_out, dtype=dtype)
 
     def probe() -> float:
         t = time.perf_counter()
@@ -238,13 +243,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (--quick: 2)")
     ap.add_argument("--decode-reps", type=int, default=None, help="default 30 (--quick: 3)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None, help="default results/moe.json (--quick: results/moe_quick.json)")
+    ap.add_argument("--bf16", action="store_true", help="forwards under bf16 autocast (peaks in bf16)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default results/moe.json, moe_bf16.json (--quick: results/moe_quick.json)",
+    )
     args = ap.parse_args()
     args.seq = 32 if args.quick else SEQ
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.decode_reps = args.decode_reps or (3 if args.quick else 30)
     results_dir = Path(__file__).parent / "results"
-    args.out = args.out or str(results_dir / ("moe_quick.json" if args.quick else "moe.json"))
+    default = "moe_quick.json" if args.quick else "moe_bf16.json" if args.bf16 else "moe.json"
+    args.out = args.out or str(results_dir / default)
     keep_freed_memory()  # as the tformer command line does; TFORMER_MALLOC=default: glibc's default
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -258,12 +269,15 @@ def main() -> None:
 def bench_config(cname: str, spec: dict, args) -> dict:
     blocks = variants(spec)
     seq = args.seq
-    peak = matmul_peak(BATCH * seq, D, spec["F"] * (spec["K"] + spec["shared"]))
+    dtype, autocast, warmup = torch.float32, contextlib.nullcontext, 2
+    if args.bf16:
+        dtype, autocast, warmup = torch.bfloat16, lambda: torch.autocast("cpu", dtype=torch.bfloat16), 5
+    peak = matmul_peak(BATCH * seq, D, spec["F"] * (spec["K"] + spec["shared"]), dtype)
     x = torch.randn(BATCH, seq, D, requires_grad=True)
     g = torch.randn(BATCH, seq, D)
     for b in blocks.values():
         b.train()
-    train, train_peak = measure(blocks, lambda b: train_step(b, x, g), args.rounds, 1, peak)
+    train, train_peak = measure(blocks, lambda b: train_step(b, x, g, autocast), args.rounds, 1, peak, warmup)
     flops = 6 * BATCH * seq * active_matmul_params(spec)
     xd = torch.randn(DECODE_BATCH, 1, D)
     for b in blocks.values():
@@ -271,8 +285,10 @@ def bench_config(cname: str, spec: dict, args) -> dict:
     reps = args.decode_reps
     # the decode MFU's peak: the active width as one product of the decoding step's few rows (a 2048-row
     # peak, as until 2026-12-01, made every decode MFU look tiny)
-    decode_probe = matmul_peak(DECODE_BATCH, D, spec["F"] * (spec["K"] + spec["shared"]))
-    decode, decode_peak = measure(blocks, lambda b: decode_step(b, xd, reps), args.rounds, reps, decode_probe)
+    decode_probe = matmul_peak(DECODE_BATCH, D, spec["F"] * (spec["K"] + spec["shared"]), dtype)
+    decode, decode_peak = measure(
+        blocks, lambda b: decode_step(b, xd, reps, autocast), args.rounds, reps, decode_probe, warmup
+    )
     dflops = 2 * DECODE_BATCH * active_matmul_params(spec)
     return {
         f"{cname} | train fwd+bwd": summarize(train, BATCH * seq, flops, train_peak),
@@ -316,7 +332,7 @@ def report(results: dict, load: dict, args) -> None:
                     "train_tokens": [BATCH, args.seq],
                     "threads": args.threads,
                     "decode_tokens": [DECODE_BATCH, 1],
-                    "dtype": "float32",
+                    "dtype": "bfloat16 autocast" if args.bf16 else "float32",
                     "rounds": args.rounds,
                     "decode_reps": args.decode_reps,
                 },

@@ -197,6 +197,29 @@ def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_flo
                                    rtol=1e-2, atol=1e-1)  # fmt: skip
 
 
+def test_grouped_linear_under_autocast_casts_except_few_rows_without_a_graph() -> None:
+    """Under bf16 autocast the experts' products run in bf16 (as F.linear would), except for at most
+    DECODE_MAX_ROWS rows without a graph (decoding), which multiply in the weights' fp32 without casting
+    every expert's weights: equal to the fp32 products."""
+    from tformer.model.linear import DECODE_MAX_ROWS
+    from tformer.model.moe import grouped_linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    counts = [3, 0, 2, 3]
+    x = torch.randn(sum(counts), 16)
+    fp32 = loop_grouped_linear(x, w, b, counts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            few = grouped_linear(x, w, b, counts)
+            many_counts = [DECODE_MAX_ROWS, 0, 1, 0]
+            many = grouped_linear(torch.randn(DECODE_MAX_ROWS + 1, 16), w, b, many_counts)
+        trained = grouped_linear(x, w, b, counts)
+    assert few.dtype == torch.float32 and torch.equal(few, fp32.detach())
+    assert many.dtype == torch.bfloat16 and trained.dtype == torch.bfloat16
+    torch.testing.assert_close(trained.float(), fp32, rtol=2e-2, atol=1e-1)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_loop_kernel_without_autograd_skips_the_function_and_equals_its_autograd_twin(
     bias: bool, count_calls
