@@ -56,7 +56,7 @@ def shakespeare() -> TrainConfig:
         eval_every=200,
         eval_batches=40,
         save_every=200,
-        dtype="float32",  # bf16 autocast pays only with bf16 instructions; without them it is ~10x slower
+        dtype="auto",  # bf16 autocast on CPUs with bf16 instructions (1.5x faster there), else float32
         sample_every=0,
     )
 
@@ -143,7 +143,7 @@ def translation() -> TrainConfig:
         save_every=700,
         log_every=50,
         label_smoothing=0.1,
-        dtype="float32",
+        dtype="auto",  # bf16 autocast on CPUs with bf16 instructions (2.2x faster there), else float32
     )
 
 
@@ -155,6 +155,7 @@ def tiny_translation() -> TrainConfig:
         model=model,
         data=base.data.replace(vocab_size=300, seq_len=32, max_tokens=None),
         optim=base.optim.replace(lr=3e-3, warmup_steps=2, fused=False),
+        dtype="float32",
         steps=4,
         batch_size=16,
         eval_every=4,
@@ -199,7 +200,7 @@ def bbc() -> TrainConfig:
         eval_batches=50,
         save_every=300,
         log_every=10,
-        dtype="float32",
+        dtype="auto",  # bf16 autocast on CPUs with bf16 instructions (1.5x faster there), else float32
     )
 
 
