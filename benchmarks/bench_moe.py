@@ -247,14 +247,14 @@ def main() -> None:
     ap.add_argument(
         "--out",
         default=None,
-        help="default results/moe.json, moe_bf16.json (--quick: results/moe_quick.json)",
+        help="default results/moe.json (--bf16: moe_bf16.json; --quick: moe_quick.json, moe_quick_bf16.json)",
     )
     args = ap.parse_args()
     args.seq = 32 if args.quick else SEQ
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.decode_reps = args.decode_reps or (3 if args.quick else 30)
     results_dir = Path(__file__).parent / "results"
-    default = "moe_quick.json" if args.quick else "moe_bf16.json" if args.bf16 else "moe.json"
+    default = ("moe_quick" if args.quick else "moe") + ("_bf16" if args.bf16 else "") + ".json"
     args.out = args.out or str(results_dir / default)
     keep_freed_memory()  # as the tformer command line does; TFORMER_MALLOC=default: glibc's default
     torch.set_num_threads(args.threads)

@@ -185,7 +185,17 @@ def ep_layer(env) -> dict:
         mine = dict(ep.experts.named_parameters())[name].grad
         worst = max(worst, float((mine - summed[rank * n : (rank + 1) * n]).abs().max()))
     expert3 = dict(ep.experts.named_parameters())["up_proj"].grad[1] if rank == 1 else torch.zeros(1)
+    # evaluation under bf16 autocast without gradients, every token routed to rank 1's experts: rank 0
+    # multiplies no row and rank 1 more than DECODE_MAX_ROWS, yet both send back rows of one dtype
+    with torch.no_grad():
+        for m in (ref, ep):
+            m.router.expert_bias.copy_(torch.tensor([-1e4, -1e4, 1e4, 1e4]))
+    xb = torch.randn(1, 40, cfg.d_model, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        yb_ref, yb_ep = ref.eval()(xb), ep.eval()(xb)
     return {
+        "eval_bf16_diff": float((yb_ref.float() - yb_ep.float()).abs().max()),
+        "eval_bf16_scale": float(yb_ref.float().abs().max()),
         "out_equal": bool(torch.equal(yr, ye)),
         "out_diff": float((yr - ye).abs().max()),
         "dx_diff": float((xr.grad - xe.grad).abs().max()),

@@ -179,10 +179,15 @@ def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_flo
                 self.seen.update(args[0 if func.overloadpacket is torch.ops.aten.mm else 1].shape)
             return func(*args, **(kwargs or {}))
 
-    with Sizes():
-        y = loop_grouped_linear(x, w, b, counts)
+    pieces = {2 * q, q, 7, 5, 1}
+    with torch.no_grad(), Sizes():  # without a graph the forward's products run here, not in a custom op
+        loop_grouped_linear(x, w, b, counts)
+    assert Sizes.seen - {24, 40} == pieces
+    Sizes.seen = set()
+    y = loop_grouped_linear(x, w, b, counts)
+    with Sizes():  # the backward's input- and weight-gradient products
         y.backward(g)
-    assert Sizes.seen - {24, 40} == {2 * q, q, 7, 5, 1}
+    assert Sizes.seen - {24, 40} == pieces
     rows = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
     x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
     ref = torch.einsum("nd,nod->no", x64, w64[rows]) + (0 if b is None else b.detach().double()[rows])
@@ -200,7 +205,7 @@ def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_flo
 def test_grouped_linear_under_autocast_casts_except_few_rows_without_a_graph() -> None:
     """Under bf16 autocast the experts' products run in bf16 (as F.linear would), except for at most
     DECODE_MAX_ROWS rows without a graph (decoding), which multiply in the weights' fp32 without casting
-    every expert's weights: equal to the fp32 products."""
+    every expert's weights: equal to the fp32 products. Without autocast, bf16 rows cast the weights."""
     from tformer.model.linear import DECODE_MAX_ROWS
     from tformer.model.moe import grouped_linear
 
@@ -215,8 +220,11 @@ def test_grouped_linear_under_autocast_casts_except_few_rows_without_a_graph() -
             many_counts = [DECODE_MAX_ROWS, 0, 1, 0]
             many = grouped_linear(torch.randn(DECODE_MAX_ROWS + 1, 16), w, b, many_counts)
         trained = grouped_linear(x, w, b, counts)
-    assert few.dtype == torch.float32 and torch.equal(few, fp32.detach())
+    assert few.dtype == torch.float32
+    torch.testing.assert_close(few, fp32.detach(), rtol=1e-6, atol=1e-6)
     assert many.dtype == torch.bfloat16 and trained.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert grouped_linear(x.bfloat16(), w, b, counts).dtype == torch.bfloat16  # no autocast: x's dtype
     torch.testing.assert_close(trained.float(), fp32, rtol=2e-2, atol=1e-1)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tformer.model.moe import Dispatch, Experts, moe_layers
+from tformer.model.moe import Dispatch, Experts, grouped_dtype, moe_layers
 from tformer.model.router import Routing
 
 
@@ -84,7 +84,9 @@ class ExpertParallelDispatch(Dispatch):
         expert = torch.arange(self.n_local, device=x.device).repeat(self.world_size)  # (W * El,)
         by_expert = expert.repeat_interleave(recv_counts.flatten()).argsort(stable=True)  # (R,)
         y = experts(rows.index_select(0, by_expert), experts.grouped(recv_counts.sum(0).tolist()))
-        y = y.index_select(0, by_expert.argsort())  # (R, D) back in arrival order
+        # (R, D) back in arrival order, in a dtype every rank agrees on: a rank with few rows may have
+        # multiplied in the weights' dtype (grouped_linear's decoding case) where another used autocast's
+        y = y.index_select(0, by_expert.argsort()).to(grouped_dtype(x))
         back = all_to_all(y, send, recv, self.group)  # (S, D) in sending order
         weighted = back * route.weights.flatten().index_select(0, order).unsqueeze(1)  # (S, D), >= fp32
         return torch.zeros(n, d, device=x.device, dtype=weighted.dtype).index_add(0, token, weighted), dropped

@@ -191,6 +191,25 @@ def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
     return "grouped_mm" if aligned and torch.cuda.get_device_capability(x.device) >= (8, 0) else CPU_KERNEL
 
 
+def grouped_dtype(x: Tensor) -> torch.dtype:
+    """The dtype `grouped_linear` multiplies x in where the rows are not few (autocast's, else x's)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if autocast_enabled(kind) else x.dtype
+
+
+def few_rows_in_weights_dtype(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
+    """Whether `grouped_linear` multiplies x in the weights' own dtype instead of autocast's: on the CPU
+    under autocast, at most DECODE_MAX_ROWS rows without a graph (decoding). The result's dtype then
+    depends on the row count: an expert-parallel dispatch casts it to `grouped_dtype` before sending it."""
+    kind = x.device.type
+    return (
+        kind == "cpu"
+        and autocast_enabled(kind)
+        and x.shape[0] <= DECODE_MAX_ROWS
+        and not records_graph(x, w, b)
+    )
+
+
 def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
     """x (S, in) rows sorted by expert, counts[e] of them for expert e; W (E, out, in) -> (S, out).
     Honours autocast like F.linear: inputs are cast to the autocast dtype, the kernel runs without it;
@@ -198,12 +217,11 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) ->
     weights' own dtype: casting all E experts' weights at every step cost more than the products of the
     few experts the rows use (bench_moe.py --bf16, DeepSeekMoE, 8 tokens: 14.6 ms against HF's 3.6, whose
     experts are not cast)."""
-    kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if autocast_enabled(kind) else x.dtype
-    if dtype != w.dtype and kind == "cpu" and x.shape[0] <= DECODE_MAX_ROWS and not records_graph(x, w, b):
+    dtype = grouped_dtype(x)
+    if dtype != w.dtype and few_rows_in_weights_dtype(x, w, b):
         dtype = w.dtype
     x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
-    with torch.autocast(kind, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         return GROUPED_LINEAR_KERNELS[pick_grouped_kernel(x, w)](x, w, b, counts)
 
 
