@@ -45,7 +45,7 @@ def test_bench_mfu_is_three_forward_flops_per_token_over_the_measured_matmul_rat
     from tformer.model.stats import flops_per_token
     from tformer.train.presets import get_train_preset
 
-    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device: (fn(), (0.5, 0.5))[1])
+    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device, warmup=1: (fn(), (0.5, 0.5))[1])
     argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--new-tokens", "2", "--batch-size", "2"]
     assert main([*argv, "--seq-len", "16", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -186,3 +186,30 @@ def test_bench_decides_dtype_auto_as_a_run_would(capsys, monkeypatch) -> None:
     ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+
+
+def test_bench_warms_an_moe_model_up_longer_in_reduced_precision_on_the_cpu(capsys, monkeypatch) -> None:
+    """oneDNN compiles a kernel per new bf16 product shape and an MoE layer's expert row counts change
+    from step to step: such a model gets MOE_REDUCED_PRECISION_WARMUP untimed steps; in fp32, or a dense
+    model, one."""
+    from tformer.cli import bench
+
+    seen, original = [], bench._times
+
+    def recording(fn, repeats, device, warmup=1):
+        seen.append(warmup)
+        return original(fn, repeats, device, warmup)
+
+    monkeypatch.setattr(bench, "_times", recording)
+    monkeypatch.setattr(bench, "_decoding", lambda *a: {})
+    base = ["bench", "--repeats", "1", "--batch-size", "2", "--seq-len", "16", "--json"]
+    cases = (("shakespeare", "bfloat16", bench.MOE_REDUCED_PRECISION_WARMUP), ("shakespeare", "float32", 1),
+             ("tiny-lm", "bfloat16", 1))  # fmt: skip
+    for preset, dtype, want in cases:
+        seen.clear()
+        assert main([*base, "--preset", preset, "--set", f"dtype={dtype}"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert seen == [1, want] and result["train_warmup_steps"] == want, (preset, dtype)
+    assert bench.MOE_REDUCED_PRECISION_WARMUP > 1
+    assert bench._after_warmup({"train_warmup_steps": 5}).startswith(" after 5 untimed")
+    assert bench._after_warmup({"train_warmup_steps": 1}) == ""
