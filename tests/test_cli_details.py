@@ -88,7 +88,7 @@ def test_times_are_the_best_and_the_median_after_one_warm_up(monkeypatch) -> Non
 
 def fixed_times(monkeypatch) -> None:
     """Every timed measurement: best 0.25 s, median 0.5 s."""
-    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device: (fn(), (0.25, 0.5))[1])
+    monkeypatch.setattr(bench, "_times", lambda fn, repeats, device, warmup=1: (fn(), (0.25, 0.5))[1])
 
 
 def test_bench_rates_divide_by_the_best_time_and_the_medians_by_the_median(capsys, monkeypatch) -> None:
