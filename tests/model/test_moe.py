@@ -154,10 +154,15 @@ def test_row_pieces_bound_the_shapes_that_reduced_precision_products_ask_for() -
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_float64(bias: bool) -> None:
-    """Under bf16 the loop kernel's forward and backward products take each expert's rows in pieces
+def test_loop_kernel_in_bf16_multiplies_in_windows_and_pieces_and_equals_the_products_in_float64(
+    bias: bool,
+) -> None:
+    """Under bf16 the loop kernel's forward and input-gradient products take each expert's rows as one
+    window of a multiple of ROW_QUANTUM rows running into the next experts' rows (pieces for the last
+    expert, whose window would pass the end), its weight-gradient products the expert's own rows in pieces
     (shapes recorded); output and gradients equal float64 products of the same bf16 values to bf16
-    rounding (the weight gradient adds its pieces' products in bf16)."""
+    rounding, so no window's spill is left in another expert's rows (the weight gradient adds its pieces'
+    products in bf16)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     q = moe_module.ROW_QUANTUM
@@ -179,15 +184,17 @@ def test_loop_kernel_in_bf16_multiplies_in_pieces_and_equals_the_products_in_flo
                 self.seen.update(args[0 if func.overloadpacket is torch.ops.aten.mm else 1].shape)
             return func(*args, **(kwargs or {}))
 
-    pieces = {2 * q, q, 7, 5, 1}
+    # rows start at 0, 2q + 7, 3q + 7, 3q + 12 of 4q + 13: windows of 3q, q, q, and the last expert's q + 1
+    # rows in pieces of q and 1; the weight gradients' pieces of the experts' own rows 2q + 7, q, 5, q + 1
+    windows, pieces = {3 * q, q, 1}, {2 * q, 7, q, 5, 1}
     with torch.no_grad(), Sizes():  # without a graph the forward's products run here, not in a custom op
         loop_grouped_linear(x, w, b, counts)
-    assert Sizes.seen - {24, 40} == pieces
+    assert Sizes.seen - {24, 40} == windows
     Sizes.seen = set()
     y = loop_grouped_linear(x, w, b, counts)
     with Sizes():  # the backward's input- and weight-gradient products
         y.backward(g)
-    assert Sizes.seen - {24, 40} == pieces
+    assert Sizes.seen - {24, 40} == windows | pieces
     rows = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
     x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
     ref = torch.einsum("nd,nod->no", x64, w64[rows]) + (0 if b is None else b.detach().double()[rows])
