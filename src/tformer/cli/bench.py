@@ -130,6 +130,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     `fused_loss` make it
     (the blocks run as built again for the decoding after it). The MFU counts the model's FLOPs, not a
     recomputation's."""
+    from tformer.model.moe import reduced_cpu
     from tformer.model.recompute import checkpoint_blocks, plain_blocks
     from tformer.model.stats import activation_bytes, flops_per_token
     from tformer.train.optim import make_optimizer
@@ -163,8 +164,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
             a @ w.t()
 
     peak = 20 * 2 * a.shape[0] * a.shape[1] * w.shape[0] / _times(matmuls, repeats, device)[0]
-    reduced_cpu = device.type == "cpu" and dtype != torch.float32
-    warmup = MOE_REDUCED_PRECISION_WARMUP if mcfg.moe is not None and reduced_cpu else 1
+    warmup = MOE_REDUCED_PRECISION_WARMUP if mcfg.moe is not None and reduced_cpu(a) else 1
     train_s, train_median = _times(train_step, repeats, device, warmup)
 
     def loss() -> torch.Tensor:

@@ -239,9 +239,7 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) ->
     weights' own dtype: casting all E experts' weights at every step cost more than the products of the
     few experts the rows use (bench_moe.py --bf16, DeepSeekMoE, 8 tokens: 14.6 ms against HF's 3.6, whose
     experts are not cast)."""
-    dtype = grouped_dtype(x)
-    if dtype != w.dtype and few_rows_in_weights_dtype(x, w, b):
-        dtype = w.dtype
+    dtype = w.dtype if few_rows_in_weights_dtype(x, w, b) else grouped_dtype(x)
     x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
         return GROUPED_LINEAR_KERNELS[pick_grouped_kernel(x, w)](x, w, b, counts)

@@ -38,9 +38,10 @@ def shakespeare_model(moe: MoEConfig | None) -> ModelConfig:
 def shakespeare() -> TrainConfig:
     """The main job: a Pre-Norm + RoPE + DeepSeekMoE decoder on Shakespeare, sized for under 10 minutes
     on 2 quiet CPU cores (1,000 steps of 16 x 128 tokens: about 2M tokens, some 1.2 epochs; 8 min on a
-    2-core AMD EPYC with AVX2 on 2026-12-01; 3 min in bf16 on an Intel Xeon with AMX, 2026-12-03). At 600 steps it had reached 2.22 bits per character on the
-    validation works but 2.39 on the test works; 1,000 take both under 2.3 (2.11 / 2.28). The validation
-    loss still falls at the end, so no dropout (0.1 only slowed learning in a 500-step run).
+    2-core AMD EPYC with AVX2 on 2026-12-01; 3 min in bf16 on an Intel Xeon with AMX, 2026-12-03). At
+    600 steps it had reached 2.22 bits per character on the validation works but 2.39 on the test works;
+    1,000 take both under 2.3 (2.11 / 2.28). The validation loss still falls at the end, so no dropout (0.1
+    only slowed learning in a 500-step run).
 
     DeepSeekMoE layers after one dense layer: 8 fine-grained experts of width 172 (a quarter of the
     dense 688), top-2, plus 1 shared expert of width 172: 3 x 172 = 516 active hidden units per token.
