@@ -16,6 +16,8 @@ import pytest
 from tformer.data import CORPORA, SPLITS, MissingDataError, corpus_task, load_corpus
 from tformer.data import corpora as C
 from tformer.data import libreoffice as LO
+from tformer.tasks.translation import load_translation_corpus
+from tformer.train.presets import translation
 
 from .helpers import assert_disjoint, ids
 
@@ -113,6 +115,62 @@ def test_trans_dictionary_terms_only_extend_train():
     assert again["train"] == extended["train"]  # the first 3000 by hash: deterministic
     with pytest.raises(ValueError, match="terms"):
         load_corpus("trans-de-en", terms=-1)
+
+
+def test_trans_alternatives_split_into_sentence_pairs(tmp_path):
+    lines = [
+        "Er ist sehr müde.; Er ist total erledigt. :: He is very tired.; He is dead beat.",  # 2 x 2
+        "Das ist ganz gut so. :: That is quite good. /TIQG/",  # an abbreviation tag, dropped
+        "Er hat einiges/nicht viel gesagt. :: He said little.",  # a `/` choice of unknown span: skipped
+        "Ich bin kein Anwalt. | Sie ist keine Ärztin. :: I am not a lawyer. | She is not a doctor.",  # plain
+        "Los geht's!; Jetzt geht es los! :: Off we go!; Here we go!",  # the short German alternative dropped
+    ]
+    path = tmp_path / "de-en"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pairs = _fresh(C.parse_trans_de_en_alternatives, path=path)
+    assert [(de, en) for _, de, en in pairs] == [
+        ("Er ist sehr müde.", "He is very tired."),
+        ("Er ist sehr müde.", "He is dead beat."),
+        ("Er ist total erledigt.", "He is very tired."),
+        ("Er ist total erledigt.", "He is dead beat."),
+        ("Das ist ganz gut so.", "That is quite good."),
+        ("Jetzt geht es los!", "Off we go!"),
+        ("Jetzt geht es los!", "Here we go!"),
+    ]
+    assert [p[0] for p in pairs[:2]] == ["A1.0.0", "A1.0.1"]
+    assert len(C.parse_trans_de_en_alternatives(path, per_entry=3)) == 6  # at most 3 of line 1's 4
+
+
+def test_trans_dictionary_alternatives_only_extend_train():
+    plain = load_corpus("trans-de-en", direction="en-de")
+    extended = load_corpus("trans-de-en", direction="en-de", alternatives=True)
+    assert extended["val"] == plain["val"] and extended["test"] == plain["test"]
+    assert extended["train"][: len(plain["train"])] == plain["train"]
+    extra = extended["train"][len(plain["train"]) :]
+    # Measured on trans-de-en 1.9-6: 2,599 pairs from entries with `;` alternatives.
+    assert len(extra) == 2599 and all(p.id.startswith("A") for p in extra)
+    held_out = [p for s in ("val", "test") for p in plain[s]]
+    lines = {p.id[1:].partition(".")[0] for p in held_out}
+    assert not {p.id[1:].partition(".")[0] for p in extra} & lines  # never from a held-out entry
+    assert not {p.tgt.casefold() for p in extra} & {
+        p.tgt.casefold() for p in held_out
+    }  # en-de: German target
+    assert not any(c in p.src + p.tgt for p in extra for c in "/;{}[]")
+    assert all(p.tgt[-1] in ".!?" and len(p.tgt.split()) >= 4 for p in extra)
+    assert "2599 sentence pairs" in extended.split_rule
+    assert _fresh(C.load_trans_de_en, direction="en-de", alternatives=True)["train"] == extended["train"]
+
+
+def test_the_translation_preset_adds_alternatives_to_trans_de_en_only(tmp_path):
+    data = translation().data
+    assert data.dictionary_alternatives
+    plain = load_translation_corpus(data.replace(dictionary_alternatives=False))
+    with_alternatives = load_translation_corpus(data)
+    assert len(with_alternatives["train"]) == len(plain["train"]) + 2599
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("".join(f"Satz {i} hier.\tSentence {i} here.\n" for i in range(40)), encoding="utf-8")
+    own = load_translation_corpus(data.replace(corpus=f"pairs:{pairs}"))  # nothing to add: no error
+    assert sum(len(own[s]) for s in SPLITS) == 40
 
 
 # ---------------------------------------------------------------- LibreOffice

@@ -172,6 +172,46 @@ def parse_trans_de_en_terms(path: str | Path = TRANS_PATH) -> tuple[tuple[str, s
     return tuple(terms)
 
 
+_ABBREVIATION = re.compile(r"\s*/[^\s/]+/(?=[\s.!?,]|$)")  # " /IANAL/": the dictionary's abbreviation tags
+
+
+def _whole_alternatives(text: str) -> list[str]:
+    """The `;`-separated alternatives of a sub-entry that hold no `/` alternative of their own (whose scope,
+    one word or several, the file does not mark), abbreviation tags removed."""
+    parts = (" ".join(part.split()) for part in _ABBREVIATION.sub("", text).split(";"))
+    return [part for part in parts if part and "/" not in part]
+
+
+@cached_by_files(maxsize=2)
+def parse_trans_de_en_alternatives(
+    path: str | Path = TRANS_PATH, per_entry: int = 4
+) -> tuple[tuple[str, str, str], ...]:
+    """Sentence pairs from the sub-entries that `parse_trans_de_en` leaves out for their alternatives.
+
+    A sub-entry "A.; B." :: "C.; D." gives the pairs (A, C), (A, D), (B, C), (B, D), at most `per_entry` of
+    them: every German alternative that is a sentence (>= 4 words, ends in . ! or ?) with every English
+    one that ends like a sentence. Alternatives holding a `/` are skipped, since the file does not mark
+    how many words a slash choice spans ("einiges/nicht viel"). Deduplicated, and against the sentence
+    pairs too. The id "A<line>.<sub-entry>.<k>" points into the file.
+    """
+    path = require_path(Path(path), "trans-de-en dictionary", TRANS_INSTALL)
+    pairs, seen = [], {(p[1], p[2]) for p in parse_trans_de_en(path)}
+    for line_no, k, de, en in _aligned_subentries(path):
+        if _last_char(de) not in _SENTENCE_ENDS:
+            continue
+        de, en = _clean_entry(de), _clean_entry(en)
+        if not (_has_alternatives(de) or _has_alternatives(en)):
+            continue  # a sentence pair, or a short one that is not
+        germans = [d for d in _whole_alternatives(de) if _is_sentence(d)]
+        englishes = [e for e in _whole_alternatives(en) if e[-1] in ".!?…"]
+        combos = [(d, e) for d in germans for e in englishes][:per_entry]
+        for j, (d, e) in enumerate(combos):
+            if (d, e) not in seen:
+                seen.add((d, e))
+                pairs.append((f"A{line_no}.{k}.{j}", d, e))
+    return tuple(pairs)
+
+
 def _line_of(item_id: str) -> str:
     return item_id[1:].partition(".")[0]
 
@@ -183,12 +223,14 @@ def load_trans_de_en(
     n_val: int = 500,
     n_test: int = 1000,
     terms: int = 0,
+    alternatives: bool = False,
 ) -> Corpus:
     """Ding dictionary example sentences as translation pairs; the split is the same for both directions.
 
     `terms` > 0 adds that many of the dictionary's other entries (words and phrases, see
-    `parse_trans_de_en_terms`) to the training split, the first by sha256(German); entries from a line
-    that holds a validation or test sentence, or whose German is one, are never taken.
+    `parse_trans_de_en_terms`) to the training split, the first by sha256(German); `alternatives` adds
+    the sentence pairs of entries written with `;` alternatives (`parse_trans_de_en_alternatives`).
+    Entries from a line that holds a validation or test sentence, or whose German is one, are never taken.
     """
     if direction not in ("en-de", "de-en"):
         raise ValueError(
@@ -208,20 +250,24 @@ def load_trans_de_en(
     rule = (
         f"grouped by German sentence, ordered by sha256(German): test={n_test}, val={n_val}, train=the rest"
     )
+    held_out = [p for s in ("val", "test") for p in splits[s]]
+    lines, germans = {_line_of(p[0]) for p in held_out}, {p[1].casefold() for p in held_out}
+
+    def unseen(entries: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+        return [t for t in entries if _line_of(t[0]) not in lines and t[1].casefold() not in germans]
+
+    if alternatives:
+        extra = unseen(parse_trans_de_en_alternatives(path))
+        splits["train"] = splits["train"] + tuple(extra)
+        rule += f"; train adds {len(extra)} sentence pairs of entries with ';' alternatives"
     if terms:
-        held_out = [p for s in ("val", "test") for p in splits[s]]
-        lines, germans = {_line_of(p[0]) for p in held_out}, {p[1].casefold() for p in held_out}
-        pool = [
-            t
-            for t in parse_trans_de_en_terms(path)
-            if _line_of(t[0]) not in lines and t[1].casefold() not in germans
-        ]
-        pool.sort(key=lambda t: (sha256_hex(t[1]), t[0]))
+        pool = sorted(unseen(parse_trans_de_en_terms(path)), key=lambda t: (sha256_hex(t[1]), t[0]))
         splits["train"] = splits["train"] + tuple(pool[:terms])
         rule += (
-            f"; train adds {min(terms, len(pool))} of {len(pool)} dictionary terms, first by sha256(German), "
-            "none from a line holding a val/test sentence"
+            f"; train adds {min(terms, len(pool))} of {len(pool)} dictionary terms, first by sha256(German)"
         )
+    if alternatives or terms:
+        rule += ", none from a line holding a val/test sentence"
     src, tgt = (2, 1) if direction == "en-de" else (1, 2)
     pairs = {s: tuple(Pair(p[0], p[src], p[tgt]) for p in items) for s, items in splits.items()}
     return Corpus("trans-de-en", "translation", pairs, rule, str(path), direction=direction)

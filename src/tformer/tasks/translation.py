@@ -48,8 +48,10 @@ ONE_LINE = str.maketrans(dict.fromkeys("\n\r\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u20
 
 
 def load_translation_corpus(data: DataConfig) -> Corpus:
-    terms = dict(terms=data.dictionary_terms) if data.dictionary_terms else {}
-    return load_task_corpus(data, "translation", direction=data.direction, **terms)
+    extra = dict(terms=data.dictionary_terms) if data.dictionary_terms else {}
+    if data.dictionary_alternatives and data.corpus == "trans-de-en":
+        extra["alternatives"] = True
+    return load_task_corpus(data, "translation", direction=data.direction, **extra)
 
 
 def run_dir_of(checkpoint: Path) -> Path:

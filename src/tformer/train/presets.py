@@ -126,14 +126,20 @@ def translation() -> TrainConfig:
     AdamW with warm-up and cosine decay: 2800 steps of ~870 target tokens, about 14 epochs (29 min 54 s
     measured on 2 quiet cores, ~1,380 target tokens/s; test BLEU 5.1 and 6.1 for seeds 0 and 1, see
     docs/results.md). Twice as many steps of half the batch as the first version of this preset (1400 x 2048
-    tokens): the same tokens, lower validation loss and higher test BLEU with both seeds.
-    `--set data.direction=en-de` for the other direction.
+    tokens): the same tokens, lower validation loss and higher test BLEU with both seeds. Since 2026-12-03
+    the training pairs include the 2,599 sentence pairs of entries written with `;` alternatives (test loss
+    3.418 against 3.49, BLEU 5.77 against 5.51, in bf16). `--set data.direction=en-de` for the other direction.
     """
     return TrainConfig(
         task="translation",
         model=translation_model(),
         data=DataConfig(
-            corpus="trans-de-en", direction="de-en", vocab_size=4000, seq_len=64, max_tokens=1024
+            corpus="trans-de-en",
+            direction="de-en",
+            vocab_size=4000,
+            seq_len=64,
+            max_tokens=1024,
+            dictionary_alternatives=True,
         ),
         optim=OptimConfig(
             lr=2e-3, beta2=0.98, weight_decay=0.1, warmup_steps=400, schedule="cosine", min_lr_ratio=0.05
