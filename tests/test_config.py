@@ -354,6 +354,25 @@ def test_the_fused_loss_under_tensor_parallelism_is_named_as_unread() -> None:
     ]
 
 
+def test_dictionary_alternatives_are_refused_outside_translation_and_unread_off_trans_de_en() -> None:
+    """The translation preset sets data.dictionary_alternatives; with `data.corpus=libreoffice` it has
+    nothing to add, so that run warns instead of failing. The tasks that never read it refuse it."""
+    from tformer.train.config import refuse_ignored_settings, unread_settings
+
+    with pytest.raises(ConfigError, match=r"data.dictionary_alternatives is read by the translation task only: task 'lm' would ignore it; leave it at False, got True"):  # fmt: skip
+        refuse_ignored_settings(
+            get_train_preset("tiny-lm").with_overrides({"data.dictionary_alternatives": True})
+        )
+    translation = get_train_preset("translation")
+    assert translation.data.dictionary_alternatives and unread_settings(translation) == []
+    refuse_ignored_settings(translation)
+    libreoffice = translation.with_overrides({"data.corpus": "libreoffice"})
+    refuse_ignored_settings(libreoffice)
+    assert unread_settings(libreoffice) == [
+        "data.dictionary_alternatives (True: read with corpus 'trans-de-en' only, not 'libreoffice')"
+    ]
+
+
 @pytest.mark.parametrize(
     "fmt, text", [("yaml", "steps: 3\nsteps: 1\n"), ("json", '{"optim": {"lr": 1, "lr": 2}}')]
 )

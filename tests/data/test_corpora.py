@@ -121,6 +121,7 @@ def test_trans_alternatives_split_into_sentence_pairs(tmp_path):
     lines = [
         "Er ist sehr müde.; Er ist total erledigt. :: He is very tired.; He is dead beat.",  # 2 x 2
         "Das ist ganz gut so. :: That is quite good. /TIQG/",  # an abbreviation tag, dropped
+        "Es ist gut/schlecht./ So ist es. :: It is good. So it is.",  # a glued `/` choice is no tag: skipped
         "Er hat einiges/nicht viel gesagt. :: He said little.",  # a `/` choice of unknown span: skipped
         "Ich bin kein Anwalt. | Sie ist keine Ärztin. :: I am not a lawyer. | She is not a doctor.",  # plain
         "Los geht's!; Jetzt geht es los! :: Off we go!; Here we go!",  # the short German alternative dropped
@@ -138,6 +139,7 @@ def test_trans_alternatives_split_into_sentence_pairs(tmp_path):
         ("Jetzt geht es los!", "Here we go!"),
     ]
     assert [p[0] for p in pairs[:2]] == ["A1.0.0", "A1.0.1"]
+    assert [p[0] for p in pairs[4:]] == ["A2.0.0", "A6.0.0", "A6.0.1"]
     assert len(C.parse_trans_de_en_alternatives(path, per_entry=3)) == 6  # at most 3 of line 1's 4
 
 
@@ -152,12 +154,19 @@ def test_trans_dictionary_alternatives_only_extend_train():
     held_out = [p for s in ("val", "test") for p in plain[s]]
     lines = {p.id[1:].partition(".")[0] for p in held_out}
     assert not {p.id[1:].partition(".")[0] for p in extra} & lines  # never from a held-out entry
-    assert not {p.tgt.casefold() for p in extra} & {
-        p.tgt.casefold() for p in held_out
-    }  # en-de: German target
+    held_out_sources, held_out_targets = (
+        {p.src.casefold() for p in held_out},
+        {p.tgt.casefold() for p in held_out},
+    )
+    assert not {p.tgt.casefold() for p in extra} & held_out_targets  # en-de: the German target
+    assert not {p.src.casefold() for p in extra} & held_out_sources  # nor the English source
     assert not any(c in p.src + p.tgt for p in extra for c in "/;{}[]")
     assert all(p.tgt[-1] in ".!?" and len(p.tgt.split()) >= 4 for p in extra)
     assert "2599 sentence pairs" in extended.split_rule
+    assert plain.split_rule == (
+        "grouped by German sentence, ordered by sha256(German): test=1000, val=500, train=the rest"
+    )
+    C.parse_trans_de_en_alternatives.cache_clear()
     assert _fresh(C.load_trans_de_en, direction="en-de", alternatives=True)["train"] == extended["train"]
 
 

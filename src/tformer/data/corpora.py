@@ -172,7 +172,7 @@ def parse_trans_de_en_terms(path: str | Path = TRANS_PATH) -> tuple[tuple[str, s
     return tuple(terms)
 
 
-_ABBREVIATION = re.compile(r"\s*/[^\s/]+/(?=[\s.!?,]|$)")  # " /IANAL/": the dictionary's abbreviation tags
+_ABBREVIATION = re.compile(r"\s+/[^\s/]+/(?=[\s.!?,]|$)")  # " /IANAL/": the dictionary's abbreviation tags
 
 
 def _whole_alternatives(text: str) -> list[str]:
@@ -229,7 +229,8 @@ def load_trans_de_en(
 
     `terms` > 0 adds that many of the dictionary's other entries (words and phrases, see
     `parse_trans_de_en_terms`) to the training split, the first by sha256(German); `alternatives` adds
-    the sentence pairs of entries written with `;` alternatives (`parse_trans_de_en_alternatives`).
+    the sentence pairs of entries left out for `;` alternatives or an abbreviation tag
+    (`parse_trans_de_en_alternatives`).
     Entries from a line that holds a validation or test sentence, or whose German is one, are never taken.
     """
     if direction not in ("en-de", "de-en"):
@@ -403,7 +404,11 @@ def load_corpus(name: str, **options: Hashable) -> Corpus:
             raise ValueError(f"corpus '{kind}:' needs a path after the colon ({USER_CORPUS_FORMS})")
         loader = USER_CORPORA[kind][1]
         accepted = inspect.signature(loader).parameters  # the tasks pass direction / terms to any corpus
-        passed = {k: v for k, v in options.items() if k in accepted or k not in ("direction", "terms")}
+        passed = {
+            k: v
+            for k, v in options.items()
+            if k in accepted or k not in ("direction", "terms", "alternatives")
+        }
         return _check_splits(loader(path, **passed))
     return _check_splits(CORPORA[_known(name)](**options))
 

