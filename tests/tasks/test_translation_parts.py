@@ -5,6 +5,7 @@ vocabularies each learn their own side."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -192,3 +193,21 @@ def test_translation_counts_target_tokens_not_padding_or_sources() -> None:
     batch = Seq2SeqCollator(0, 1, 2)([ds[0], ds[1]])
     assert task.count_targets(batch) == 5
     assert task.count_inputs(batch) == 5
+
+
+def test_dictionary_alternatives_join_the_training_pairs(dictionary_file: Path, tmp_path: Path) -> None:
+    """A run with data.dictionary_alternatives trains on the plain pairs plus each alternatives entry's
+    pairs, and its data.json says so; the held-out splits are the plain corpus's."""
+    from tformer.data import load_corpus
+    from tformer.train.loop import Trainer
+
+    dictionary = tmp_path / "de-en"
+    extra = "Der Hund schläft jetzt fest.; Der Hund schläft tief. :: The dog is fast asleep.; The dog sleeps deeply."
+    dictionary.write_text(dictionary_file.read_text(encoding="utf-8") + extra + "\n", encoding="utf-8")
+    cfg = small_config(dictionary, steps=1, eval_batches=1)
+    cfg = cfg.replace(data=cfg.data.replace(dictionary_alternatives=True))
+    Trainer(cfg, tmp_path / "run", make_task("translation"), progress=False).fit()
+    manifest = json.loads((tmp_path / "run" / "data.json").read_text())
+    plain = load_corpus("trans-de-en", path=str(dictionary), direction="de-en")
+    assert manifest["train_pairs_used"] == len(plain["train"]) + 4  # 2 German x 2 English alternatives
+    assert "train adds 4 sentence pairs of entries with ';' alternatives" in manifest["split_rule"]
