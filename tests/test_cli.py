@@ -214,6 +214,15 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
             "--report-only rebuilds the report from the run's logs; --overwrite would change nothing",
         ),
         (["train", "--lr", "3"], "allowed options: --config, --help"),
+        # an empty path had read as the working directory, an empty preset as the default one
+        (["eval", "--run", ""], "argument --run: is empty: give a path"),
+        (["translate", "--run", "adir", "--file", " "], "argument --file: is empty: give a path"),
+        (["train", "--config", ""], "argument --config: is empty: give a path"),
+        (["train", "--preset", "", "--out", "fresh"], "unknown training preset ''; available: shakespeare"),
+        (["bench", "--preset", ""], "unknown training preset ''; available: shakespeare"),
+        # OpenMP had crashed (segfault) at some 100,000 threads
+        (["bench", "--threads", "100000"], "argument --threads: expected at most 1,024 threads, got 100,000"),
+        (["experiment", "norm", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
     ],
 )
 def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path: Path, monkeypatch) -> None:
@@ -232,6 +241,34 @@ def test_user_errors_are_one_line(argv: list[str], needle: str, capsys, tmp_path
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()  # no run directory left behind
+
+
+def test_a_closed_stdin_is_named(monkeypatch) -> None:
+    """Started with stdin closed (`<&-`), Python's sys.stdin is None: reading it had raised AttributeError."""
+    from tformer.cli.options import read_stdin
+    from tformer.cli.translate import read_texts
+
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(ValueError, match="stdin is closed: give the input as a file or pipe it in"):
+        read_stdin()
+    with pytest.raises(ValueError, match="stdin is closed"):
+        read_texts(argparse.Namespace(text=None, file=None), "translate")
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch) -> None:
+    """An allocation the machine cannot hold (a huge --beam had asked for 25.6 GB) ends in one line."""
+    import tformer.cli.train as train_cli
+
+    def allocate(args):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 25600000000 bytes"
+        )
+
+    monkeypatch.setattr(train_cli, "run", allocate)
+    assert main(["train", "--preset", "tiny-lm"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tformer train: error: out of memory ([enforce fail") and err.count("\n") == 1, err
+    assert "use smaller sizes" in err
 
 
 def test_under_torchrun_other_ranks_repeat_no_config_error_and_name_their_own(capsys, monkeypatch) -> None:

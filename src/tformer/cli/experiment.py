@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tformer.cli.options import nonnegative_int, positive_int, warn_oversubscribed
+from tformer.cli.options import nonnegative_int, positive_int, thread_count, warn_oversubscribed
 from tformer.experiments import STUDIES
 from tformer.schema import ConfigError
 
@@ -107,7 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="train on the first N works only (norm --arch encoder_decoder: the first N sentence pairs)",
     )
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads for this run")
+    p.add_argument(
+        "--threads",
+        type=lambda text: thread_count(text, low=1),
+        default=None,
+        help="torch CPU threads for this run",
+    )
 
 
 def resolve_setting(args: argparse.Namespace, module):

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from tformer.allocator import keep_freed_memory
-from tformer.cli.options import nonnegative_int, positive_int
+from tformer.cli.options import nonempty_text, nonnegative_int, positive_int, thread_count
 from tformer.data.corpus_base import MissingDataError
 from tformer.schema import ConfigError
 
@@ -30,7 +30,7 @@ def register(name: str, help: str, target: str) -> Callable:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """--run and --average: the commands that load a trained run."""
-    p.add_argument("--run", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--run", required=True, type=nonempty_text, help="run directory or checkpoint directory")
     p.add_argument(
         "--average",
         type=positive_int,
@@ -74,6 +74,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="prompt text (\\n for a newline, \\\\ for a backslash)")
     p.add_argument(
         "--prompts-file",
+        type=nonempty_text,
         default=None,
         help="one prompt per line (escapes as --prompt; - reads stdin); generates for all as a batch",
     )
@@ -133,7 +134,10 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
     p.add_argument("--text", default=None, help="one sentence")
     p.add_argument(
-        "--file", default=None, help="one sentence per line; - or neither --text nor --file: stdin"
+        "--file",
+        type=nonempty_text,
+        default=None,
+        help="one sentence per line; - or neither --text nor --file: stdin",
     )
     p.add_argument("--beam", type=int, default=None, dest="beam_size", help="beam size (default 4)")
     p.add_argument("--length-penalty", type=float, default=None, help="GNMT alpha, 0 = none (default 0.6)")
@@ -157,7 +161,12 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
 def _classify_args(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
     p.add_argument("--text", default=None, help="one text")
-    p.add_argument("--file", default=None, help="one text per line; - or neither --text nor --file: stdin")
+    p.add_argument(
+        "--file",
+        type=nonempty_text,
+        default=None,
+        help="one text per line; - or neither --text nor --file: stdin",
+    )
     p.add_argument("--batch-size", type=positive_int, default=32, help="texts scored together (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object per text")
 
@@ -171,7 +180,10 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="default: test")
     p.add_argument(
-        "--text-file", default=None, help="evaluate on this text file (- reads stdin) instead of a split"
+        "--text-file",
+        type=nonempty_text,
+        default=None,
+        help="evaluate on this text file (- reads stdin) instead of a split",
     )
     p.add_argument(
         "--max-batches", type=positive_int, default=1000, help="batches scored at most (default 1000)"
@@ -194,7 +206,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens to decode (default 64, or what fits after the 8-token prompt in a shorter context)",
     )
-    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
         "--compile-decoding",
         action="store_true",
@@ -281,6 +293,9 @@ def _silence_stdout() -> None:
         pass
 
 
+# what torch raises when an allocation fails (CPU, CUDA)
+OUT_OF_MEMORY = ("can't allocate memory", "CUDA out of memory", "out of memory")
+
 # what a collective raises on a rank whose peer exited (gloo, nccl): that rank's own error is the one to read
 PEER_GONE = (
     "Connection closed by peer",
@@ -338,6 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if why is not None:
                 print(f"tformer {args.command}: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
                 return 1
+        if any(words in str(err) for words in OUT_OF_MEMORY):  # a size the machine cannot hold: one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(
+                f"tformer {args.command}: error: out of memory ({first}); use smaller sizes "
+                "(batch, beam, sequence length, model) or a machine with more memory",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         raise
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         if not rank:

@@ -47,6 +47,22 @@ def _int_at_least(low: int):
 
 
 positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
+MAX_THREADS = 1024  # far above any CPU's cores; OpenMP crashes (segfault) at some 100,000 threads
+
+
+def thread_count(text: str, low: int = 0) -> int:
+    """--threads: `low` (0: torch's default) up to MAX_THREADS."""
+    value = _int_at_least(low)(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS:,} threads, got {value:,}")
+    return value
+
+
+def nonempty_text(text: str) -> str:
+    """A path option's value: an empty one would read as the working directory ("."), so it is named."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path")
+    return text
 
 
 def add_config_arguments(
@@ -59,7 +75,12 @@ def add_config_arguments(
         help=f"training preset: {', '.join(presets or TRAIN_PRESETS)} "
         f"(default {default_preset} unless --config is given)",
     )
-    p.add_argument("--config", type=Path, default=None, help="a YAML or JSON TrainConfig file")
+    p.add_argument(
+        "--config",
+        type=lambda text: Path(nonempty_text(text)),
+        default=None,
+        help="a YAML or JSON TrainConfig file",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -112,7 +133,7 @@ def resolve_train_config(
         # the file's relative data paths from its folder (the Trainer reads --set's from the working one)
         cfg = absolute_data_paths(TrainConfig.load(args.config), base=args.config.parent)
     else:
-        cfg = get_train_preset(args.preset or default_preset)
+        cfg = get_train_preset(default_preset if args.preset is None else args.preset)
     return cfg.with_overrides(parse_overrides(args.overrides))
 
 
@@ -144,6 +165,8 @@ def input_name(path: Path) -> str:
 
 def read_stdin() -> str:
     """stdin, decoded as input files are (read_input_file): UTF-8, else cp1252 / latin-1 with a warning."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise ValueError("stdin is closed: give the input as a file or pipe it in")
     stream = getattr(sys.stdin, "buffer", None)
     if stream is None:  # a text stream put in its place (an embedding program, a test)
         return utf8_text(sys.stdin.read(), "stdin")

@@ -69,7 +69,7 @@ def read_texts(args: argparse.Namespace, command: str) -> Texts:
         path = Path(args.file)
         lines, where = input_lines(read_input_file(path)), input_name(path)
     else:
-        if sys.stdin.isatty():  # nothing piped in: say what the command waits for
+        if sys.stdin is not None and sys.stdin.isatty():  # nothing piped in: say what the command waits for
             print(f"tformer {command}: reading stdin, one text per line (end with Ctrl-D)", file=sys.stderr)
         lines, where = input_lines(read_stdin()), "stdin"
     texts, numbers = [], []
