@@ -240,11 +240,11 @@ def test_overwrite_removes_everything_a_study_wrote_and_other_runs_are_refused(t
         ),
         (
             ["--steps", "3"],
-            "--steps 3 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --warmup-steps at most 1, or more --steps",
+            "--steps 3 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --warmup-steps at most 1, or --steps 6 or more",
         ),
         (  # no warm-up fits: the steps are what to change (it had said "--warmup-steps at most -1")
             ["--steps", "1"],
-            "--steps 1 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --steps above 2",
+            "--steps 1 must cover the study's 4 warm-up steps and leave 2 steps after them for the study's measures: give --steps 6 or more",
         ),
     ],
 )

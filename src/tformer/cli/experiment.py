@@ -142,9 +142,9 @@ def resolve_setting(args: argparse.Namespace, module):
             else f"the study's {warmup} warm-up steps"
         )
         fix = (
-            f"give --warmup-steps at most {steps - after}, or more --steps"
+            f"give --warmup-steps at most {steps - after}, or --steps {warmup + after} or more"
             if steps > after
-            else (f"give --steps above {after}")
+            else f"give --steps {warmup + after} or more"  # ("above {after}" had been too few)
         )
         raise ValueError(f"--steps {steps} must cover {given}{need}: {fix}")
     return setting.replace(**changes)
