@@ -293,8 +293,8 @@ def _silence_stdout() -> None:
         pass
 
 
-# what torch raises when an allocation fails (CPU, CUDA)
-OUT_OF_MEMORY = ("can't allocate memory", "CUDA out of memory", "out of memory")
+# what torch raises when an allocation fails (the CPU allocator; CUDA's "out of memory")
+OUT_OF_MEMORY = ("can't allocate memory", "out of memory")
 
 # what a collective raises on a rank whose peer exited (gloo, nccl): that rank's own error is the one to read
 PEER_GONE = (
@@ -353,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if why is not None:
                 print(f"tformer {args.command}: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
                 return 1
-        if any(words in str(err) for words in OUT_OF_MEMORY):  # a size the machine cannot hold: one line
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        words = str(err).strip()
+        if any(w in words for w in OUT_OF_MEMORY):  # a size the machine cannot hold: one line
+            first = words.splitlines()[0]
             print(
                 f"tformer {args.command}: error: out of memory ({first}); use smaller sizes "
                 "(batch, beam, sequence length, model) or a machine with more memory",

@@ -49,7 +49,7 @@ ONE_LINE = str.maketrans(dict.fromkeys("\n\r\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u20
 
 def load_translation_corpus(data: DataConfig) -> Corpus:
     extra = dict(terms=data.dictionary_terms) if data.dictionary_terms else {}
-    if data.dictionary_alternatives and data.corpus == "trans-de-en":
+    if data.adds_alternatives:
         extra["alternatives"] = True
     return load_task_corpus(data, "translation", direction=data.direction, **extra)
 

@@ -53,6 +53,11 @@ class DataConfig(Config):
     dictionary_terms: int = 0
     dictionary_alternatives: bool = False
 
+    @property
+    def adds_alternatives(self) -> bool:
+        """Whether the corpus reads dictionary_alternatives: trans-de-en only (other corpora have none)."""
+        return self.dictionary_alternatives and self.corpus == "trans-de-en"
+
     def check(self) -> None:
         self._require(self.dictionary_terms >= 0, "dictionary_terms", "must be >= 0")
         self._require(
@@ -301,7 +306,7 @@ def unread_settings(cfg: TrainConfig) -> list[str]:
             "fused_loss (True: tensor parallelism splits the head by vocabulary, so the steps take the "
             "logits and the vocabulary-parallel loss)"
         )
-    if cfg.data.dictionary_alternatives and cfg.data.corpus != "trans-de-en":
+    if cfg.data.dictionary_alternatives and not cfg.data.adds_alternatives:
         unread.append(
             f"data.dictionary_alternatives (True: read with corpus 'trans-de-en' only, not {cfg.data.corpus!r})"
         )
