@@ -213,3 +213,13 @@ def test_bench_warms_an_moe_model_up_longer_in_reduced_precision_on_the_cpu(caps
     assert bench.MOE_REDUCED_PRECISION_WARMUP > 1
     assert bench._after_warmup({"train_warmup_steps": 5}).startswith(" after 5 untimed")
     assert bench._after_warmup({"train_warmup_steps": 1}) == ""
+
+
+def test_bench_refuses_a_setting_its_lm_run_would_ignore(capsys) -> None:
+    """As `tformer train` does: a data setting of another task is an error, not a silent no-op."""
+    argv = ["bench", "--preset", "tiny-lm", "--repeats", "1", "--json"]
+    assert main([*argv, "--set", "data.dictionary_alternatives=true"]) == 2
+    assert (
+        "data.dictionary_alternatives is read by the translation task only: task 'lm' would ignore it"
+        in capsys.readouterr().err
+    )

@@ -107,7 +107,7 @@ def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactne
         (["--set", "optim.lr=0.5"], "optim.lr: 0.003 in the checkpoint, 0.5 now"),
         (
             ["--preset", "shakespeare"],
-            "the config differs from the run's: batch_size: 8 in the checkpoint, 16 now",
+            "the config differs from the run's: data.corpus: 'text:",  # the corpus first (resume.FIRST)
         ),
         (  # a dense run made MoE: the section is named once (each of its settings had been listed)
             ["--set", "model.moe.n_experts=4"],

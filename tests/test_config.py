@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -383,6 +384,17 @@ def test_a_key_written_twice_in_a_config_file_is_named(tmp_path, fmt: str, text:
     with pytest.raises(
         ConfigError, match=rf"run.{fmt}: not a readable TrainConfig file \(the key '(steps|lr)' appears twice"
     ):
+        TrainConfig.load(path)
+
+
+def test_an_unknown_key_or_bad_value_in_a_config_file_names_the_file(tmp_path) -> None:
+    """A --config file, or the config.json a resume reads: the message says which file to edit."""
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 3\noptim:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: unknown key 'lrr' in TrainConfig.optim; allowed: lr, "):  # fmt: skip
+        TrainConfig.load(path)
+    path.write_text('{"steps": -1}')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: TrainConfig.steps must be"):
         TrainConfig.load(path)
 
 

@@ -274,7 +274,10 @@ class Config:
             raise ConfigError(
                 f"{path}: a {cls.__name__} file holds a mapping of its fields, got a {type(data).__name__}"
             )
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:  # an unknown key, a bad value: which file holds it
+            raise ConfigError(f"{path}: {e}") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -203,6 +203,37 @@ def test_split_changes_names_a_split_once_when_ids_and_texts_both_changed(tmp_pa
     assert TC.split_changes(tmp_path, renamed) == list(SPLITS)
 
 
+def test_another_runs_data_json_is_named_as_such_not_as_edited_data(tmp_path):
+    """A data.json copied in from a run on another corpus, task or direction had been reported as this
+    run's data edited since: a resume names it (an error), an evaluation of another corpus says its
+    scores do not compare; a user's folder that moved (another `text:` path, the same texts) is neither."""
+    import dataclasses
+
+    TC.write_manifest(tmp_path, _corpus())
+    for other, said in (
+        (dataclasses.replace(_corpus(), name="y"), "corpus 'y' (lm)"),
+        (dataclasses.replace(_corpus(), task="classification"), "corpus 'x' (classification)"),
+        (dataclasses.replace(_corpus(), direction="en-de"), "corpus 'x' (lm, en-de)"),
+    ):
+        assert TC.another_corpus(tmp_path, other) == "corpus 'x' (lm)"
+        with pytest.raises(ValueError) as err:
+            TC.check_data_unchanged(tmp_path, other, DataConfig(corpus="pydoc"))
+        assert str(err.value) == (
+            f"{tmp_path / TC.MANIFEST} records corpus 'x' (lm), not this run's {said}: it is another "
+            "run's data.json; restore this run's, or start a new run"
+        )
+        with pytest.warns(UserWarning) as seen:
+            TC.warn_if_split_changed(tmp_path, other, "test")
+        assert [str(w.message) for w in seen] == [
+            f"this run trained on corpus 'x' (lm); the test split scored here is {said}'s, so its scores do "
+            "not compare with the run's"
+        ]
+    TC.write_manifest(tmp_path, dataclasses.replace(_corpus(), name="text:/data/old"))
+    moved = dataclasses.replace(_corpus(), name="text:/data/new")
+    assert TC.another_corpus(tmp_path, moved) == "" and TC.split_changes(tmp_path, moved) == []
+    TC.check_data_unchanged(tmp_path, moved, DataConfig(corpus="pydoc"))
+
+
 def test_a_data_json_without_splits_is_an_error(tmp_path):
     (tmp_path / TC.MANIFEST).write_text(json.dumps({"name": "x"}))
     with pytest.raises(ValueError, match="records no splits"):

@@ -147,6 +147,20 @@ def test_an_empty_text_path_is_an_error():
             load_corpus(name)
 
 
+def test_an_empty_user_corpus_path_is_refused_by_the_config(tmp_path, monkeypatch):
+    """Before anything reads the path: an empty one had been taken for the working directory, so a run
+    with a relative --out was first told it lay inside its data folder."""
+    from tformer.schema import ConfigError
+    from tformer.train.loop import Trainer
+    from tformer.train.presets import get_train_preset
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("text:", "pairs: ", "labels:"):
+        with pytest.raises(ConfigError, match=r"data.corpus needs a path after the colon \(text:<file"):
+            Trainer(get_train_preset("tiny-lm").with_overrides({"data.corpus": name}), "run", "lm")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_binary_without_nul_bytes_and_joined_files_in_a_users_text(tmp_path):
     """Random bytes without a NUL had been read as latin-1 (with a warning) and trained on; byte-order
     marks of files joined together had become vocabulary tokens."""

@@ -12,7 +12,7 @@ from tformer.train.presets import tiny_lm
 def small_config(corpus_dir: Path, **changes) -> TrainConfig:
     base = tiny_lm()
     cfg = base.replace(
-        model=base.model.replace(d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32),
+        model=base.model.replace(vocab_size=300, d_model=32, d_ff=64, n_heads=2, dropout=0.1, max_seq_len=32),
         data=DataConfig(corpus=f"text:{corpus_dir}", vocab_size=300, seq_len=32),
         optim=OptimConfig(lr=1e-2, warmup_steps=2, fused=False),
         steps=8,

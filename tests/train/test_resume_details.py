@@ -63,6 +63,23 @@ def test_model_settings_are_checked_only_with_model_true():
         check_resume_config(seeded, saved(cfg), Path("c"), model=False)
 
 
+def test_a_config_from_another_task_names_the_task_and_the_model_arch_first():
+    """A config.json copied from another kind of run differs in tens of settings; the four the error
+    shows start with the task (then the corpus), and the model check starts with model.arch."""
+    from tformer.train.presets import tiny_classification, tiny_translation
+
+    lm = tiny_lm()
+    for other in (tiny_translation(), tiny_classification()):
+        with pytest.raises(CheckpointError) as run:
+            check_resume_config(other, saved(lm), Path("c"), model=False)
+        shown = str(run.value).split("differs from the run's: ")[1]
+        assert shown.startswith(f"task: 'lm' in the checkpoint, {other.task!r} now; data.corpus: ")
+        with pytest.raises(CheckpointError) as built:
+            check_resume_config(other, saved(lm), Path("c"), model=True)
+        shown = str(built.value).split("differs from the run's: ")[1]
+        assert shown.startswith(f"model.arch: 'decoder' in the checkpoint, {other.model.arch!r} now; ")
+
+
 def test_relative_paths_are_made_absolute_against_the_base(tmp_path: Path):
     """A config file's relative paths are relative to its folder (`base`), not the working directory."""
     cfg = tiny_lm().replace(data=tiny_lm().data.replace(corpus="text:notes", path="dict/words.txt"))

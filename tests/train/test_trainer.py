@@ -16,6 +16,7 @@ from tformer.tasks import make_task
 from tformer.train.checkpoint import latest_checkpoint
 from tformer.train.config import OptimConfig
 from tformer.train.loop import Trainer
+from tformer.train.presets import get_train_preset
 from tformer.train.step import NonFiniteError
 
 
@@ -582,6 +583,59 @@ def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path:
         Trainer(used.replace(optim=used.optim.replace(schedule="wsd", decay_frac=0.3)), tmp_path / "b", "lm",
                 progress=False).close()  # fmt: skip
     assert not [w for w in seen if "is not used by this run" in str(w.message)]
+
+
+def test_a_new_run_names_the_model_sizes_its_task_replaces(corpus_dir: Path, tmp_path: Path) -> None:
+    """The task sizes the vocabulary by the tokenizer it trains and the context by data.seq_len: a
+    `--set model.vocab_size=...` is replaced, and the run says so and names the setting that does it.
+    A resumed run (the same config) does not repeat it; a config that agrees with the task says nothing."""
+    from tformer.train.config import replaced_model_settings
+
+    cfg = small_config(corpus_dir, steps=2, save_every=1)
+    given = cfg.replace(model=cfg.model.replace(vocab_size=1000, max_seq_len=16))
+    for resume in (False, True):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer = Trainer(given, tmp_path / "run", "lm", progress=False, resume=resume)
+            if not resume:
+                trainer.fit()
+            built = trainer.model_cfg
+            trainer.close()
+        said = [str(w.message) for w in seen if str(w.message).startswith("model.")]
+        assert (built.vocab_size, built.max_seq_len) == (300, 32)
+        assert said == ([] if resume else [
+            "model.vocab_size 1,000 is replaced by the tokenizer's 300 tokens: data.vocab_size sets the "
+            "vocabulary",
+            "model.max_seq_len 16 is raised to 32 to hold data.seq_len's sequences",
+        ])  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Trainer(cfg, tmp_path / "agrees", "lm", progress=False).close()
+    assert not [w for w in seen if str(w.message).startswith("model.")]
+    # a tokenizer that learned fewer tokens than data.vocab_size says so itself, once
+    assert replaced_model_settings(cfg, cfg.model.replace(vocab_size=281)) == []
+
+
+def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
+    """model.src_vocab_size comes from the source tokenizer (separate) or is the target's (joint)."""
+    from tformer.train.config import replaced_model_settings
+
+    cfg = get_train_preset("translation")
+    cfg = cfg.replace(model=cfg.model.replace(share_embeddings=False))
+    given = cfg.model
+    assert replaced_model_settings(cfg, given) == []
+    joint = replaced_model_settings(cfg.replace(model=given.replace(src_vocab_size=999)), given)
+    assert joint == [
+        "model.src_vocab_size 999 is replaced: the source vocabulary shares the target's (data.tokenizer "
+        "'joint'); data.src_vocab_size sets it"
+    ]
+    separate = replaced_model_settings(
+        cfg.replace(model=given.replace(src_vocab_size=999)), given.replace(src_vocab_size=3000)
+    )
+    assert separate == [
+        "model.src_vocab_size 999 is replaced: the source vocabulary is the source tokenizer's 3,000 tokens; "
+        "data.src_vocab_size sets it"
+    ]
 
 
 def test_a_run_inside_its_data_folder_is_refused(corpus_dir: Path, tmp_path: Path) -> None:

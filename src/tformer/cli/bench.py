@@ -67,7 +67,7 @@ def _setting(args: argparse.Namespace):
     token count, each checked before anything is built."""
     from tformer.cli.options import resolve_train_config, warn
     from tformer.distributed.env import resolve_device
-    from tformer.train.config import ParallelConfig
+    from tformer.train.config import ParallelConfig, refuse_ignored_settings
     from tformer.train.presets import LM_PRESETS
     from tformer.train.step import resolve_dtype
 
@@ -77,6 +77,7 @@ def _setting(args: argparse.Namespace):
             f"tformer bench measures decoder LMs ({', '.join(LM_PRESETS)}); this config's model.arch is "
             f"{cfg.model.arch!r}"
         )
+    refuse_ignored_settings(cfg)  # as `tformer train` would (a data setting of another task, say)
     if cfg.parallel != ParallelConfig():
         warn(
             "bench",

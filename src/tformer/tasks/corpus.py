@@ -100,7 +100,15 @@ def joins_pieces(run_dir: Path, corpus: Corpus) -> bool:
 def warn_if_split_changed(run_dir: Path, corpus: Corpus, split: str) -> None:
     """A warning when the split an evaluation scores is not the one the run recorded (its score then
     does not compare with the run's, and documents may have moved in from its training split)."""
-    if split in split_changes(run_dir, corpus):
+    other = another_corpus(run_dir, corpus)
+    if other:
+        warnings.warn(
+            f"this run trained on {other}; the {split} split scored here is {_describe(corpus.manifest())}'s, "
+            "so its scores do not compare with the run's",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif split in split_changes(run_dir, corpus):
         warnings.warn(
             f"the {split} split differs from the one this run recorded (data.json): documents, pairs or "
             "articles were added, removed, renamed or edited since it trained, or a split or decoding rule "
@@ -133,9 +141,34 @@ def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
     return changed
 
 
+def another_corpus(run_dir: Path, corpus: Corpus) -> str:
+    """The corpus a run's data.json records where it is not `corpus` (another task, installed corpus or
+    direction; a user's folder may have moved, so its path is not compared), else ""."""
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        return ""
+    recorded, now = read_json(path), corpus.manifest()
+    installed = not any(":" in str(m.get("name")) for m in (recorded, now))
+    other = any(recorded.get(k) != now[k] for k in ("task", "direction")) or (
+        installed and recorded.get("name") != now["name"]
+    )
+    return _describe(recorded) if other else ""
+
+
+def _describe(manifest: dict) -> str:
+    direction = f", {manifest.get('direction')}" if manifest.get("direction") else ""
+    return f"corpus {manifest.get('name')!r} ({manifest.get('task')}{direction})"
+
+
 def check_data_unchanged(run_dir: Path, corpus: Corpus, data: DataConfig) -> None:
     """A resumed run reads the data it started with: ConfigError naming the splits that changed since
     data.json recorded them. A run directory without data.json records it now."""
+    other = another_corpus(run_dir, corpus)
+    if other:
+        raise ValueError(
+            f"{Path(run_dir) / MANIFEST} records {other}, not this run's {_describe(corpus.manifest())}: it is "
+            "another run's data.json; restore this run's, or start a new run"
+        )
     changed = split_changes(run_dir, corpus)
     if changed:
         where = data.corpus if data.path is None else data.path

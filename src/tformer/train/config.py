@@ -59,6 +59,12 @@ class DataConfig(Config):
         return self.dictionary_alternatives and self.corpus == "trans-de-en"
 
     def check(self) -> None:
+        from tformer.data.corpora import USER_CORPUS_FORMS, user_corpus
+
+        user = user_corpus(self.corpus)
+        self._require(
+            user is None or bool(user[1]), "corpus", f"needs a path after the colon ({USER_CORPUS_FORMS})"
+        )
         self._require(self.dictionary_terms >= 0, "dictionary_terms", "must be >= 0")
         self._require(
             self.dictionary_terms == 0 or self.corpus == "trans-de-en",
@@ -280,6 +286,36 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
             "fused_loss is read by the lm and translation tasks only (a vocabulary-wide head): task "
             "'classification' would ignore it; leave it false"
         )
+
+
+def replaced_model_settings(cfg: TrainConfig, built: ModelConfig) -> list[str]:
+    """The model sizes a task sets from its data and tokenizers (`Task.model_config`): the vocabularies
+    come from the BPE it trains (data.vocab_size, data.src_vocab_size), the context is raised to hold
+    data.seq_len. A value of `given` that the run replaces is named, so that a user who wrote
+    `--set model.vocab_size=...` learns which setting to change; a new run warns of each (Trainer). A
+    tokenizer that learned fewer tokens than data.vocab_size says so itself (train_tokenizer)."""
+    said, given = [], cfg.model
+    if given.vocab_size not in (built.vocab_size, cfg.data.vocab_size):
+        said.append(
+            f"model.vocab_size {given.vocab_size:,} is replaced by the tokenizer's {built.vocab_size:,} "
+            "tokens: data.vocab_size sets the vocabulary"
+        )
+    if given.src_vocab_size is not None and given.src_vocab_size != built.src_vocab_size:
+        size = (
+            "shares the target's (data.tokenizer 'joint')"
+            if built.src_vocab_size is None
+            else (f"is the source tokenizer's {built.src_vocab_size:,} tokens")
+        )
+        said.append(
+            f"model.src_vocab_size {given.src_vocab_size:,} is replaced: the source vocabulary {size}; "
+            "data.src_vocab_size sets it"
+        )
+    if given.max_seq_len < built.max_seq_len:
+        said.append(
+            f"model.max_seq_len {given.max_seq_len:,} is raised to {built.max_seq_len:,} to hold "
+            "data.seq_len's sequences"
+        )
+    return said
 
 
 def unread_settings(cfg: TrainConfig) -> list[str]:

@@ -159,7 +159,9 @@ def translation() -> TrainConfig:
 def tiny_translation() -> TrainConfig:
     """Seconds-long smoke run of the translation task (tests point data.path at a small dictionary file)."""
     base = translation()
-    model = base.model.replace(d_model=32, n_layers=1, n_encoder_layers=1, n_heads=2, d_ff=64, dropout=0.0)
+    model = base.model.replace(
+        vocab_size=300, d_model=32, n_layers=1, n_encoder_layers=1, n_heads=2, d_ff=64, dropout=0.0
+    )
     return base.replace(
         model=model,
         data=base.data.replace(vocab_size=300, seq_len=32, max_tokens=None),
@@ -217,7 +219,9 @@ def tiny_classification() -> TrainConfig:
     """Seconds-long smoke run of the classification task (tests point data.path at small text folders)."""
     base = bbc()
     return base.replace(
-        model=base.model.replace(d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.0, max_seq_len=64),
+        model=base.model.replace(
+            vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.0, max_seq_len=64
+        ),
         data=base.data.replace(vocab_size=300, seq_len=64),
         optim=base.optim.replace(lr=3e-3, warmup_steps=2, fused=False),
         steps=4,

@@ -86,6 +86,10 @@ def _value(flat: dict[str, Any], key: str) -> str:
     return repr(section) if section else "None"
 
 
+FIRST = {"task": 0, "model.arch": 1, "data.corpus": 2}  # named before the rest: a config from another
+# kind of run (a copied config.json) differs in tens of settings, and these say why
+
+
 def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, model: bool) -> None:
     """CheckpointError naming every setting outside RESUMABLE whose value differs from the checkpoint's:
     the `model.*` settings (model=True, once the task has resolved the model config) or all the others
@@ -103,7 +107,7 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
         if k.startswith("model.") == model and k.split(".")[0] not in RESUMABLE
         and before.get(k) != now.get(k) and not _moved(k, before.get(k), now.get(k))
     ]  # fmt: skip
-    changed = _whole_sections(changed, before, now)
+    changed = sorted(_whole_sections(changed, before, now), key=lambda k: (k not in FIRST, FIRST.get(k), k))
     if changed:
         shown = "; ".join(
             f"{k}: {_value(before, k)} in the checkpoint, {_value(now, k)} now" for k in changed[:4]
