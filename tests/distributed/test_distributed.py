@@ -46,8 +46,23 @@ SRC = HERE.parents[1] / "src"
 SELF_CONTAINED = {"parity", "tensor", "tensor2d"}  # scenarios that write their results and read nothing
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _launch_tmpdir(tmp_path_factory):
+    """torchrun makes a torchelastic_* folder in the temporary directory at each launch and leaves it
+    there: the launches here make theirs under pytest's own temporary folders, which pytest prunes."""
+    global LAUNCH_TMPDIR
+    LAUNCH_TMPDIR = tmp_path_factory.mktemp("torchrun")
+    yield
+    LAUNCH_TMPDIR = None
+
+
+LAUNCH_TMPDIR: Path | None = None
+
+
 def torchrun(*args: str, timeout: float = 240, nproc: int = 2, popen: bool = False):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    if LAUNCH_TMPDIR is not None:
+        env["TMPDIR"] = str(LAUNCH_TMPDIR)
     # a worker that dies from a signal prints the Python stack of every thread (faulthandler)
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     cmd = [
