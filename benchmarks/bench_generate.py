@@ -1,7 +1,9 @@
 """Greedy decoding speed: tformer's `generate` vs Hugging Face `generate`, same weights, one process.
 
 The model is the dense LM of bench_lm.py (`llama_like(vocab 8192, d_model 512, 8 layers, 8 heads,
-d_ff 1376)`), built as HF `LlamaForCausalLM` (sdpa attention) and its weights copied into tformer. Each call
+d_ff 1376)`), built as HF `LlamaForCausalLM` (sdpa attention) and its weights copied into tformer, and
+from tformer into x-transformers' `Decoder` (benchmarks/peers.py; its `AutoregressiveWrapper.generate`
+with its KV cache, eager; `--no-x-transformers` leaves it out). Each call
 decodes `--new` (256) tokens greedily after a `--prompt` (32) token prompt, at batch 1 and batch 8,
 with no EOS on either side (HF: eos_token_id None, min_new_tokens = max_new_tokens) so both produce
 exactly the same number of tokens; a call includes the prefill and its own KV cache. The generated
@@ -43,13 +45,20 @@ from harness import (  # noqa: E402
     summarize,
     write_json,
 )
-from peers import hf_llama, hf_llama_state_for_tformer, tformer_llama  # noqa: E402
+from peers import (  # noqa: E402
+    hf_llama,
+    hf_llama_state_for_tformer,
+    tformer_llama,
+    tformer_state_for_x_transformers,
+    x_transformers_decoder,
+)
 
 from tformer.generate.engine import generate  # noqa: E402
 from tformer.generate.sampling import SamplingConfig  # noqa: E402
 
 FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=3)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new=16, rounds=2)
+XT = "x-transformers generate"
 COLUMNS = [
     ("name", "variant", "s"),
     ("best_s", "best s", ".2f"),
@@ -91,6 +100,22 @@ def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int, compiled: bool =
     return out[:, prompts.shape[1] :].tolist()
 
 
+def x_transformers_peer(s: dict, ours: nn.Module) -> nn.Module:
+    """x-transformers' decoder holding tformer's weights (benchmarks/peers.py), in its
+    `AutoregressiveWrapper`, which decodes with its KV cache."""
+    from x_transformers import AutoregressiveWrapper
+
+    xt = x_transformers_decoder(s["vocab"], s["d_model"], s["layers"], s["heads"], s["d_ff"], 512)
+    xt.load_state_dict({**xt.state_dict(), **tformer_state_for_x_transformers(ours)}, strict=True)
+    return AutoregressiveWrapper(xt).eval()
+
+
+@torch.no_grad()
+def xt_generate(wrapper: nn.Module, prompts: torch.Tensor, new: int) -> list[list[int]]:
+    """x-transformers' `generate`, greedy (temperature 0), with its KV cache, exactly `new` tokens."""
+    return wrapper.generate(prompts, new, temperature=0.0, cache_kv=True).tolist()
+
+
 def ours_generate(
     model: nn.Module, prompts: torch.Tensor, new: int, compile: bool = False
 ) -> list[list[int]]:
@@ -104,11 +129,11 @@ def timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - t
 
 
-def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
+def first_difference(a: list[list[int]], b: list[list[int]], name: str = "tformer") -> str:
     for i, (ra, rb) in enumerate(zip(a, b)):
         for j, (x, y) in enumerate(zip(ra, rb)):
             if x != y:
-                return f"row {i} token {j}: tformer {x} vs HF {y}"
+                return f"row {i} token {j}: {name} {x} vs HF {y}"
         if len(ra) != len(rb):
             return f"row {i}: lengths {len(ra)} vs {len(rb)}"
     return "none"
@@ -200,6 +225,9 @@ def main() -> None:
         help="leave out both sides' compiled decoding (each compiles before its first call: 3-40 s)",
     )
     ap.add_argument(
+        "--no-x-transformers", action="store_true", help="HF as the only peer (eager and compiled)"
+    )
+    ap.add_argument(
         "--moe",
         action="store_true",
         help="instead: compiled vs eager tformer decoding of two MoE decoders (the main job's, bench_lm's "
@@ -217,6 +245,7 @@ def main() -> None:
         write_json(args.out or "generate_moe.json", {"rounds": rounds, "sections": sections})
         return
     ours, hf = build_pair(s)
+    xt = None if args.no_x_transformers else x_transformers_peer(s, ours)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters() if "embed" not in n)
     sections = {}
     for batch in args.batch:
@@ -226,6 +255,8 @@ def main() -> None:
             "HF generate": lambda p=prompts: hf_generate(hf, p, s["new"]),
             "tformer generate": lambda p=prompts: ours_generate(ours, p, s["new"]),
         }
+        if xt is not None:
+            variants[XT] = lambda p=prompts: xt_generate(xt, p, s["new"])
         if args.compile:
             variants["HF generate, compiled"] = lambda p=prompts: hf_generate(hf, p, s["new"], True)
             variants["tformer generate, compiled"] = lambda p=prompts: ours_generate(ours, p, s["new"], True)
@@ -252,10 +283,15 @@ def main() -> None:
             + (
                 ""
                 if ok
-                else f" (first difference: {first_difference(outputs[name], outputs['HF generate'])})"
+                else f" (first difference: {first_difference(outputs[name], outputs['HF generate'], name)})"
             )
             for name, ok in same.items()
         ]
+        if xt is not None:
+            lines.append(
+                f"tformer vs {XT}: {rows[XT].best_s / rows['tformer generate'].best_s:.2f}x (best), "
+                f"{paired_median(times, XT, 'tformer generate'):.2f}x (paired median), both eager"
+            )
         if args.compile:
             pair = ("HF generate, compiled", "tformer generate, compiled")
             lines.append(
@@ -276,7 +312,7 @@ def main() -> None:
             "times_s": times,  # per round: the paired medians can be recomputed
             "ids_identical": same,
             "first_difference": {
-                name: first_difference(outputs[name], outputs["HF generate"]) for name in same
+                name: first_difference(outputs[name], outputs["HF generate"], name) for name in same
             },
             "compile_s": {name: round(t, 1) for name, t in compile_s.items()},
             "read_bandwidth_gbs": round(bandwidth, 2),

@@ -2,8 +2,9 @@
 
 Sections (each a round-robin of its variants, see harness.py for the method):
   dense  tformer `llama_like(vocab 8192, d_model 512, 8 layers, 8 heads, d_ff 1376)` vs HF
-         `LlamaForCausalLM` at the same config, batch 8 x 256, fp32, plus the fp32 matmul peak on the
-         model's own GEMM shapes (for MFU).
+         `LlamaForCausalLM` and x-transformers' `Decoder` (rotary on the whole head, RMSNorm, SwiGLU:
+         benchmarks/peers.py) at the same config, batch 8 x 256, fp32, plus the fp32 matmul peak on the
+         model's own GEMM shapes (for MFU). `--no-x-transformers` leaves the second peer out.
   bf16   the same under `torch.autocast("cpu", torch.bfloat16)`, plus the bf16 matmul peak. On a CPU
          without bf16 instructions (no AVX512-BF16 / AMX) a full-size step takes minutes, so this
          section then runs at batch 1 x 256 and says so.
@@ -54,7 +55,13 @@ from harness import (  # noqa: E402
     summarize,
     write_json,
 )
-from peers import hf_llama, hf_llama_state_for_tformer, tformer_llama  # noqa: E402
+from peers import (  # noqa: E402
+    hf_llama,
+    hf_llama_state_for_tformer,
+    tformer_llama,
+    tformer_state_for_x_transformers,
+    x_transformers_decoder,
+)
 
 from tformer import MoEConfig, build_model  # noqa: E402
 from tformer.presets import llama_like  # noqa: E402
@@ -139,8 +146,9 @@ def active_matmul_params(model: nn.Module, top_k: int = 0) -> float:
     """Weights one token multiplies: every 2-D weight but the input embedding (the output head and the
     routers included) and, of stacked (E, out, in) expert weights, top_k / E of them."""
     total = 0.0
-    for name, p in model.named_parameters():
-        if "embed" in name or p.dim() < 2:
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for p in model.parameters():
+        if id(p) in lookups or p.dim() < 2:
             continue
         total += p.numel() * (top_k / p.shape[0] if p.dim() == 3 else 1.0)
     return total
@@ -194,6 +202,11 @@ def call_tformer(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
 def call_tformer_fused(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """`fused_loss: true`: the model's fused head and cross-entropy (summed; here the mean)."""
     return model(inputs, targets=targets) / targets.numel()
+
+
+def call_plain(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A model whose forward returns the logits (x-transformers' TransformerWrapper)."""
+    return logits_loss(model(inputs), targets)
 
 
 def call_hf(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -270,6 +283,8 @@ def run_section(
 
 
 FUSED = "tformer, fused head and loss"
+OURS = "tformer DecoderLM"
+XT = "x-transformers Decoder"
 
 
 def dense_pair(s: dict) -> tuple[nn.Module, nn.Module]:
@@ -291,25 +306,41 @@ def autocast_for(dtype: str) -> Callable:
     return bf16_autocast if dtype == "bf16" else contextlib.nullcontext
 
 
-def dense_section(s: dict, rounds: int, dtype: str, loss_ab: bool = False) -> dict:
+def dense_section(s: dict, rounds: int, dtype: str, loss_ab: bool = False, xt_peer: bool = True) -> dict:
     torch.manual_seed(0)
     hf, ours = dense_pair(s)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
     autocast = autocast_for(dtype)
-    models = {"HF LlamaForCausalLM": hf, "tformer DecoderLM": ours}
+    models = {"HF LlamaForCausalLM": hf, OURS: ours}
     steps = {
         "HF LlamaForCausalLM": make_step(hf, call_hf, tokens, autocast),
-        "tformer DecoderLM": make_step(ours, call_tformer, tokens, autocast),
+        OURS: make_step(ours, call_tformer, tokens, autocast),
     }
+    if xt_peer:  # tformer's (HF's) weights in x-transformers' Decoder: the same function to its norm epsilon
+        xt = x_transformers_decoder(s["vocab"], s["d_model"], s["layers"], s["heads"], s["d_ff"], s["seq"])
+        xt.load_state_dict({**xt.state_dict(), **tformer_state_for_x_transformers(ours)}, strict=True)
+        models[XT] = xt
+        steps[XT] = make_step(xt, call_plain, tokens, autocast)
     if loss_ab:  # the same weights again, stepped by their own optimizer
         twin = copy.deepcopy(ours)
         models[FUSED] = twin
         steps[FUSED] = make_step(twin, call_tformer_fused, tokens, autocast)
     flops = {name: train_flops(m, s) for name, m in models.items()}
     peaks = dense_peaks(s, dtype)
-    notes = ["same weights both sides; the first-step losses are printed in the JSON (first_step_loss)"]
+    notes = ["same weights on every side; the first-step losses are printed in the JSON (first_step_loss)"]
     title = f"dense LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} x {s['seq']}"
-    return run_section(title, steps, flops, peaks, s, rounds, notes)
+    result = run_section(title, steps, flops, peaks, s, rounds, notes)
+    if xt_peer:  # the second peer: tformer's speed-up over it, as over HF
+        times = result["times_s"]
+        ratio = {
+            "paired_median": round(paired_median(times, XT, OURS), 3),
+            "best": round(min(times[XT]) / min(times[OURS]), 3),
+        }
+        result["tformer_vs_x_transformers"] = ratio
+        line = f"tformer vs {XT}: {ratio['paired_median']:.2f}x paired median, {ratio['best']:.2f}x best"
+        result["notes"].append(line)
+        print("  " + line)
+    return result
 
 
 def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32") -> dict:
@@ -419,6 +450,9 @@ def main() -> None:
         action="store_true",
         help=f"dense sections: add a row '{FUSED}' (fused_loss: true)",
     )
+    ap.add_argument(
+        "--no-x-transformers", action="store_true", help="dense sections: HF Llama as the only peer"
+    )
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
@@ -430,12 +464,14 @@ def main() -> None:
     results = {}
     for name in sections:
         if name == "dense":
-            results["dense_fp32"] = dense_section(s, rounds, "fp32", args.loss_ab)
+            results["dense_fp32"] = dense_section(s, rounds, "fp32", args.loss_ab, not args.no_x_transformers)
         elif name == "bf16":
             sb = dict(s)
             if not cpu_info()["native_bf16_matmul"] and not args.quick:
                 sb["batch"] = 1  # a bf16 GEMM without bf16 instructions runs ~15-20x below fp32 here
-            results["dense_bf16"] = dense_section(sb, rounds, "bf16", args.loss_ab)
+            results["dense_bf16"] = dense_section(
+                sb, rounds, "bf16", args.loss_ab, not args.no_x_transformers
+            )
             if sb["batch"] != s["batch"]:
                 note = (
                     "this CPU has no bf16 matmul instructions (no AVX512-BF16/AMX): torch's bf16 GEMM is "

@@ -110,6 +110,28 @@ def test_decoder_matches_hf_llama() -> None:
     print("max |logit diff| vs HF Llama:", (ours(tokens) - hf(tokens).logits).abs().max().item())
 
 
+@torch.no_grad()
+def test_decoder_matches_x_transformers() -> None:
+    """tformer's Llama-style decoder against x-transformers' Decoder (Pre-Norm RMSNorm, rotary, SwiGLU)
+    with the same weights: logits equal to 1e-5. x-transformers is the third library users train such
+    decoders with (benchmarks/bench_lm.py measures it beside HF)."""
+    from benchmarks.peers import tformer_state_for_x_transformers, x_transformers_decoder
+    from tformer.presets import llama_like
+
+    torch.manual_seed(0)
+    # x-transformers' RMSNorm is sqrt(d) * x / max(|x|, 1e-12): tformer's with an epsilon that small
+    ours = build_model(llama_like(96, 64, 2, 4, None, 112, 64).replace(norm_eps=1e-12)).eval()
+    for p in ours.parameters():  # norm gains away from 1 and a head of ordinary scale
+        p.add_(torch.randn_like(p) * 0.02)
+    xt = x_transformers_decoder(96, 64, 2, 4, 112, 64).eval()
+    mapped = tformer_state_for_x_transformers(ours)
+    assert mapped.keys() == dict(xt.named_parameters()).keys()  # every parameter (the rest: rotary buffers)
+    xt.load_state_dict({**xt.state_dict(), **mapped}, strict=True)
+    tokens = torch.randint(0, 96, (2, 17))
+    torch.testing.assert_close(ours(tokens), xt(tokens), rtol=1e-5, atol=1e-5)
+    print("max |logit diff| vs x-transformers:", (ours(tokens) - xt(tokens)).abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("hidden", "heads", "factor", "original", "theta"),
     [
