@@ -146,6 +146,14 @@ def test_encode_and_training_name_bad_arguments():
         Tokenizer.train_bpe(["a b"], 300, min_frequency=-1)
     with pytest.raises(ValueError, match=r"special_tokens must be 4 strings .*got 'abcd'"):
         Tokenizer.train_bpe(["a b"], 300, special_tokens="abcd")  # had been 4 one-letter tokens
+    with pytest.raises(TypeError, match="texts must be a list of strings, got NoneType"):
+        Tokenizer.train_bpe(None, 300)  # had been "'NoneType' object is not iterable"
+    with pytest.raises(TypeError, match=r"token must be a str \(id_to_token turns an id into one\), got int"):
+        tok.token_to_id(5)  # the library's "'int' object is not an instance of 'str'"
+    assert tok.token_to_id("<bos>") == tok.bos_id and tok.token_to_id("no such token") is None
+    for decode in (tok.decode, tok.decode_batch):
+        with pytest.raises(TypeError, match="skip_special must be True or False, got 'no'"):
+            decode([5] if decode == tok.decode else [[5]], skip_special="no")
 
 
 def test_long_runs_without_spaces_train_in_pieces(monkeypatch):

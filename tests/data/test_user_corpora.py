@@ -147,6 +147,21 @@ def test_an_empty_text_path_is_an_error():
             load_corpus(name)
 
 
+def test_an_option_a_corpus_does_not_take_is_named_with_those_it_does():
+    """Had been Python's "unexpected keyword argument" from inspect (no corpus named), or pathlib's
+    TypeError for a path option of another type."""
+    with pytest.raises(TypeError, match=r"^corpus 'shakespeare' takes no option 'foo'; its options: root$"):
+        load_corpus("shakespeare", foo=1)
+    with pytest.raises(TypeError, match=r"^corpus 'pydoc' takes no option 'root'; its options: none$"):
+        load_corpus("pydoc", root="/x")
+    with pytest.raises(TypeError, match=r"^corpus 'shakespeare': option root must be a path, got int$"):
+        load_corpus("shakespeare", root=3)
+    with pytest.raises(
+        TypeError, match=r"^corpus 'pairs:x.tsv' takes no option 'foo'; its options: direction$"
+    ):
+        load_corpus("pairs:x.tsv", foo=1)
+
+
 def test_an_empty_user_corpus_path_is_refused_by_the_config(tmp_path, monkeypatch):
     """Before anything reads the path: an empty one had been taken for the working directory, so a run
     with a relative --out was first told it lay inside its data folder."""
@@ -217,7 +232,9 @@ def test_a_users_labelled_folders(tmp_path):
     for s, n in zip(SPLITS, (10, 1, 1)):
         assert sorted(d.label for d in corpus[s]) == ["neg"] * n + ["pos"] * n  # stratified
     assert not any("draft" in d.id for s in SPLITS for d in corpus[s])
-    with pytest.raises(TypeError, match="unexpected keyword argument 'direktion'"):  # a typo is not dropped
+    with pytest.raises(
+        TypeError, match="takes no option 'direktion'; its options: none"
+    ):  # a typo is not dropped
         load_corpus(f"labels:{tmp_path}", direktion="de-en")
     (tmp_path / "neg" / "3.txt").write_text("good text number 3")  # also under pos: kept there only
     with pytest.warns(UserWarning, match=r"1 text\(s\) appear under two labels, each kept under the first only: "

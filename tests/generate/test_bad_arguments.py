@@ -242,3 +242,50 @@ def test_translator_and_classifier_take_integer_ids_and_keep_the_models_mode() -
             with pytest.raises(RuntimeError, match="out of memory"):
                 call()
         assert model.training
+
+
+def test_flags_take_true_or_false_not_a_truthy_string(lm, seq2seq) -> None:
+    """compile="no" had run the compiled step (a truthy string), fast_decode="no" the fast path."""
+    for flags in ({"compile": "no"}, {"fast_decode": "no"}, {"compile": 1}):
+        with pytest.raises(TypeError, match=rf"{next(iter(flags))} must be True or False, got"):
+            generate(lm, [[1]], GREEDY, **flags)
+    src = torch.tensor([[3, 4, 5]])
+    with pytest.raises(TypeError, match="fast_decode must be True or False, got 'no'"):
+        search(
+            seq2seq, src, None, SearchConfig(method="greedy", max_len=3), bos_id=1, eos_id=2, fast_decode="no"
+        )
+    with pytest.raises(TypeError, match="cached must be True or False, got 'no'"):
+        beam_search(seq2seq, src, None, bos_id=1, eos_id=2, max_len=3, cached="no")
+
+
+def test_the_low_level_searches_check_their_model_source_lengths_and_seed(lm, seq2seq) -> None:
+    """beam_search / sample_search had taken max_len "4" or 3.7 (as 4 and 3) and min_len -5, and failed
+    inside Python or torch on a list source, a decoder LM or a str seed."""
+    from tformer.generate.beam import sample_search
+
+    src, ids = torch.tensor([[3, 4, 5]]), dict(bos_id=1, eos_id=2)
+    for fn in (beam_search, sample_search):
+        for max_len in ("4", 3.7, True, torch.tensor([3.0])):
+            with pytest.raises(TypeError, match="max_len must be an int or a \\(B,\\) integer tensor"):
+                fn(seq2seq, src, None, max_len=max_len, **ids)
+        with pytest.raises(
+            ValueError, match="min_len must be an int >= 0 \\(0: EOS may come first\\), got -5"
+        ):
+            fn(seq2seq, src, None, max_len=3, min_len=-5, **ids)
+        with pytest.raises(TypeError, match="src must be a \\(batch, length\\) tensor of token ids"):
+            fn(seq2seq, [[3, 4]], None, max_len=3, **ids)
+        with pytest.raises(ValueError, match=f"{fn.__name__} needs an encoder-decoder, got a model of arch 'decoder'"):  # fmt: skip
+            fn(lm, src, None, max_len=3, **ids)
+    for seed in ("x", 1.5):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            sample_search(seq2seq, src, None, max_len=3, temperature=1.0, seed=seed, **ids)
+    # a min_len the max_len leaves no room for is legal: the outputs end unfinished at max_len
+    (hyp,) = beam_search(seq2seq, src, None, max_len=3, min_len=10, **ids)
+    assert len(hyp.tokens) == 3 and not hyp.finished
+
+
+def test_a_decode_function_that_returns_no_text_is_named(lm) -> None:
+    """It had failed inside the stop-string check ("argument of type 'int' is not iterable")."""
+    stops = SamplingConfig(temperature=0.0, max_new_tokens=3, stop_strings=["a"])
+    with pytest.raises(TypeError, match="decode must return the text \\(a str\\) of the token ids it is given, got int"):  # fmt: skip
+        generate(lm, [[1]], stops, decode=lambda ids: len(ids))

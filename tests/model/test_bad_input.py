@@ -84,6 +84,11 @@ def test_a_cache_takes_one_batch_and_a_positive_capacity(lm) -> None:
     for capacity in (0, -1):
         with pytest.raises(ValueError, match=f"capacity of at least 1 position, got {capacity}"):
             lm.new_cache(capacity)
+    # one beyond the context could never be used, and its buffers are allocated whole (10**9 had
+    # failed in the allocator, asking for 512 GB)
+    with pytest.raises(ValueError, match=rf"a KV cache of 1,000,000,000 positions is more than the model's context \(max_seq_len {lm.cfg.max_seq_len}\)"):  # fmt: skip
+        lm.new_cache(10**9)
+    assert lm.new_cache(lm.cfg.max_seq_len).capacity == lm.cfg.max_seq_len
 
 
 def test_a_cache_of_another_model_or_type_is_named(lm) -> None:

@@ -232,6 +232,9 @@ def test_model_rejects_bad_targets():
         model(tokens, targets=tokens.int())
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\), got 1.5"):
         model(tokens, targets=tokens, label_smoothing=1.5)
+    for eps in ("0.1", None):  # had been Python's "'<=' not supported between instances of 'int' and 'str'"
+        with pytest.raises(TypeError, match=rf"label_smoothing must be a number in \[0, 1\), got {eps!r}"):
+            model(tokens, targets=tokens, label_smoothing=eps)
 
 
 def test_a_head_split_by_vocabulary_is_refused() -> None:

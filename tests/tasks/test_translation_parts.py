@@ -211,3 +211,11 @@ def test_dictionary_alternatives_join_the_training_pairs(dictionary_file: Path, 
     plain = load_corpus("trans-de-en", path=str(dictionary), direction="de-en")
     assert manifest["train_pairs_used"] == len(plain["train"]) + 4  # 2 German x 2 English alternatives
     assert "train adds 4 sentence pairs of entries with ';' alternatives" in manifest["split_rule"]
+
+
+def test_the_bleu_tokenizer_names_a_direction_that_is_not_a_string() -> None:
+    """bleu_tokenizer(None) had been an AttributeError ('NoneType' object has no attribute 'rpartition')."""
+    from tformer.eval.bleu import bleu_tokenizer
+
+    with pytest.raises(TypeError, match="direction must be a str such as 'de-en', got NoneType"):
+        bleu_tokenizer(None)

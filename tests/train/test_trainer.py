@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -636,6 +637,30 @@ def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
         "model.src_vocab_size 999 is replaced: the source vocabulary is the source tokenizer's 3,000 tokens; "
         "data.src_vocab_size sets it"
     ]
+
+
+def test_a_run_inside_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """A run written into another run's checkpoint had mixed its files with the checkpoint's (loading
+    either read the other's weights), and the outer run's keep_last pruning later deleted it."""
+    cfg = small_config(corpus_dir, steps=2, save_every=1)
+    outer = Trainer(cfg, tmp_path / "a", "lm", progress=False)
+    outer.fit()
+    outer.close()
+    checkpoints = sorted((tmp_path / "a" / "checkpoints").iterdir())
+    listing = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*"))
+    for out, said in (
+        (checkpoints[-1], f"is the checkpoint {checkpoints[-1]}"),
+        (checkpoints[0] / "sub", f"lies inside the checkpoint {checkpoints[0]}"),
+        (tmp_path / "a" / "checkpoints", f"lies inside the run {tmp_path / 'a'}'s checkpoints folder"),
+        (tmp_path / "a" / "checkpoints" / "b", "checkpoints folder"),
+    ):
+        for resume in (False, True):
+            with pytest.raises(ValueError, match=re.escape(said) + ": its files would mix with that run's"):
+                Trainer(cfg, out, "lm", progress=False, resume=resume)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*")) == listing
+    Trainer(cfg, tmp_path / "a" / "sub", "lm", progress=False).close()  # beside its checkpoints: a folder
 
 
 def test_a_run_inside_its_data_folder_is_refused(corpus_dir: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ The types, the hash split and text decoding are in `tformer.data.corpus_base`.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -409,8 +410,28 @@ def load_corpus(name: str, **options: Hashable) -> Corpus:
             for k, v in options.items()
             if k in accepted or k not in ("direction", "terms", "alternatives")
         }
+        _check_options(name, loader, passed, given=("path",))
         return _check_splits(loader(path, **passed))
-    return _check_splits(CORPORA[_known(name)](**options))
+    loader = CORPORA[_known(name)]
+    _check_options(name, loader, options)
+    return _check_splits(loader(**options))
+
+
+def _check_options(name: str, loader, options: dict, given: tuple[str, ...] = ()) -> None:
+    """TypeError naming an option the corpus's loader does not take (with the ones it does), or a path
+    option (path, root) that is not a path."""
+    params = inspect.signature(loader).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        known = [k for k in params if k not in given]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(
+                f"corpus {name!r} takes no option {unknown[0]!r}; its options: {', '.join(known) or 'none'}"
+            )
+    for key in ("path", "root"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"corpus {name!r}: option {key} must be a path, got {type(value).__name__}")
 
 
 def _check_splits(corpus: Corpus) -> Corpus:

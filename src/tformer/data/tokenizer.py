@@ -113,6 +113,9 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of a token string, None for a string that is not one of the vocabulary's tokens."""
+        if not isinstance(token, str):
+            raise TypeError(f"token must be a str (id_to_token turns an id into one), got {type(token).__name__}")  # fmt: skip
         return self._backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -154,9 +157,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        require_bool(skip_special=skip_special)
         return self._backend.decode(self._checked(ids), skip_special_tokens=skip_special)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
+        require_bool(skip_special=skip_special)
         if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
             raise TypeError(f"batch must be a sequence of token id sequences, got {type(batch).__name__}")
         ragged = str(getattr(batch, "dtype", "")) == "object"  # a NumPy array of rows of different lengths
@@ -221,6 +226,8 @@ def _texts(texts: Iterable[str], name: str = "texts") -> list[str]:
     read with errors="surrogateescape", with a message that says only "must be str")."""
     if isinstance(texts, str) and name == "texts":
         raise TypeError("texts must be a list of strings; wrap one text in a list: [text]")
+    if not isinstance(texts, Iterable):
+        raise TypeError(f"{name} must be a list of strings, got {type(texts).__name__}")
     texts = list(texts)
     for i, text in enumerate(texts):
         where = name if name != "texts" else f"texts[{i}]"

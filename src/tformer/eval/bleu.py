@@ -31,6 +31,8 @@ class TranslationScores:
 def bleu_tokenizer(direction: str) -> str:
     """sacrebleu's tokenizer for the target language of a direction such as "en-zh": "zh" for Chinese,
     else "13a"."""
+    if not isinstance(direction, str):
+        raise TypeError(f"direction must be a str such as 'de-en', got {type(direction).__name__}")
     return "zh" if direction.rpartition("-")[2] == "zh" else "13a"
 
 

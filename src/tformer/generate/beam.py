@@ -38,13 +38,13 @@ from torch import Tensor, nn
 
 from tformer.config import MAX_SIZE
 from tformer.generate.engine import check_token_id
-from tformer.generate.sampling import sample_next
+from tformer.generate.sampling import make_generator, sample_next
 from tformer.model.attention import Memory
 from tformer.model.checks import check_finite_outputs, check_not_meta
 from tformer.model.decode_step import Seq2SeqDecodeStep
 from tformer.model.linear import decoding_layout
 from tformer.model.masks import Mask
-from tformer.schema import Config
+from tformer.schema import Config, require_bool
 
 NEG_INF = float("-inf")
 
@@ -142,7 +142,9 @@ class CachedSteps:
         self.model, self.memory = model, memory
         self.rows = memory
         self.row_sentence = torch.arange(memory.states.shape[0], device=memory.states.device)  # (R,)
-        self.cache = model.new_cache(capacity)
+        self.cache = model.new_cache(
+            min(capacity, model.cfg.max_seq_len)
+        )  # (the model's positions end there)
         # after the first step: the flat decoding step where the model is one it knows
         self.step = Seq2SeqDecodeStep.build(model) if flat else None
 
@@ -208,6 +210,30 @@ def _check_ids(model: nn.Module, bos_id: int, eos_id: int, banned: Sequence[int]
             f"banned ids cover the whole vocabulary of {vocab} tokens: nothing is left to choose"
         )
     return banned
+
+
+def _check_model_and_src(model: nn.Module, src: Tensor, caller: str) -> Tensor:
+    """An encoder-decoder and a (batch, length) tensor of token ids, as torch.long."""
+    arch = getattr(getattr(model, "cfg", None), "arch", None)
+    if arch != "encoder_decoder":
+        raise ValueError(
+            f"{caller} needs an encoder-decoder, got {'a model of arch ' + repr(arch) if arch else type(model).__name__}"
+            + ("; a decoder LM generates with tformer.generate.engine.generate" if arch == "decoder" else "")
+        )
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype not in (torch.long, torch.int32):
+        raise TypeError("src must be a (batch, length) tensor of token ids (torch.long or torch.int32)")
+    return src.long()
+
+
+def _check_lengths(max_len: int | Tensor, min_len: int) -> None:
+    """The low-level searches' lengths as given (`search` derives them from a validated SearchConfig)."""
+    if isinstance(max_len, Tensor):
+        if max_len.dim() != 1 or max_len.dtype.is_floating_point or max_len.dtype == torch.bool:
+            raise TypeError(f"max_len must be an int or a (B,) integer tensor, got a {max_len.dtype} tensor of shape {tuple(max_len.shape)}")  # fmt: skip
+    elif isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
+        raise TypeError(f"max_len must be an int or a (B,) integer tensor, got {max_len!r}")
+    if isinstance(min_len, bool) or not isinstance(min_len, numbers.Integral) or min_len < 0:
+        raise ValueError(f"min_len must be an int >= 0 (0: EOS may come first), got {min_len!r}")
 
 
 def _check(model: nn.Module, src: Tensor, src_mask: Tensor | None, max_lens: Tensor) -> None:
@@ -278,6 +304,9 @@ def beam_search(
     if isinstance(beam_size, bool) or not isinstance(beam_size, numbers.Integral) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
     beam_size = int(beam_size)
+    src = _check_model_and_src(model, src, "beam_search")
+    _check_lengths(max_len, min_len)
+    require_bool(cached=cached, flat=flat)
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
@@ -360,13 +389,16 @@ def sample_search(
     temperature / top-k / top-p. Sentences leave the batch when they emit EOS or reach their max length.
     flat: as in `beam_search`. generator: draw from it (a stream that goes on across calls, e.g. over the
     batches of one input) instead of a new one seeded with `seed`."""
+    src = _check_model_and_src(model, src, "sample_search")
+    _check_lengths(max_len, min_len)
+    require_bool(flat=flat)
     b, device = src.shape[0], src.device
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
     banned = _check_ids(model, bos_id, eos_id, banned)
     steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1, flat)
     if generator is None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = make_generator(seed, device)
     alive = torch.arange(b, device=device)  # (N,)
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (N, t + 1)
     log_prob = torch.zeros(b, device=device)  # (N,)
@@ -413,18 +445,11 @@ def search(
     translation preset's model) and run each step after the first as the flat
     `tformer.model.decode_step.Seq2SeqDecodeStep`; False: `model.decode` with `F.linear` throughout
     (the slow twin)."""
-    arch = getattr(getattr(model, "cfg", None), "arch", None)
-    if arch != "encoder_decoder":
-        raise ValueError(
-            f"search needs an encoder-decoder, got {'a model of arch ' + repr(arch) if arch else type(model).__name__}"
-            + ("; a decoder LM generates with tformer.generate.engine.generate" if arch == "decoder" else "")
-        )
+    src = _check_model_and_src(model, src, "search")
     if not isinstance(cfg, SearchConfig):
         raise TypeError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
+    require_bool(fast_decode=fast_decode)
     check_not_meta(model)
-    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype not in (torch.long, torch.int32):
-        raise TypeError("src must be a (batch, length) tensor of token ids (torch.long or torch.int32)")
-    src = src.long()
     if generator is not None and (
         not isinstance(generator, torch.Generator) or generator.device.type != src.device.type
     ):

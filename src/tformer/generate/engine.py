@@ -20,6 +20,7 @@ from tformer.model.compiled_step import CompiledDecodeStep
 from tformer.model.decode_step import DecodeStep
 from tformer.model.linear import decoding_layout
 from tformer.model.norms import rms_norms_as_layer_norm
+from tformer.schema import require_bool
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -174,6 +175,7 @@ def generate(
         )
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    require_bool(fast_decode=fast_decode, compile=compile)
     if compile and not fast_decode:
         raise ValueError("compile=True is a fast path; fast_decode=False asks for the slow twin: choose one")
     prompts = as_token_lists(prompts, model.cfg.vocab_size)
@@ -267,8 +269,15 @@ def _finished(
     """Rows finished before or now: EOS drawn, or (with `decode`) a stop string in the row's text."""
     now = [d or (eos_id is not None and t == eos_id) for t, d in zip(ids, done)]
     if stops and decode is not None:
-        now = [d or bool(row and any(s in decode(row) for s in stops)) for d, row in zip(now, out)]
+        now = [d or bool(row and any(s in _text(decode, row) for s in stops)) for d, row in zip(now, out)]
     return now
+
+
+def _text(decode, row: list[int]) -> str:
+    text = decode(row)
+    if not isinstance(text, str):
+        raise TypeError(f"decode must return the text (a str) of the token ids it is given, got {type(text).__name__}")  # fmt: skip
+    return text
 
 
 def _strip(row: list[int], eos_id: int | None) -> list[int]:

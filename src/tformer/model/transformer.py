@@ -11,6 +11,7 @@ fused head (tformer.model.loss), which never makes the (B, T, V) logits.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import replace
 
@@ -30,6 +31,18 @@ from tformer.model.norms import make_norm
 from tformer.model.positions import NoRotary, make_positions
 
 
+def new_kv_cache(cfg, capacity: int | None) -> KVCache:
+    """A KV cache of `capacity` positions (default: the model's context), at most max_seq_len: positions
+    past it are refused by the model anyway, and a cache's buffers take its whole capacity."""
+    cache = KVCache(cfg.n_layers, cfg.max_seq_len if capacity is None else capacity)  # (checks >= 1)
+    if cache.capacity > cfg.max_seq_len:
+        raise ValueError(
+            f"a KV cache of {cache.capacity:,} positions is more than the model's context (max_seq_len "
+            f"{cfg.max_seq_len:,}): its positions end there"
+        )
+    return cache
+
+
 def check_loss_targets(
     targets: Tensor, head: nn.Linear, tokens: Tensor, cache: NoCache, label_smoothing: float
 ) -> None:
@@ -45,6 +58,8 @@ def check_loss_targets(
             f"targets must have the shape of the input tokens {tuple(tokens.shape)} (one per position), "
             f"got {tuple(targets.shape)}"
         )
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if is_dtensor(head.weight):
@@ -147,7 +162,7 @@ class DecoderLM(Stack):
         return head_output(self.lm_head, self.final_norm(x), targets, label_smoothing)  # (B, T, V) or loss
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)
+        return new_kv_cache(self.cfg, capacity)
 
 
 class ClsPooling(nn.Module):
@@ -294,7 +309,7 @@ class EncoderDecoder(nn.Module):
         )
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.cfg.n_layers, self.cfg.max_seq_len if capacity is None else capacity)
+        return new_kv_cache(self.cfg, capacity)
 
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {

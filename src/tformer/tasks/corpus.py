@@ -148,6 +148,8 @@ def another_corpus(run_dir: Path, corpus: Corpus) -> str:
     if not path.is_file():
         return ""
     recorded, now = read_json(path), corpus.manifest()
+    if not isinstance(recorded.get("ids_sha256"), dict) or not {"name", "task"} <= recorded.keys():
+        return ""  # damaged or edited: split_changes names it
     installed = not any(":" in str(m.get("name")) for m in (recorded, now))
     other = any(recorded.get(k) != now[k] for k in ("task", "direction")) or (
         installed and recorded.get("name") != now["name"]

@@ -66,6 +66,7 @@ from tformer.train.run_dir import (
     lock_run_dir,
     outermost_missing,
     refuse_foreign_files,
+    refuse_run_dir_in_checkpoints,
     refuse_run_dir_in_data,
     release_run_dir,
     restore_run_tokenizer,
@@ -136,6 +137,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
+        refuse_run_dir_in_checkpoints(self.run_dir)
         serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
         if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
             raise ValueError(

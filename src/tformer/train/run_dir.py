@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tformer.train.checkpoint import CheckpointError
+from tformer.train.checkpoint import CHECKPOINTS_DIR, MARKER, CheckpointError
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a fresh run writes into its directory, replacing what is there
@@ -134,6 +134,27 @@ def refuse_run_dir_in_data(run_dir: Path, data_paths: list[str]) -> None:
                 f"the run directory {run_dir} lies inside the data folder {given}: its checkpoints and logs "
                 "would be read as data by a resume or an evaluation; choose an --out outside it"
             )
+
+
+def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
+    """ValueError where a run's directory is, or lies inside, a checkpoint (a folder with a COMMITTED
+    manifest) or a run's `checkpoints/` folder: the new run's files would mix with the checkpoint's
+    (`load_run` on either would read the other's weights), and the outer run's keep_last pruning would
+    later delete the new run with the checkpoint it lies in."""
+    out = Path(run_dir).expanduser().resolve()
+    for folder in (out, *out.parents):
+        if (folder / MARKER).is_file():
+            inside = (
+                f"is the checkpoint {folder}" if folder == out else f"lies inside the checkpoint {folder}"
+            )
+        elif folder.name == CHECKPOINTS_DIR and (folder.parent / "config.json").is_file():
+            inside = f"lies inside the run {folder.parent}'s checkpoints folder"
+        else:
+            continue
+        raise ValueError(
+            f"the run directory {run_dir} {inside}: its files would mix with that run's, whose keep_last "
+            "pruning would delete them; choose an --out outside it"
+        )
 
 
 def release_run_dir(run_dir: Path, holder: Any) -> None:
