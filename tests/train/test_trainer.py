@@ -588,33 +588,35 @@ def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path:
 
 def test_a_new_run_names_the_model_sizes_its_task_replaces(corpus_dir: Path, tmp_path: Path) -> None:
     """The task sizes the vocabulary by the tokenizer it trains and the context by data.seq_len: a
-    `--set model.vocab_size=...` is replaced, and the run says so and names the setting that does it.
-    A resumed run (the same config) does not repeat it; a config that agrees with the task says nothing."""
+    `--set model.vocab_size=...` is replaced, and `tformer train` says so and names the setting that
+    does. A preset's own values are not the user's (`--set data.vocab_size` alone says nothing), and a
+    resumed run does not repeat it."""
+    from tformer.cli.main import main
     from tformer.train.config import replaced_model_settings
 
-    cfg = small_config(corpus_dir, steps=2, save_every=1)
-    given = cfg.replace(model=cfg.model.replace(vocab_size=1000, max_seq_len=16))
-    for resume in (False, True):
+    base = ["train", "--preset", "tiny-lm", "--no-progress", "--no-sample", "--set", f"data.corpus=text:{corpus_dir}",
+            "--set", "data.vocab_size=300", "--set", "data.seq_len=32", "--set", "steps=2", "--set", "save_every=1",
+            "--set", "eval_batches=1", "--set", "optim.warmup_steps=1"]  # fmt: skip
+    sizes = ["--set", "model.vocab_size=1000", "--set", "model.max_seq_len=16"]
+    said = [
+        "model.vocab_size 1,000 is replaced by the tokenizer's 300 tokens: data.vocab_size sets the vocabulary",
+        "model.max_seq_len 16 is raised to 32 to hold data.seq_len's sequences",
+    ]
+
+    def warned(argv: list[str]) -> list[str]:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            trainer = Trainer(given, tmp_path / "run", "lm", progress=False, resume=resume)
-            if not resume:
-                trainer.fit()
-            built = trainer.model_cfg
-            trainer.close()
-        said = [str(w.message) for w in seen if str(w.message).startswith("model.")]
-        assert (built.vocab_size, built.max_seq_len) == (300, 32)
-        assert said == ([] if resume else [
-            "model.vocab_size 1,000 is replaced by the tokenizer's 300 tokens: data.vocab_size sets the "
-            "vocabulary",
-            "model.max_seq_len 16 is raised to 32 to hold data.seq_len's sequences",
-        ])  # fmt: skip
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        Trainer(cfg, tmp_path / "agrees", "lm", progress=False).close()
-    assert not [w for w in seen if str(w.message).startswith("model.")]
+            assert main(argv) == 0
+        return [str(w.message) for w in seen if str(w.message).startswith("model.")]
+
+    assert warned([*base, *sizes, "--out", str(tmp_path / "run")]) == said
+    assert warned([*base, *sizes, "--set", "steps=3", "--out", str(tmp_path / "run"), "--resume"]) == []
+    assert (
+        warned([*base, "--out", str(tmp_path / "preset")]) == []
+    )  # the preset's 512 replaced: not the user's
+    cfg = small_config(corpus_dir)
     # a tokenizer that learned fewer tokens than data.vocab_size says so itself, once
-    assert replaced_model_settings(cfg, cfg.model.replace(vocab_size=281)) == []
+    assert replaced_model_settings(cfg, cfg.model.replace(vocab_size=281), {"model.vocab_size"}) == []
 
 
 def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
@@ -624,14 +626,16 @@ def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
     cfg = get_train_preset("translation")
     cfg = cfg.replace(model=cfg.model.replace(share_embeddings=False))
     given = cfg.model
-    assert replaced_model_settings(cfg, given) == []
-    joint = replaced_model_settings(cfg.replace(model=given.replace(src_vocab_size=999)), given)
+    keys = {"model.src_vocab_size"}
+    assert replaced_model_settings(cfg, given, keys) == []
+    joint = replaced_model_settings(cfg.replace(model=given.replace(src_vocab_size=999)), given, keys)
+    assert replaced_model_settings(cfg.replace(model=given.replace(src_vocab_size=999)), given, ()) == []
     assert joint == [
         "model.src_vocab_size 999 is replaced: the source vocabulary shares the target's (data.tokenizer "
         "'joint'); data.src_vocab_size sets it"
     ]
     separate = replaced_model_settings(
-        cfg.replace(model=given.replace(src_vocab_size=999)), given.replace(src_vocab_size=3000)
+        cfg.replace(model=given.replace(src_vocab_size=999)), given.replace(src_vocab_size=3000), keys
     )
     assert separate == [
         "model.src_vocab_size 999 is replaced: the source vocabulary is the source tokenizer's 3,000 tokens; "
@@ -639,11 +643,11 @@ def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
     ]
 
 
-def test_a_run_inside_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(
-    corpus_dir: Path, tmp_path: Path
-) -> None:
+def test_a_run_inside_a_checkpoint_or_named_as_one_is_refused(corpus_dir: Path, tmp_path: Path) -> None:
     """A run written into another run's checkpoint had mixed its files with the checkpoint's (loading
-    either read the other's weights), and the outer run's keep_last pruning later deleted it."""
+    either read the other's weights), and the outer run's keep_last pruning later deleted it. A folder
+    named as a step the outer run would save is refused too; anything else in or beside a run's
+    checkpoints folder is an ordinary directory (a project keeping its runs under checkpoints/)."""
     cfg = small_config(corpus_dir, steps=2, save_every=1)
     outer = Trainer(cfg, tmp_path / "a", "lm", progress=False)
     outer.fit()
@@ -651,16 +655,20 @@ def test_a_run_inside_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(
     checkpoints = sorted((tmp_path / "a" / "checkpoints").iterdir())
     listing = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*"))
     for out, said in (
-        (checkpoints[-1], f"is the checkpoint {checkpoints[-1]}"),
-        (checkpoints[0] / "sub", f"lies inside the checkpoint {checkpoints[0]}"),
-        (tmp_path / "a" / "checkpoints", f"lies inside the run {tmp_path / 'a'}'s checkpoints folder"),
-        (tmp_path / "a" / "checkpoints" / "b", "checkpoints folder"),
-    ):
+        (checkpoints[-1], f"is the checkpoint {checkpoints[-1]}: its files would mix"),
+        (checkpoints[0] / "sub", f"lies inside the checkpoint {checkpoints[0]}: its files would mix"),
+        (tmp_path / "a" / "checkpoints" / "step_000009", f"is named as a checkpoint of the run in {tmp_path / 'a'}"),
+    ):  # fmt: skip
         for resume in (False, True):
-            with pytest.raises(ValueError, match=re.escape(said) + ": its files would mix with that run's"):
+            with pytest.raises(ValueError, match=re.escape(said)):
                 Trainer(cfg, out, "lm", progress=False, resume=resume)
     assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*")) == listing
-    Trainer(cfg, tmp_path / "a" / "sub", "lm", progress=False).close()  # beside its checkpoints: a folder
+    for ordinary in (
+        tmp_path / "a" / "sub",
+        tmp_path / "a" / "checkpoints" / "b",
+        tmp_path / "checkpoints" / "r",
+    ):
+        Trainer(cfg, ordinary, "lm", progress=False).close()  # fmt: skip
 
 
 def test_a_run_inside_its_data_folder_is_refused(corpus_dir: Path, tmp_path: Path) -> None:

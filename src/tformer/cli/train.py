@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
-from tformer.cli.options import resolve_train_config
+from tformer.cli.options import parse_overrides, resolve_train_config
 
 
 def run(args: argparse.Namespace) -> int:
     from tformer.tasks import make_task
+    from tformer.train.config import replaced_model_settings
     from tformer.train.loop import Trainer
 
     if args.out is not None and not args.out.strip():
@@ -30,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     # run writes the plain lines of --no-progress instead
     lines = args.no_progress or not sys.stderr.isatty()
     trainer = Trainer(cfg, out, task, resume=args.resume, progress="lines" if lines else True)
+    if not args.resume and trainer.env.is_main:  # a --set model size the task replaces is named
+        given = parse_overrides(args.overrides).keys()
+        for said in replaced_model_settings(trainer.cfg, trainer.model_cfg, given):
+            warnings.warn(said, UserWarning, stacklevel=2)
     try:
         report = trainer.fit()
         if trainer.env.is_main:

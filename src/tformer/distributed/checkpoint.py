@@ -57,12 +57,12 @@ from tformer.distributed.plans import is_rank_local
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.train.checkpoint import (
-    _STEP_DIR,
     CHECKPOINTS_DIR,
     DCP_FORMAT,
     DCP_METADATA,
     FORMAT_VERSION,
     MARKER,
+    STEP_DIR,
     CheckpointError,
     _clean_up,
     _fsync_dir,
@@ -384,7 +384,7 @@ class DCPCheckpointer:
         """Restore model, optimizer, scheduler, this rank's RNG and rank-local buffers; return the trainer
         state (loader position rescaled when the world size changed)."""
         path = Path(path)
-        named = _STEP_DIR.match(path.name)
+        named = STEP_DIR.match(path.name)
         self._agree_on_step(int(named.group(1)) if named else -1, loading=True)  # before any rank reads
         if not is_dcp_checkpoint(path) and (path / "model.safetensors").is_file():  # the 1-process format
             if self.env.world_size == 1:  # loads as it was saved; this run's saves are DCP from now on

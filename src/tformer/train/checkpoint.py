@@ -51,7 +51,7 @@ MARKER = "COMMITTED"
 DCP_FORMAT = "dcp"  # the "format" a COMMITTED manifest of a torch.distributed.checkpoint directory names
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by a DCP save
 CHECKPOINTS_DIR = "checkpoints"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIXES = (".tmp-", ".trash-")
 _ALIASES_KEY = "tformer.aliases"
 
@@ -229,7 +229,7 @@ def step_dir_name(step: int) -> str:
 
 def step_of(checkpoint: Path) -> int:
     """The step a `step_*` checkpoint directory holds (its name's number)."""
-    return int(_STEP_DIR.match(Path(checkpoint).name).group(1))
+    return int(STEP_DIR.match(Path(checkpoint).name).group(1))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -237,7 +237,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found) if _is_complete(p)]
 
 
@@ -277,7 +277,7 @@ def unfinished_checkpoints(run_dir: str | Path, after_step: int) -> list[Path]:
         return []
     return sorted(
         p for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > after_step and not _is_complete(p)
+        if (m := STEP_DIR.match(p.name)) and int(m.group(1)) > after_step and not _is_complete(p)
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -288,31 +289,35 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
         )
 
 
-def replaced_model_settings(cfg: TrainConfig, built: ModelConfig) -> list[str]:
+def replaced_model_settings(cfg: TrainConfig, built: ModelConfig, given: Collection[str]) -> list[str]:
     """The model sizes a task sets from its data and tokenizers (`Task.model_config`): the vocabularies
     come from the BPE it trains (data.vocab_size, data.src_vocab_size), the context is raised to hold
-    data.seq_len. A value of `given` that the run replaces is named, so that a user who wrote
-    `--set model.vocab_size=...` learns which setting to change; a new run warns of each (Trainer). A
-    tokenizer that learned fewer tokens than data.vocab_size says so itself (train_tokenizer)."""
-    said, given = [], cfg.model
-    if given.vocab_size not in (built.vocab_size, cfg.data.vocab_size):
+    data.seq_len. Of the dotted keys a user `given` (`tformer train --set ...`), each value the run
+    replaces is named with the setting that sizes it; a preset's own values are not the user's. A
+    tokenizer that learned fewer tokens than asked says so itself (train_tokenizer)."""
+    said, model, data = [], cfg.model, cfg.data
+    if "model.vocab_size" in given and model.vocab_size not in (built.vocab_size, data.vocab_size):
         said.append(
-            f"model.vocab_size {given.vocab_size:,} is replaced by the tokenizer's {built.vocab_size:,} "
+            f"model.vocab_size {model.vocab_size:,} is replaced by the tokenizer's {built.vocab_size:,} "
             "tokens: data.vocab_size sets the vocabulary"
         )
-    if given.src_vocab_size is not None and given.src_vocab_size != built.src_vocab_size:
+    if (
+        "model.src_vocab_size" in given
+        and model.src_vocab_size is not None
+        and model.src_vocab_size not in (built.src_vocab_size, data.src_vocab_size or data.vocab_size)
+    ):
         size = (
             "shares the target's (data.tokenizer 'joint')"
             if built.src_vocab_size is None
             else (f"is the source tokenizer's {built.src_vocab_size:,} tokens")
         )
         said.append(
-            f"model.src_vocab_size {given.src_vocab_size:,} is replaced: the source vocabulary {size}; "
+            f"model.src_vocab_size {model.src_vocab_size:,} is replaced: the source vocabulary {size}; "
             "data.src_vocab_size sets it"
         )
-    if given.max_seq_len < built.max_seq_len:
+    if "model.max_seq_len" in given and model.max_seq_len < built.max_seq_len:
         said.append(
-            f"model.max_seq_len {given.max_seq_len:,} is raised to {built.max_seq_len:,} to hold "
+            f"model.max_seq_len {model.max_seq_len:,} is raised to {built.max_seq_len:,} to hold "
             "data.seq_len's sequences"
         )
     return said

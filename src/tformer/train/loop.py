@@ -49,7 +49,6 @@ from tformer.train.checkpoint import (
 from tformer.train.config import (
     TrainConfig,
     refuse_ignored_settings,
-    replaced_model_settings,
     unread_settings,
 )
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
@@ -255,9 +254,6 @@ class Trainer:
                 restore_run_tokenizer(self.run_dir, meta, resume_from)
             task.setup(cfg, self.run_dir, self.device, resume=meta is not None)
         self.model_cfg = task.model_config(cfg)
-        if meta is None and self.env.is_main:
-            for said in replaced_model_settings(cfg, self.model_cfg):
-                warnings.warn(said, UserWarning, stacklevel=4)
         if meta is not None:
             check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
         self.model: nn.Module = build_model(self.model_cfg).to(self.device)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tformer.train.checkpoint import CHECKPOINTS_DIR, MARKER, CheckpointError
+from tformer.train.checkpoint import CHECKPOINTS_DIR, MARKER, STEP_DIR, CheckpointError
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a fresh run writes into its directory, replacing what is there
@@ -138,22 +138,22 @@ def refuse_run_dir_in_data(run_dir: Path, data_paths: list[str]) -> None:
 
 def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
     """ValueError where a run's directory is, or lies inside, a checkpoint (a folder with a COMMITTED
-    manifest) or a run's `checkpoints/` folder: the new run's files would mix with the checkpoint's
-    (`load_run` on either would read the other's weights), and the outer run's keep_last pruning would
-    later delete the new run with the checkpoint it lies in."""
+    manifest), or is named as a checkpoint a run would write (`step_N` in a `checkpoints/` folder): its
+    files would mix with the checkpoint's (`load_run` on either would read the other's weights), and the
+    run that owns the checkpoint would delete them with it when keep_last prunes it (or write its own
+    checkpoint of that step there)."""
     out = Path(run_dir).expanduser().resolve()
     for folder in (out, *out.parents):
         if (folder / MARKER).is_file():
-            inside = (
-                f"is the checkpoint {folder}" if folder == out else f"lies inside the checkpoint {folder}"
+            where = "is the checkpoint" if folder == out else "lies inside the checkpoint"
+            raise ValueError(
+                f"the run directory {run_dir} {where} {folder}: its files would mix with the checkpoint's, "
+                "and the run that saved it deletes it when keep_last prunes it; choose an --out outside it"
             )
-        elif folder.name == CHECKPOINTS_DIR and (folder.parent / "config.json").is_file():
-            inside = f"lies inside the run {folder.parent}'s checkpoints folder"
-        else:
-            continue
+    if out.parent.name == CHECKPOINTS_DIR and STEP_DIR.match(out.name):
         raise ValueError(
-            f"the run directory {run_dir} {inside}: its files would mix with that run's, whose keep_last "
-            "pruning would delete them; choose an --out outside it"
+            f"the run directory {run_dir} is named as a checkpoint of the run in {out.parent.parent} "
+            "(checkpoints/step_N), which would save that step there; choose another --out"
         )
 
 
