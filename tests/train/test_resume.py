@@ -120,6 +120,36 @@ def test_a_resume_checks_its_documents_and_vocabulary(corpus_dir: Path, tmp_path
         Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
 
 
+def test_a_deleted_data_json_is_restored_so_changed_data_is_still_refused(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """With data.json deleted, a resume on an edited corpus had gone on without a word and recorded the
+    data anew. The checkpoint keeps a copy: it is written back (a warning) and the edit refused; with the
+    data unchanged the run resumes."""
+    import shutil
+
+    from tformer.schema import ConfigError
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    cfg = small_config(corpus, steps=4, save_every=2, eval_every=2)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit(until=2)
+    recorded = json.loads((tmp_path / "r" / "data.json").read_text())
+    (tmp_path / "r" / "data.json").unlink()
+    doc = sorted(corpus.iterdir())[0]
+    original = doc.read_text()
+    doc.write_text(" ".join(reversed(original.split())) + "\n")
+    edited = r"split\(s\) of .* differ .* added, removed, renamed or edited"
+    with pytest.warns(UserWarning, match=r"data.json was missing: restored from .*step_000002"), pytest.raises(ConfigError, match=edited):  # fmt: skip
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False)
+    assert json.loads((tmp_path / "r" / "data.json").read_text()) == recorded
+    doc.write_text(original)
+    (tmp_path / "r" / "data.json").unlink()
+    with pytest.warns(UserWarning, match=r"data.json was missing: restored"):
+        Trainer(cfg, tmp_path / "r", make_task("lm"), resume=True, progress=False).fit()
+    assert json.loads((tmp_path / "r" / "data.json").read_text()) == recorded
+
+
 def test_a_resume_at_its_last_step_reports_that_step_evaluated(corpus_dir: Path, tmp_path: Path) -> None:
     """steps lowered to the checkpoint's step: no step runs, but the run ends as a run does, evaluated at
     its last step; the report's step is the run's, its evaluation's step `eval_step` (it had said 3)."""

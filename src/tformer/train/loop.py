@@ -68,6 +68,7 @@ from tformer.train.run_dir import (
     refuse_run_dir_in_checkpoints,
     refuse_run_dir_in_data,
     release_run_dir,
+    restore_run_data_manifest,
     restore_run_tokenizer,
     take_over,
     writing,
@@ -252,6 +253,7 @@ class Trainer:
         with self.env.main_first():  # rank 0 trains and saves the tokenizer, the others read it
             if meta is not None and self.env.is_main:
                 restore_run_tokenizer(self.run_dir, meta, resume_from)
+                restore_run_data_manifest(self.run_dir, meta, resume_from)
             task.setup(cfg, self.run_dir, self.device, resume=meta is not None)
         self.model_cfg = task.model_config(cfg)
         if meta is not None:
@@ -309,6 +311,7 @@ class Trainer:
                     "task": self.cfg.task,
                     "tokenizer": self.task.tokenizer_json(),
                     **({"src_tokenizer": src} if (src := self._src_tokenizer_json()) is not None else {}),
+                    **({"data_manifest": data} if (data := self._data_manifest()) is not None else {}),
                 },
                 keep_last=self.cfg.keep_last,
             )
@@ -317,6 +320,19 @@ class Trainer:
             raise save_failed(e, self.run_dir, s.step) from e
         self._saved = (s.step, path)
         return path
+
+    def _data_manifest(self) -> dict | None:
+        """The run's data.json (what its data was when it started), kept in every checkpoint so that a
+        resume can still check its data after data.json is lost (restore_run_data_manifest)."""
+        from tformer.tasks.corpus import MANIFEST
+
+        path = self.run_dir / MANIFEST
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # damaged: the resume that reads it names it
 
     def _src_tokenizer_json(self) -> str | None:
         """A task's separate source vocabulary (translation with data.tokenizer=separate), else None."""

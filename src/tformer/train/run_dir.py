@@ -176,6 +176,19 @@ def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
         _restore_one(run_dir / name, meta.get(key), checkpoint)
 
 
+def restore_run_data_manifest(run_dir: Path, meta: dict, checkpoint: Path) -> None:
+    """A resumed run checks its data against what it recorded when it started (data.json). A data.json
+    missing from the run directory is written back from the checkpoint's meta.json ("data_manifest"),
+    with a warning: without it the run would record the data as it is now and go on with changed data
+    without a word. Checkpoints saved before 2026-12-03 hold none: the run then records it anew."""
+    from tformer.tasks.corpus import MANIFEST
+
+    saved, path = meta.get("data_manifest"), run_dir / MANIFEST
+    if isinstance(saved, dict) and not path.exists():
+        path.write_text(json.dumps(saved, indent=2), encoding="utf-8")
+        warnings.warn(f"{path} was missing: restored from {checkpoint / 'meta.json'}", stacklevel=4)
+
+
 def _restore_one(path: Path, saved: object, checkpoint: Path) -> None:
     if not isinstance(saved, str):
         return  # a checkpoint without this tokenizer: the task reads the run's own
