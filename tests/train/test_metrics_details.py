@@ -167,3 +167,45 @@ def test_rewinding_replaces_the_file_whole(tmp_path: Path) -> None:
         log.truncate_after(2)
         assert [json.loads(x)["step"] for x in reader.read().splitlines()] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_a_full_disk_under_tensorboard_names_its_folder_and_prints_no_thread_traceback(tmp_path, monkeypatch):
+    """TensorBoard's writer thread had printed its traceback, and the run ended in "No space left on
+    device" naming no file. The error names the run's tensorboard folder; the thread's copy is not
+    printed (other threads' exceptions still are)."""
+    import errno
+    import threading
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    log = MetricsLog(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    with pytest.raises(OSError) as err:
+        log.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(tmp_path / "tensorboard"))
+    assert str(err.value) == f"[Errno 28] No space left on device: '{tmp_path / 'tensorboard'}'"
+    log.close()
+
+    import collections
+
+    from tformer.train import metrics
+
+    class _AsyncWriterThread(threading.Thread):  # the name TensorBoard's writer thread has
+        pass
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)  # what was there before: gets the rest
+    monkeypatch.setattr(metrics, "_HOOKED", False)
+    metrics._quiet_writer_threads()
+    args = collections.namedtuple("ExceptHookArgs", "exc_type exc_value exc_traceback thread")
+    threading.excepthook(args(OSError, OSError(errno.ENOSPC, "writer"), None, _AsyncWriterThread()))
+    threading.excepthook(args(OSError, OSError(errno.ENOSPC, "other"), None, threading.Thread()))
+    threading.excepthook(args(ValueError, ValueError("writer"), None, _AsyncWriterThread()))
+    assert [(type(a.exc_value).__name__, str(a.exc_value)) for a in seen] == [
+        ("OSError", "[Errno 28] other"),
+        ("ValueError", "writer"),
+    ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,21 @@ class MetricsLog:
         if self.tb is None and self.use_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
+            _quiet_writer_threads()
+            with self._named():
+                self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
         return self.tb
+
+    @contextlib.contextmanager
+    def _named(self):
+        """An OSError of TensorBoard's writer (a full disk) names the run's tensorboard folder (its own
+        message names no file)."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), str(self.tb_dir)) from e
 
     def write(self, record: dict[str, Any]) -> None:
         from tformer.train.run_dir import writing
@@ -34,9 +49,10 @@ class MetricsLog:
         if tb is not None and "step" in record:
             kind = record.get("kind")  # skip / spike records get tags of their own, off the loss curve
             prefix = "" if kind in ("train", "eval", None) else f"{kind}/"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    tb.add_scalar(prefix + key, value, record["step"])
+            with self._named():
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                        tb.add_scalar(prefix + key, value, record["step"])
 
     def truncate_after(self, step: int) -> None:
         """Before the first record of a run: drop the records of steps after `step`, which will be written
@@ -54,8 +70,31 @@ class MetricsLog:
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+            tb, self.tb = self.tb, None
+            with self._named():
+                tb.close()
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes events from a thread of its own; an OSError there (a full disk) is printed by
+    threading.excepthook as that thread's traceback and raised again by the writer's next call in the
+    training thread, which names it (MetricsLog._named). The hook skips the printed copy; every other
+    thread's exception is printed as before. Installed once per process."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    _HOOKED = True
+
+
+_HOOKED = False
 
 
 def is_record(record: dict[str, Any]) -> bool:
