@@ -100,7 +100,7 @@ def joins_pieces(run_dir: Path, corpus: Corpus) -> bool:
 def warn_if_split_changed(run_dir: Path, corpus: Corpus, split: str) -> None:
     """A warning when the split an evaluation scores is not the one the run recorded (its score then
     does not compare with the run's, and documents may have moved in from its training split)."""
-    other = another_corpus(run_dir, corpus)
+    other, changed = compare_with_record(run_dir, corpus)
     if other:
         warnings.warn(
             f"this run trained on {other}; the {split} split scored here is {_describe(corpus.manifest())}'s, "
@@ -108,7 +108,7 @@ def warn_if_split_changed(run_dir: Path, corpus: Corpus, split: str) -> None:
             UserWarning,
             stacklevel=3,
         )
-    elif split in split_changes(run_dir, corpus):
+    elif split in changed:
         warnings.warn(
             f"the {split} split differs from the one this run recorded (data.json): documents, pairs or "
             "articles were added, removed, renamed or edited since it trained, or a split or decoding rule "
@@ -122,9 +122,21 @@ def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
     """The splits whose documents differ from those the run recorded in data.json (files added, removed,
     renamed or edited in a text folder, pairs or articles of a data package changed); [] when they match
     or nothing was recorded (a run recorded before content hashes compares ids alone)."""
+    return compare_with_record(run_dir, corpus)[1]
+
+
+def another_corpus(run_dir: Path, corpus: Corpus) -> str:
+    """The corpus a run's data.json records where it is not `corpus` (another task, installed corpus or
+    direction; a user's folder may have moved, so its path is not compared), else ""."""
+    return compare_with_record(run_dir, corpus)[0]
+
+
+def compare_with_record(run_dir: Path, corpus: Corpus) -> tuple[str, list[str]]:
+    """(another_corpus, split_changes) from one read of data.json and one hashing of the corpus; a
+    data.json without splits is a ValueError naming it."""
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
-        return []
+        return "", []
     recorded = read_json(path)
     if not isinstance(recorded.get("ids_sha256"), dict):  # emptied or edited: no check would be made
         raise ValueError(
@@ -132,29 +144,19 @@ def split_changes(run_dir: Path, corpus: Corpus) -> list[str]:
             "or start a new run"
         )
     now = corpus.manifest()
+    installed = not any(":" in str(m.get("name")) for m in (recorded, now))
+    if {"name", "task"} <= recorded.keys() and (
+        any(recorded.get(k) != now[k] for k in ("task", "direction"))
+        or (installed and recorded.get("name") != now["name"])
+    ):
+        return _describe(recorded), []
     changed = []
     for split in now["ids_sha256"]:
         for key in ("ids_sha256", "content_sha256"):
             before = recorded.get(key, {}).get(split)
             if before is not None and before != now[key][split] and split not in changed:
                 changed.append(split)
-    return changed
-
-
-def another_corpus(run_dir: Path, corpus: Corpus) -> str:
-    """The corpus a run's data.json records where it is not `corpus` (another task, installed corpus or
-    direction; a user's folder may have moved, so its path is not compared), else ""."""
-    path = Path(run_dir) / MANIFEST
-    if not path.is_file():
-        return ""
-    recorded, now = read_json(path), corpus.manifest()
-    if not isinstance(recorded.get("ids_sha256"), dict) or not {"name", "task"} <= recorded.keys():
-        return ""  # damaged or edited: split_changes names it
-    installed = not any(":" in str(m.get("name")) for m in (recorded, now))
-    other = any(recorded.get(k) != now[k] for k in ("task", "direction")) or (
-        installed and recorded.get("name") != now["name"]
-    )
-    return _describe(recorded) if other else ""
+    return "", changed
 
 
 def _describe(manifest: dict) -> str:
@@ -165,13 +167,12 @@ def _describe(manifest: dict) -> str:
 def check_data_unchanged(run_dir: Path, corpus: Corpus, data: DataConfig) -> None:
     """A resumed run reads the data it started with: ConfigError naming the splits that changed since
     data.json recorded them. A run directory without data.json records it now."""
-    other = another_corpus(run_dir, corpus)
+    other, changed = compare_with_record(run_dir, corpus)
     if other:
         raise ValueError(
             f"{Path(run_dir) / MANIFEST} records {other}, not this run's {_describe(corpus.manifest())}: it is "
             "another run's data.json; restore this run's, or start a new run"
         )
-    changed = split_changes(run_dir, corpus)
     if changed:
         where = data.corpus if data.path is None else data.path
         raise ConfigError(

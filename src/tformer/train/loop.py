@@ -46,11 +46,7 @@ from tformer.train.checkpoint import (
     step_of,
     why_none_committed,
 )
-from tformer.train.config import (
-    TrainConfig,
-    refuse_ignored_settings,
-    unread_settings,
-)
+from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_settings
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
@@ -64,6 +60,7 @@ from tformer.train.run_dir import (
     RUN_TOKENIZERS,
     lock_run_dir,
     outermost_missing,
+    read_data_manifest,
     refuse_foreign_files,
     refuse_run_dir_in_checkpoints,
     refuse_run_dir_in_data,
@@ -255,6 +252,9 @@ class Trainer:
                 restore_run_tokenizer(self.run_dir, meta, resume_from)
                 restore_run_data_manifest(self.run_dir, meta, resume_from)
             task.setup(cfg, self.run_dir, self.device, resume=meta is not None)
+        # the run's data.json (its data when it started), kept in every checkpoint so that a resume can
+        # still check its data after data.json is lost (restore_run_data_manifest)
+        self._data_manifest = read_data_manifest(self.run_dir)
         self.model_cfg = task.model_config(cfg)
         if meta is not None:
             check_resume_config(cfg.replace(model=self.model_cfg), meta, resume_from, model=True)
@@ -311,7 +311,7 @@ class Trainer:
                     "task": self.cfg.task,
                     "tokenizer": self.task.tokenizer_json(),
                     **({"src_tokenizer": src} if (src := self._src_tokenizer_json()) is not None else {}),
-                    **({"data_manifest": data} if (data := self._data_manifest()) is not None else {}),
+                    **({"data_manifest": self._data_manifest} if self._data_manifest is not None else {}),
                 },
                 keep_last=self.cfg.keep_last,
             )
@@ -320,19 +320,6 @@ class Trainer:
             raise save_failed(e, self.run_dir, s.step) from e
         self._saved = (s.step, path)
         return path
-
-    def _data_manifest(self) -> dict | None:
-        """The run's data.json (what its data was when it started), kept in every checkpoint so that a
-        resume can still check its data after data.json is lost (restore_run_data_manifest)."""
-        from tformer.tasks.corpus import MANIFEST
-
-        path = self.run_dir / MANIFEST
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None  # damaged: the resume that reads it names it
 
     def _src_tokenizer_json(self) -> str | None:
         """A task's separate source vocabulary (translation with data.tokenizer=separate), else None."""

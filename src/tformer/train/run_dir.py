@@ -176,6 +176,18 @@ def restore_run_tokenizer(run_dir: Path, meta: dict, checkpoint: Path) -> None:
         _restore_one(run_dir / name, meta.get(key), checkpoint)
 
 
+def read_data_manifest(run_dir: Path) -> dict | None:
+    """The run's data.json as a dict; None where it is missing or damaged (the check that reads it names
+    a damaged one)."""
+    from tformer.tasks.corpus import MANIFEST
+
+    try:
+        value = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def restore_run_data_manifest(run_dir: Path, meta: dict, checkpoint: Path) -> None:
     """A resumed run checks its data against what it recorded when it started (data.json). A data.json
     missing from the run directory is written back from the checkpoint's meta.json ("data_manifest"),
