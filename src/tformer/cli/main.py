@@ -55,9 +55,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue exactly from the run directory's last checkpoint, with the run's own config.json "
-        "(--set may change steps, the eval / save / log / sample cadence, keep_last, the non-finite and "
-        "spike guards, device, compile, activation_checkpointing and parallel.*; model, data, optimizer, batch and seed must stay as "
-        "they were)",
+        "(--set may change steps, the eval / save / log / sample cadence, eval_batches, sample_tokens, "
+        "keep_last, the non-finite and spike guards, device, compile, activation_checkpointing, fused_loss "
+        "and parallel.*; model, data, optimizer, batch and seed must stay as they were)",
     )
     p.add_argument(
         "--no-progress",

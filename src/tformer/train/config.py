@@ -142,7 +142,8 @@ class ParallelConfig(Config):
     async_save: DCP saves continue in a background thread while training goes on.
     tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
         `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism
-        (FSDP2 when world / T > 1) runs over the first dimension. In MoE layers every rank of a group
+        runs over the first dimension, and
+        must be FSDP2 (`data="fsdp"`) when world / T > 1. In MoE layers every rank of a group
         routes the same tokens and computes its 1 / T of every expert's width (experts with biases or a
         width T does not divide run whole, with a warning; with experts="shard", its share of whole
         experts: they are split over the first dimension). 1 = off.
