@@ -216,6 +216,22 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+@register(
+    "export",
+    "write a trained decoder LM as a Hugging Face transformers model directory (Llama, Qwen2-MoE or GLM-4-MoE)",
+    "export:run",
+)
+def _export_args(p: argparse.ArgumentParser) -> None:
+    add_run_arguments(p)
+    p.add_argument("--out", required=True, type=nonempty_text, help="the new directory to write")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the saved weights' type (default float32; the logit check runs in float32 first)",
+    )
+
+
 @register("demo", "smoke run: build each architecture and train a tiny decoder for a few steps", "demo:run")
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=30, help="training steps (default 30)")
