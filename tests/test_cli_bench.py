@@ -33,6 +33,7 @@ def test_bench_reports_speed(capsys) -> None:
     )
     result = json.loads(capsys.readouterr().out)
     assert result["train_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["decode_dtype"] == "float32"  # what generate decodes in, whatever the training dtype
     assert result["params_total"] == result["params_active"] > 0
     assert (result["device"], result["dtype"], result["batch"]) == ("cpu", "float32", [2, 16])
 

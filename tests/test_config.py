@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -287,11 +288,22 @@ def test_a_seed_outside_torchs_range_names_the_field() -> None:
 
 def test_a_model_too_large_for_memory_names_its_sizes() -> None:
     from tformer import build_model
+    from tformer.model.transformer import weight_count_bound
+    from tformer.presets import deepseek_moe_small, llama_like, paper_base, tiny
 
-    with pytest.raises(
-        ValueError, match=r"does not fit in memory \(one tensor needs .* GiB\).*vocab_size=2147483647"
-    ):
+    with pytest.raises(ValueError, match=r"does not fit in memory: its float32 weights alone take about .* GiB.*vocab_size=2147483647"):  # fmt: skip
         build_model(ModelConfig(vocab_size=2**31 - 1, d_model=4096, n_heads=8))
+    t0 = (
+        time.perf_counter()
+    )  # a layer count typed with extra digits: refused at once (it had built for hours)
+    with pytest.raises(ValueError, match=r"does not fit in memory.*n_layers=1000000000"):
+        build_model(tiny().replace(n_layers=10**9))
+    assert time.perf_counter() - t0 < 5
+    # the estimate bounds the real count from above, and not by much
+    for cfg in (tiny(), tiny("encoder"), tiny("encoder_decoder"), tiny().replace(ffn="relu", positions="learned"),
+                llama_like(300, 64, 2, 4, 2, 128, 64), deepseek_moe_small(300, 64, 3), paper_base().replace(vocab_size=1000)):  # fmt: skip
+        real = sum(p.numel() for p in build_model(cfg).parameters())
+        assert real <= weight_count_bound(cfg) <= 1.5 * real
     for name in ("vocab_size", "max_seq_len", "d_ff"):  # beyond int32: named, not an overflow inside torch
         with pytest.raises(
             ConfigError,

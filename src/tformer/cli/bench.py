@@ -220,6 +220,9 @@ def _decoding(model, mcfg, device, n_new: int, args: argparse.Namespace) -> dict
     decode_s, decode_median = _times(lambda: generate(model, prompt, sampling), calls, device)
     out = {
         "decode_calls": calls,
+        "decode_dtype": str(next(model.parameters()).dtype).removeprefix(
+            "torch."
+        ),  # no autocast: as generate
         "decode_prompt_tokens": PROMPT,
         "decode_tokens_per_s": n_new / decode_s,
         "decode_tokens_per_s_median": n_new / decode_median,
@@ -263,7 +266,8 @@ def _print(result: dict, dtype: str, repeats: int) -> None:
         "the backward"
     )
     print(
-        f"greedy decoding (batch 1, KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {calls} "
+        f"greedy decoding ({result['decode_dtype']} weights without autocast, as tformer generate runs; batch 1, "
+        f"KV cache, {PROMPT}-token prompt + {n_new} tokens, best of {calls} "
         f"call{'s' if calls != 1 else ''}): {result['decode_tokens_per_s']:,.1f} tokens/s "
         f"({result['decode_ms_per_token']:.2f} ms/token; median {result['decode_tokens_per_s_median']:,.1f} tokens/s)"
     )

@@ -41,23 +41,24 @@ OVERRIDES = {
 
 @contextlib.contextmanager
 def flags_named(args: argparse.Namespace):
-    """A ConfigError about a setting the user gave as a flag (`OptimConfig.lr` from --lr) names the flag."""
+    """A ConfigError or a study setting's ValueError about a setting the user gave as a flag
+    (`OptimConfig.lr`, `NormSetting.lr` from --lr) names the flag."""
     try:
         yield
-    except ConfigError as err:
+    except ValueError as err:
         given = {OVERRIDES[f] for f in OVERRIDES if getattr(args, f, None) is not None}
 
         def flag(m: re.Match) -> str:
             return "--" + m.group(2).replace("_", "-") if m.group(2) in given else m.group(0)
 
-        text = re.sub(r"\b(\w+Config)\.(\w+)", flag, str(err))
+        text = re.sub(r"\b(\w+(?:Config|Setting))\.(\w+)", flag, str(err))
         if given:  # a bare `d_model=36` in a message about another field
             text = re.sub(
                 rf"(?<![\w.-])({'|'.join(sorted(given))})(?==)",
                 lambda m: "--" + m.group(1).replace("_", "-"),
                 text,
             )
-        raise ConfigError(text) from None
+        raise (ConfigError if isinstance(err, ConfigError) else ValueError)(text) from None
 
 
 def depth_list(text: str) -> tuple[int, ...]:
@@ -168,13 +169,16 @@ def run(args: argparse.Namespace) -> int:
     from tformer.distributed.env import resolve_device
     from tformer.experiments.runner import (
         PREVIOUS,
+        _study_files,
         check_complete,
         drop_previous_study,
         prepare_run_dir,
         read_setting,
         restore_previous_study,
+        setting_of,
         write_setting,
     )
+    from tformer.model.transformer import check_fits
     from tformer.train.run_dir import outermost_missing
 
     module = importlib.import_module(STUDIES[args.study])
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         if read_setting(out)["study"] != args.study:
             raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
     if args.resume:
-        setting = type(module.FULL).from_dict(read_setting(out)["setting"])
+        setting = setting_of(out, type(module.FULL))
         t0 = time.perf_counter()
         with torch_threads(args.threads):
             module.run(setting, out)
@@ -211,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         with flags_named(args):
             setting = resolve_setting(args, module)
             resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
-            module.make_arms(setting)  # an arm's model or optimizer setting out of range
+            for arm in module.make_arms(setting):  # an arm's model or optimizer setting out of range,
+                check_fits(arm.model)  # a model larger than the machine (the arms before it would train)
         created = outermost_missing(out)
         out = prepare_run_dir(out, args.overwrite)
         write_setting(out, args.study, "quick" if args.quick else "full", setting)
@@ -229,16 +234,17 @@ def run(args: argparse.Namespace) -> int:
                     "this one has its report (--resume continues this one; another --overwrite deletes it)",
                     file=sys.stderr,
                 )
-            if (
-                early
-                and not restore_previous_study(out)
-                and created is not None
-                and isinstance(err, Exception)
-            ):
-                shutil.rmtree(created, ignore_errors=True)
+            if early and not restore_previous_study(out) and isinstance(err, Exception):
+                if created is not None:
+                    shutil.rmtree(created, ignore_errors=True)
+                else:  # a directory of the user's: what the study wrote in it (no study was there before)
+                    for path in _study_files(out):
+                        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
+                            missing_ok=True
+                        )
             raise
         print(f"trained in {time.perf_counter() - t0:.1f} s")
-    saved = type(module.FULL).from_dict(read_setting(out)["setting"])
+    saved = setting_of(out, type(module.FULL))
     check_complete(out, module.make_arms(saved), saved.steps)
     report, summary = module.report(out)
     md, page = report.write(out)

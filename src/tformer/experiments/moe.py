@@ -29,7 +29,7 @@ from torch import nn
 from tformer.config import ModelConfig, MoEConfig
 from tformer.data.datasets import collate_lm
 from tformer.distributed.env import resolve_device
-from tformer.experiments.runner import Arm, Setting, StudyData, run_arms
+from tformer.experiments.runner import Arm, Setting, StudyData, begin_study, run_arms
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.model.router import Routing
@@ -290,7 +290,8 @@ def analyses(arm: Arm, model: nn.Module, data: StudyData, batches: list, s: MoES
     return out
 
 
-def run(setting: MoESetting, run_dir: Path) -> None:
+def run(setting: MoESetting, run_dir: str | Path) -> None:
+    run_dir = begin_study(run_dir, "moe", setting, QUICK)
     data = StudyData.prepare(setting, run_dir)
     batches = analysis_batches(data, setting)
     run_arms(

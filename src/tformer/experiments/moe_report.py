@@ -27,7 +27,7 @@ from tformer.experiments.report import (
     training_units,
     verdict_lines,
 )
-from tformer.experiments.runner import ArmLog, read_arms, read_setting
+from tformer.experiments.runner import ArmLog, read_arms, read_setting, setting_of, vocabulary_words
 
 COLORS = {
     "dense": "black",
@@ -413,8 +413,9 @@ def preference_tables(r: Report, arms: list[ArmLog], shown: int = 12) -> None:
 
 
 def report(run_dir: Path) -> tuple[Report, str]:
+    run_dir = Path(run_dir)
     meta = read_setting(run_dir)
-    s = MoESetting.from_dict(meta["setting"])
+    s = setting_of(run_dir, MoESetting)
     arms = read_arms(run_dir)
     figs = [
         (plot_loss(arms, run_dir / "moe_loss.png"), "Loss vs steps and vs training wall-clock."),
@@ -447,7 +448,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Setup")
     r.bullets(
         [
-            f"Data: {s.corpus} language modelling, BPE vocabulary {s.vocab_size}, "
+            f"Data: {s.corpus} language modelling, BPE vocabulary {vocabulary_words(arms, s.vocab_size)}, "
             f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len}; "
             f"validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works.",
             f"Model: decoder, {s.n_layers} layers (every FFN slot MoE in the MoE arms), d_model {s.d_model}, "

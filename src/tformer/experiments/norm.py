@@ -40,10 +40,13 @@ from tformer.experiments.runner import (
     ArmLog,
     Setting,
     StudyData,
+    begin_study,
     block_names,
     read_arms,
     read_setting,
     run_arms,
+    setting_of,
+    vocabulary_words,
 )
 from tformer.train.config import DataConfig
 
@@ -179,7 +182,8 @@ def study_data(s: NormSetting, run_dir: Path) -> StudyData:
     return StudyData(s, run_dir, task="translation", data=data)
 
 
-def run(setting: NormSetting, run_dir: Path) -> None:
+def run(setting: NormSetting, run_dir: str | Path) -> None:
+    run_dir = begin_study(run_dir, "norm", setting, QUICK)
     data = study_data(setting, run_dir)
     run_arms(make_arms(setting, data.resolve), data, setting, run_dir)
 
@@ -255,13 +259,14 @@ class Grid:
     def cost(self, placement: str, depth: int, seed: int, measure, diverges: bool = False) -> float | None:
         """measure(no warm-up arm) - measure(warm-up arm); None where an arm is missing or the measure has
         no value (NaN). `diverges`: a loss, whose non-finite value without warm-up (and a finite one with)
-        is a cost of +inf."""
+        is a cost of +inf, and a non-finite one with warm-up only (dropping it helped) a cost of -inf: a
+        diverged loss counts as worse than any finite one."""
         with_w, no_w = (self.arms.get((placement, depth, warm, seed)) for warm in (True, False))
         if with_w is None or no_w is None:
             return None
         after, before = measure(no_w), measure(with_w)
-        if diverges and not math.isfinite(after) and math.isfinite(before):
-            return math.inf
+        if diverges and math.isfinite(after) != math.isfinite(before):
+            return math.inf if math.isfinite(before) else -math.inf
         return after - before if math.isfinite(after) and math.isfinite(before) else None
 
     def by_depth(self, fn, placement: str, warmup: bool = True, digits: int = 3) -> str:
@@ -280,12 +285,13 @@ class Grid:
 
 def warmup_cost_rule(g: Grid, measure, sign: float, diverges: bool = False) -> list[bool | None]:
     """Dropping warm-up costs Post-Norm (sign * cost > 0) more than it costs Pre-Norm, per depth and seed
-    (None where a cost is unknown, or both arms diverged without warm-up: neither costs more)."""
+    (None where a cost is unknown, or both placements' arms diverged on the same side: neither costs
+    more)."""
     out = []
     for seed in range(g.s.seeds):
         for depth in g.s.depths:
             post, pre = (g.cost(p, depth, seed, measure, diverges) for p in ("post", "pre"))
-            unknown = post is None or pre is None or post == pre == math.inf
+            unknown = post is None or pre is None or (post == pre and math.isinf(post))
             out.append(None if unknown else sign * post > max(0.0, sign * pre))
     return out
 
@@ -499,17 +505,17 @@ def arm_rows(arms: list[ArmLog], s: NormSetting) -> list[list[str]]:
     return rows
 
 
-def data_line(s: NormSetting, run_dir: Path) -> str:
+def data_line(s: NormSetting, run_dir: Path, arms: list[ArmLog]) -> str:
     if s.arch == "encoder_decoder":
         pairs = training_units(run_dir, s.max_train_pairs, "pairs")
         return (
             f"Data: {TRANSLATION_CORPUS} German -> English, {pairs}, joint BPE vocabulary "
-            f"{s.vocab_size}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on "
+            f"{vocabulary_words(arms, s.vocab_size)}, at most {s.seq_len} tokens per side; validation loss and greedy BLEU on "
             f"{s.eval_batches * s.batch_size} validation pairs spread over the split; depth = layers in the "
             "encoder and in the decoder."
         )
     return (
-        f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {s.vocab_size}, "
+        f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {vocabulary_words(arms, s.vocab_size)}, "
         f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len} "
         f"tokens; validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works."
     )
@@ -531,8 +537,9 @@ ARM_HEADERS = [
 
 
 def report(run_dir: Path) -> tuple[Report, str]:
+    run_dir = Path(run_dir)
     meta = read_setting(run_dir)
-    s = NormSetting.from_dict(meta["setting"])
+    s = setting_of(run_dir, NormSetting)
     arms = read_arms(run_dir)
     figs = [
         plot_init_grads(arms, s, run_dir / "norm_init_grads.png"),
@@ -556,7 +563,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Setup")
     r.bullets(
         [
-            data_line(s, run_dir),
+            data_line(s, run_dir, arms),
             f"Model: {s.arch.replace('_', '-')}, d_model {s.d_model}, {s.n_heads} heads, ReLU FFN {s.d_ff}, LayerNorm, sinusoidal "
             f"positions, Xavier init, no dropout; depths {', '.join(map(str, s.depths))}.",
             f"Budget (every arm): {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, AdamW lr {s.lr}, "

@@ -45,7 +45,18 @@ from tformer.experiments.report import (
     training_units,
     verdict_lines,
 )
-from tformer.experiments.runner import Arm, ArmLog, Setting, StudyData, read_arms, read_setting, run_arms
+from tformer.experiments.runner import (
+    Arm,
+    ArmLog,
+    Setting,
+    StudyData,
+    begin_study,
+    read_arms,
+    read_setting,
+    run_arms,
+    setting_of,
+    vocabulary_words,
+)
 from tformer.model import build_model
 
 POSITIONS = ("sinusoidal", "learned", "rope")
@@ -203,7 +214,8 @@ def position_evals(arm: Arm, model: nn.Module, windows: torch.Tensor, s: RopeSet
     return records
 
 
-def run(setting: RopeSetting, run_dir: Path) -> None:
+def run(setting: RopeSetting, run_dir: str | Path) -> None:
+    run_dir = begin_study(run_dir, "rope", setting, QUICK)
     data = StudyData.prepare(setting, run_dir)
     windows = eval_windows(data, setting)
     run_arms(
@@ -421,8 +433,9 @@ def table_rows(c: dict, s: RopeSetting) -> list[list[str]]:
 
 
 def report(run_dir: Path) -> tuple[Report, str]:
+    run_dir = Path(run_dir)
     meta = read_setting(run_dir)
-    s = RopeSetting.from_dict(meta["setting"])
+    s = setting_of(run_dir, RopeSetting)
     arms = read_arms(run_dir)
     c = curves(arms)
     figs = [
@@ -450,7 +463,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
     r.heading("Setup")
     r.bullets(
         [
-            f"Data: {s.corpus} language modelling, BPE vocabulary {s.vocab_size}, "
+            f"Data: {s.corpus} language modelling, BPE vocabulary {vocabulary_words(arms, s.vocab_size)}, "
             f"{training_units(run_dir, s.max_train_docs, 'works')}; trained on windows of "
             f"L = {s.seq_len} tokens.",
             f"Model: decoder, {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, SwiGLU {s.d_ff}, Pre-Norm "

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tformer.config import ModelConfig
+from tformer.config import MAX_BPE_VOCAB, ModelConfig
 from tformer.distributed.env import resolve_device
 from tformer.json_files import read_json, read_json_lines
 from tformer.model import build_model
@@ -60,6 +60,8 @@ METRICS = "metrics.jsonl"
 ARM = "arm.json"
 DONE = "DONE"  # written into an arm's directory once it trained and its analyses ran (what --resume keeps)
 SETTING = "setting.json"
+MAX_SEEDS = 1000  # more than any study here could train (each seed is every arm again)
+MODES = ("quick", "full")
 
 
 # ----------------------------------------------------------------------------- setting
@@ -102,12 +104,22 @@ class Setting:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+        name = type(self).__name__
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lr <= 0:  # (NaN and inf: OptimConfig names them)
+            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if not 260 <= self.vocab_size <= MAX_BPE_VOCAB:  # checked before the study writes anything
+            raise ValueError(
+                f"{name}.vocab_size must be from 260 (256 bytes + 4 special tokens) to {MAX_BPE_VOCAB:,}, "
+                f"got {self.vocab_size}"
+            )
+        if self.seeds > MAX_SEEDS:
+            raise ValueError(
+                f"{name}.seeds must be at most {MAX_SEEDS:,} (each seed trains every arm), got {self.seeds:,}"
+            )
 
     def replace(self, **changes: Any) -> Setting:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -116,9 +128,34 @@ class Setting:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Setting:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names})
+    def from_dict(cls, data: dict[str, Any], where: str = "the setting") -> Setting:
+        """The setting a study's setting.json records: every field, each of its own type (a file written
+        by hand or by another version names what is wrong, with `where`)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: 'setting' must be a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        missing = sorted(set(fields) - set(data))
+        if missing:
+            raise ValueError(f"{where}: the setting lacks {', '.join(missing)}")
+        values = {}
+        for name, f in fields.items():
+            value, default = data[name], f.default
+            if isinstance(value, list):
+                value = tuple(value)
+            kinds = {tuple: (tuple,), float: (int, float), int: (int,), str: (str,), bool: (bool,)}
+            want = kinds.get(type(default), (int,) if default is None else (type(default),))
+            ok = (value is None and (default is None or "None" in str(f.type))) or (
+                isinstance(value, want) and not (isinstance(value, bool) and bool not in want)
+            )
+            if isinstance(value, tuple) and ok:
+                ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            if not ok:
+                raise ValueError(f"{where}: setting {name} = {json.dumps(data[name])} is not a {f.type}")
+            values[name] = value
+        try:
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
     def optim(self, **changes: Any) -> OptimConfig:
         """The one optimizer setting of the study (cosine to 10% after linear warm-up)."""
@@ -237,10 +274,55 @@ def write_setting(run_dir: Path, study: str, mode: str, setting: Setting) -> Non
 
 
 def read_setting(run_dir: Path) -> dict[str, Any]:
+    """setting.json: {"study": name, "mode": "quick" | "full", "setting": {...}}, its shape checked (the
+    setting's fields are checked by `Setting.from_dict`)."""
+    from tformer.experiments import STUDIES
+
     path = Path(run_dir) / SETTING
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: not an experiment run directory")
-    return read_json(path)
+    meta = read_json(path)
+    for key, ok, want in (
+        ("study", lambda v: v in STUDIES, f"one of {', '.join(sorted(STUDIES))}"),
+        ("mode", lambda v: v in MODES, "'quick' or 'full'"),
+        ("setting", lambda v: isinstance(v, dict), "a JSON object"),
+    ):
+        if key not in meta or not ok(meta[key]):
+            got = f"{json.dumps(meta[key])}" if key in meta else "nothing"
+            raise ValueError(f"{path} is not a study's setting.json: '{key}' must be {want}, got {got}")
+    return meta
+
+
+def setting_of(run_dir: Path, cls: type[Setting]) -> Setting:
+    """The Setting a study directory's setting.json records."""
+    return cls.from_dict(read_setting(run_dir)["setting"], str(Path(run_dir) / SETTING))
+
+
+def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Setting) -> Path:
+    """A study's `run` starts here: the directory made, and its setting.json written, or, where one is
+    there (the command line wrote it, or an earlier attempt did), the same study and setting required: the
+    arms it kept were trained under that setting, and a study mixing arms of two settings would compare
+    them as equals."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is a file; a study needs a directory")
+    if (run_dir / SETTING).exists():
+        saved = read_setting(run_dir)
+        if saved["study"] != study:
+            raise ValueError(f"{run_dir} holds a {saved['study']} study, not {study}")
+        before = setting_of(run_dir, type(setting))
+        if before != setting:
+            changed = [f"{k} {v!r} -> {getattr(setting, k)!r}" for k, v in before.to_dict().items()
+                       if v != setting.to_dict()[k] and not (isinstance(v, list) and tuple(v) == getattr(setting, k))]  # fmt: skip
+            raise ValueError(
+                f"{run_dir} holds a {study} study of another setting ({'; '.join(changed)}): its arms were "
+                "trained under its own; continue it with its setting (tformer experiment --resume), or use "
+                "another directory"
+            )
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_setting(run_dir, study, "quick" if setting == quick else "full", setting)
+    return run_dir
 
 
 # ----------------------------------------------------------------------------- data
@@ -501,21 +583,36 @@ def read_arms(run_dir: Path) -> list[ArmLog]:
     return [ArmLog(m["name"], m["seed"], m["tags"], m["model"], read_records(path)) for m, path in metas]
 
 
-def finished_arms(run_dir: Path) -> set[str]:
-    """The arms of a run that trained to the end and ran their analyses (their DONE marker)."""
+def vocabulary_words(arms: list[ArmLog], asked: int) -> str:
+    """The vocabulary the arms trained with, for a report: "2048", or where the tokenizer learned fewer
+    tokens than the setting asked, "5,983 (60,000 asked: the training text held no more merges)"."""
+    learned = min((a.model.get("vocab_size", asked) for a in arms), default=asked)
+    return (
+        f"{learned}"
+        if learned == asked
+        else f"{learned:,} ({asked:,} asked: the training text held no more merges)"
+    )
+
+
+def finished_arms(run_dir: Path, steps: int) -> set[str]:
+    """The arms of a run that trained to the end (or were stopped by the non-finite rule) and ran their
+    analyses (their DONE marker). An arm with its marker but a metrics file that does not show the end
+    (damaged, cut short) is not finished: --resume trains it again."""
     arms_dir = Path(run_dir) / "arms"
-    return {d.name for d in arms_dir.iterdir() if (d / DONE).is_file()} if arms_dir.is_dir() else set()
+    analysed = {d.name for d in arms_dir.iterdir() if (d / DONE).is_file()} if arms_dir.is_dir() else set()
+    done = set()
+    for log in read_arms(run_dir) if analysed else []:
+        last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
+        if log.name in analysed and (last == steps or log.stopped):
+            done.add(log.name)
+    return done
 
 
 def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
     """Every arm of the study trained to the end (or stopped by the non-finite rule) and ran its
     analyses (its DONE marker): a report of an interrupted study would compare arms that are not there,
     or drop an arm whose analyses were cut short from its tables."""
-    done, analysed = set(), finished_arms(run_dir)
-    for log in read_arms(run_dir):
-        last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
-        if log.name in analysed and (last == steps or any(r.get("kind") == "stopped" for r in log.records)):
-            done.add(log.name)
+    done = finished_arms(run_dir, steps)
     missing = [a.name for a in arms if a.name not in done]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -530,11 +627,12 @@ def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, 
     measurements on the trained model (its records go to the same metrics.jsonl). Arms that finished in
     an earlier attempt at this run (--resume) are kept: each arm is seeded on its own, so training only
     the others gives what one uninterrupted run gives."""
-    done = finished_arms(run_dir)
+    done = finished_arms(run_dir, setting.steps)
     for i, arm in enumerate(arms, 1):
         metrics = Path(run_dir) / "arms" / arm.name / METRICS
         t0 = time.perf_counter()
         if arm.name not in done:
+            (metrics.parent / DONE).unlink(missing_ok=True)  # a marker over damaged metrics: trained again
             model = train_arm(arm, data, setting, run_dir, index=i - 1)
             if after is not None:
                 with metrics.open("a") as f:

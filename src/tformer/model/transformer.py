@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from dataclasses import replace
 
@@ -319,10 +320,50 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
+def weight_count_bound(cfg: ModelConfig) -> int:
+    """An upper bound on the model's parameter count from its sizes alone (no module is built): every
+    layer counted with full-width K/V, the larger of its dense and MoE FFNs, and cross-attention where
+    there is a decoder over an encoder; embeddings, head and a learned position table."""
+    d, hd = cfg.d_model, cfg.n_heads * cfg.resolved_head_dim
+    attn = 4 * d * hd + 4 * hd
+    gated = 3 if cfg.ffn == "swiglu" else 2
+    ffn = gated * d * cfg.d_ff + cfg.d_ff + d
+    if cfg.moe is not None:  # routed and shared experts (and their biases), the router's centroids
+        moe = cfg.moe
+        hidden = moe.n_experts * moe.expert_width(cfg.d_ff) + moe.n_shared * moe.shared_width(cfg.d_ff)
+        ffn = max(ffn, (gated * d + 2) * hidden + moe.n_experts * (d + 3) + 2 * d)
+    layer = attn + ffn + 4 * d
+    layers = cfg.n_layers
+    if cfg.arch == "encoder_decoder":
+        layers += cfg.resolved_n_encoder_layers
+        layer += attn + 2 * d  # the decoder's cross-attention, counted for every layer
+    vocab = cfg.vocab_size + (cfg.src_vocab_size or 0)
+    return layers * layer + 2 * vocab * d + cfg.max_seq_len * d + cfg.n_classes * d
+
+
+def check_fits(cfg: ModelConfig) -> None:
+    """ValueError, before anything is allocated, when the fp32 weights alone would need more than this
+    machine's memory (a layer count or width typed with extra digits would otherwise allocate until the
+    machine runs out, or build modules for hours)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocator will say
+        return
+    need = 4 * weight_count_bound(cfg)
+    if need > memory:
+        raise ValueError(
+            f"the model does not fit in memory: its float32 weights alone take about {need / 2**30:,.1f} GiB, "
+            f"and this machine has {memory / 2**30:,.1f} GiB: check its sizes: vocab_size={cfg.vocab_size}, "
+            f"d_model={cfg.d_model}, n_layers={cfg.n_layers}, d_ff={cfg.d_ff}"
+            + (f", moe.n_experts={cfg.moe.n_experts}" if cfg.moe is not None else "")
+        )
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The model `cfg` describes, initialised by `cfg.init`."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"build_model expects a ModelConfig, got {type(cfg).__name__}")
+    check_fits(cfg)
     try:
         return ARCHITECTURES[cfg.arch](cfg)
     except (RuntimeError, MemoryError) as err:  # the allocator's message names bytes, not the setting

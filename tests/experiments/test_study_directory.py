@@ -1,0 +1,120 @@
+"""A study's directory and setting: what a failed study leaves in a user's directory, setting.json files
+of the wrong shape, damaged arms on --resume, the Python API's run / report, bounds checked before any
+arm trains, a diverged warm-up arm in the norm verdicts, the vocabulary a report states."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from tformer.cli.main import main
+from tformer.experiments import norm
+from tformer.experiments.runner import ArmLog, vocabulary_words
+
+from .test_parts import norm_grid
+
+QUICK = ["--quick", "--threads", "1"]
+
+
+def test_a_failed_study_in_a_users_directory_removes_what_it_wrote(tmp_path, capsys) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    # fails once the data, tokenizer and setting are written: no full batch
+    assert main(["experiment", "norm", *QUICK, "--batch-size", "100000", "--out", str(out)]) == 2
+    assert "lower the batch size" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # not read as an unfinished study after
+    assert main(["experiment", "norm", *QUICK, "--vocab-size", "10", "--out", str(out)]) == 2
+    assert "--vocab-size must be from 260" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--seeds", "100000000"], "--seeds must be at most 1,000"),
+        (["--depths", "2,99999999999999999999"], "the model does not fit in memory"),
+        (["--lr", "-1"], "--lr must be > 0"),
+    ],
+)
+def test_sizes_past_the_machine_are_refused_before_any_arm_trains(argv, needle, tmp_path, capsys) -> None:
+    t0 = time.perf_counter()
+    assert main(["experiment", "norm", *QUICK, "--out", str(tmp_path / "s"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "s").exists() and time.perf_counter() - t0 < 20  # it had hung building arms
+
+
+FULL_SETTING = norm.QUICK.to_dict()
+
+
+@pytest.mark.parametrize(
+    "payload, needle",
+    [
+        ({"study": "norm"}, "'mode' must be 'quick' or 'full', got nothing"),
+        ({"setting": {}}, "'study' must be one of moe, norm, rope, got nothing"),
+        ({"study": "norm", "mode": "quick", "setting": [1]}, "'setting' must be a JSON object"),
+        (
+            {"study": "norm", "mode": "quick", "setting": {**FULL_SETTING, "steps": "10"}},
+            'setting steps = "10"',
+        ),
+        ({"study": "norm", "mode": "quick", "setting": {}}, "the setting lacks"),
+        ({"study": "norm", "mode": "quick", "setting": {**FULL_SETTING, "seeds": 0}}, "seeds must be >= 1"),
+    ],
+)
+def test_a_setting_json_of_the_wrong_shape_is_named(payload, needle, tmp_path, capsys) -> None:
+    (tmp_path / "setting.json").write_text(json.dumps(payload))
+    for option in ("--report-only", "--resume"):
+        assert main(["experiment", "norm", option, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "setting.json" in err and "Traceback" not in err, err
+
+
+def test_resume_trains_again_an_arm_whose_metrics_were_damaged(tmp_path, capsys) -> None:
+    out = tmp_path / "study"
+    assert main(["experiment", "norm", *QUICK, "--depths", "2", "--out", str(out)]) == 0
+    metrics = out / "arms" / "pre-L2-warmup-s0" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole[: len(whole) // 3])  # cut short; its DONE marker stays
+    capsys.readouterr()
+    assert main(["experiment", "norm", "--report-only", "--out", str(out)]) == 2
+    assert "not pre-L2-warmup-s0" in capsys.readouterr().err
+    assert main(["experiment", "norm", "--resume", "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pre-L2-warmup-s0: val loss" in printed and printed.count("kept from the earlier attempt") == 3
+    assert untimed(metrics.read_text()) == untimed(whole)  # each arm seeded on its own: the same records
+
+
+def untimed(text: str) -> list[dict]:
+    """metrics.jsonl records without their wall-clock times."""
+    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in text.splitlines()]
+
+
+def test_the_python_api_makes_the_directory_and_refuses_another_setting(tmp_path) -> None:
+    setting = norm.QUICK.replace(depths=(2,), steps=6)
+    out = tmp_path / "new" / "study"
+    norm.run(setting, str(out))  # a directory that does not exist yet, given as a str
+    _, summary = norm.report(str(out))
+    assert "pre-L2-warmup-s0" in summary
+    with pytest.raises(ValueError, match=r"another setting \(steps 6 -> 8; lr 0.001 -> 0.5\)"):
+        norm.run(setting.replace(steps=8, lr=0.5), out)
+
+
+def test_a_diverged_warm_up_arm_counts_against_needing_warm_up() -> None:
+    s = norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=2)
+    claim = "Post-Norm needs learning-rate warm-up more than Pre-Norm"
+    # Post-Norm diverged with warm-up and trained without: dropping warm-up helped it
+    helped = {("post", True): math.nan, ("post", False): 6.0, ("pre", True): 2.9, ("pre", False): 2.95}
+    assert {v.claim: v for v in norm.verdicts(norm_grid(helped, 4.0), s)}[claim].holds is False
+    # both placements diverged with warm-up only: neither needs it more
+    both = {("post", True): math.nan, ("post", False): 6.0, ("pre", True): math.nan, ("pre", False): 3.0}
+    assert {v.claim: v for v in norm.verdicts(norm_grid(both, 4.0), s)}[claim].holds is None
+
+
+def test_the_vocabulary_stated_is_the_one_the_arms_trained_with() -> None:
+    arms = [ArmLog("a", 0, {}, {"vocab_size": 5983}, []), ArmLog("b", 0, {}, {"vocab_size": 5983}, [])]
+    assert vocabulary_words(arms, 60000) == "5,983 (60,000 asked: the training text held no more merges)"
+    assert vocabulary_words(arms[:1], 5983) == "5983"
