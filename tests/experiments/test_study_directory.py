@@ -12,7 +12,7 @@ import pytest
 
 from tformer.cli.main import main
 from tformer.experiments import norm
-from tformer.experiments.runner import ArmLog, vocabulary_words
+from tformer.experiments.runner import ArmLog, scored_windows, vocabulary_words
 
 from .test_parts import norm_grid
 
@@ -118,3 +118,22 @@ def test_the_vocabulary_stated_is_the_one_the_arms_trained_with() -> None:
     arms = [ArmLog("a", 0, {}, {"vocab_size": 5983}, []), ArmLog("b", 0, {}, {"vocab_size": 5983}, [])]
     assert vocabulary_words(arms, 60000) == "5,983 (60,000 asked: the training text held no more merges)"
     assert vocabulary_words(arms[:1], 5983) == "5983"
+
+
+def test_a_depth_of_one_block_leaves_the_init_gradient_claim_open() -> None:
+    s = norm.NormSetting(depths=(1,), seeds=1, steps=6, warmup_steps=2)
+    arms = norm_grid({(p, w): 3.0 for p in ("post", "pre") for w in (True, False)}, 4.0)
+    for a in arms:  # one block: its ratio last / first is 1 by construction
+        a.records[0]["layer_grad_norms"] = {"blocks.0": 1.0}
+    verdict = norm.verdicts(arms, s)[0]
+    assert verdict.claim.startswith("At initialisation") and verdict.holds is None
+
+
+def test_the_windows_stated_are_the_ones_scored(tmp_path, capsys) -> None:
+    arms = [ArmLog("a", 0, {}, {}, [{"kind": "eval", "step": 4, "eval_loss": 3.0, "windows_scored": 1936}])]
+    assert scored_windows(arms, 2048) == 1936 and scored_windows([], 2048) == 2048
+    (tmp_path / "setting.json").write_text(
+        json.dumps({"study": "norm", "mode": "quick", "setting": FULL_SETTING})
+    )
+    assert main(["experiment", "norm", "--report-only", "--out", str(tmp_path)]) == 2  # setting, no arms yet
+    assert "is incomplete: 0 of 8 arms finished" in capsys.readouterr().err  # (it had been "No such file")

@@ -27,7 +27,14 @@ from tformer.experiments.report import (
     training_units,
     verdict_lines,
 )
-from tformer.experiments.runner import ArmLog, read_arms, read_setting, setting_of, vocabulary_words
+from tformer.experiments.runner import (
+    ArmLog,
+    read_arms,
+    read_setting,
+    scored_windows,
+    setting_of,
+    vocabulary_words,
+)
 
 COLORS = {
     "dense": "black",
@@ -450,7 +457,7 @@ def report(run_dir: Path) -> tuple[Report, str]:
         [
             f"Data: {s.corpus} language modelling, BPE vocabulary {vocabulary_words(arms, s.vocab_size)}, "
             f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len}; "
-            f"validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works.",
+            f"validation loss on {scored_windows(arms, s.eval_batches * s.batch_size)} windows spread over the held-out works.",
             f"Model: decoder, {s.n_layers} layers (every FFN slot MoE in the MoE arms), d_model {s.d_model}, "
             f"{s.n_heads} heads, SwiGLU experts, Pre-Norm RMSNorm, RoPE, no dropout; active FFN width {s.d_ff} in "
             f"every arm. DeepSeekMoE: granularity m = {s.granularity}, one shared expert, `fine_grained` from GShard.",

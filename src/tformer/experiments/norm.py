@@ -45,6 +45,7 @@ from tformer.experiments.runner import (
     read_arms,
     read_setting,
     run_arms,
+    scored_windows,
     setting_of,
     vocabulary_words,
 )
@@ -201,8 +202,11 @@ def init_block_norms(arm: ArmLog, output_stack: bool = False) -> list[float]:
 
 
 def init_ratio(arm: ArmLog) -> float:
-    """Gradient norm of the block next to the output over the first block of its stack, at initialisation."""
+    """Gradient norm of the block next to the output over the first block of its stack, at initialisation
+    (NaN for a stack of one block, whose ratio is 1 by construction and says nothing)."""
     norms = init_block_norms(arm, output_stack=True)
+    if len(norms) < 2:
+        return math.nan
     return norms[-1] / norms[0] if norms[0] > 0 else math.inf
 
 
@@ -517,7 +521,7 @@ def data_line(s: NormSetting, run_dir: Path, arms: list[ArmLog]) -> str:
     return (
         f"Data: {s.corpus} language modelling, byte-level BPE vocabulary {vocabulary_words(arms, s.vocab_size)}, "
         f"{training_units(run_dir, s.max_train_docs, 'works')}, windows of {s.seq_len} "
-        f"tokens; validation loss on {s.eval_batches * s.batch_size} windows spread over the held-out works."
+        f"tokens; validation loss on {scored_windows(arms, s.eval_batches * s.batch_size)} windows spread over the held-out works."
     )
 
 

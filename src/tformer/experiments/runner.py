@@ -576,6 +576,8 @@ class ArmLog:
 def read_arms(run_dir: Path) -> list[ArmLog]:
     """Every arm of a run, in the order they were trained."""
     metas = []
+    if not (Path(run_dir) / "arms").is_dir():
+        raise ValueError(f"{run_dir} holds no arms/ folder: the study trained no arm (run it with --resume)")
     for arm_dir in (Path(run_dir) / "arms").iterdir():
         if (arm_dir / ARM).exists() and (arm_dir / METRICS).exists():
             metas.append((read_json(arm_dir / ARM), arm_dir / METRICS))
@@ -592,6 +594,12 @@ def vocabulary_words(arms: list[ArmLog], asked: int) -> str:
         if learned == asked
         else f"{learned:,} ({asked:,} asked: the training text held no more merges)"
     )
+
+
+def scored_windows(arms: list[ArmLog], asked: int) -> int:
+    """How many validation windows an evaluation scored (its records' `windows_scored`: fewer than
+    eval_batches x batch_size asked where the split holds fewer)."""
+    return next((r["windows_scored"] for a in arms for r in a.kind("eval") if "windows_scored" in r), asked)
 
 
 def finished_arms(run_dir: Path, steps: int) -> set[str]:
