@@ -38,6 +38,10 @@ def test_a_failed_study_in_a_users_directory_removes_what_it_wrote(tmp_path, cap
         (["--seeds", "100000000"], "--seeds must be at most 1,000"),
         (["--depths", "2,99999999999999999999"], "the model does not fit in memory"),
         (["--lr", "-1"], "--lr must be > 0"),
+        (
+            ["--steps", "1", "--warmup-steps", "0"],
+            "--warmup-steps must be >= 1",
+        ),  # not "give --steps 2", then this
     ],
 )
 def test_sizes_past_the_machine_are_refused_before_any_arm_trains(argv, needle, tmp_path, capsys) -> None:

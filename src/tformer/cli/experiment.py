@@ -134,6 +134,12 @@ def resolve_setting(args: argparse.Namespace, module):
         return changes[name] if changes.get(name) is not None else getattr(setting, name, None)
 
     steps, warmup = chosen("steps"), chosen("warmup_steps")
+    least = getattr(module, "MIN_WARMUP_STEPS", 0)
+    if warmup is not None and warmup < least:  # before the steps' advice, which would lead here next
+        raise ValueError(
+            f"--warmup-steps must be >= {least}: the {args.study} study compares arms with and without a "
+            f"warm-up of that many steps, got {warmup}"
+        )
     after = getattr(module, "STEPS_AFTER_WARMUP", 0)  # steps a study's measures read after the warm-up
     if warmup is not None and steps - after < warmup:
         need = f" and leave {after} steps after them for the study's measures" if after else ""

@@ -69,6 +69,7 @@ COLORS = {"post": "tab:red", "pre": "tab:blue"}
 # the gradient-norm variation needs two steps after the warm-up window (a new study is held to it; one saved
 # before still reports, its measures inconclusive)
 STEPS_AFTER_WARMUP = 2
+MIN_WARMUP_STEPS = 1  # its arms with warm-up would otherwise be the arms without
 
 
 @dataclass(frozen=True)
