@@ -299,6 +299,10 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
     with pytest.raises(ValueError, match=r"does not fit in memory.*n_layers=1000000000"):
         build_model(tiny().replace(n_layers=10**9))
     assert time.perf_counter() - t0 < 5
+    # shapes only, on the meta device: no memory asked, no refusal (a 5.9B-parameter config, 22 GiB in fp32)
+    from tformer.model.stats import count_params
+
+    assert count_params(llama_like(32000, 4096, 32, 32, 8, 11008, 2048))["total"] == 5_933_109_248
     # the estimate bounds the real count from above, and not by much
     for cfg in (tiny(), tiny("encoder"), tiny("encoder_decoder"), tiny().replace(ffn="relu", positions="learned"),
                 llama_like(300, 64, 2, 4, 2, 128, 64), deepseek_moe_small(300, 64, 3), paper_base().replace(vocab_size=1000)):  # fmt: skip

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from tformer import build_model
 from tformer.cli.main import main
@@ -50,6 +51,13 @@ CASES = {
     "softmax-moe-no-shared-every-2": (
         main_job_model(n_shared=0, first_dense=0, every=2, norm_topk=False),
         "Qwen2MoeForCausalLM",
+    ),
+    "switch-top1": (main_job_model(n_shared=0, top_k=1), "Qwen2MoeForCausalLM"),  # the score kept, not 1
+    "sigmoid-top1-no-shared": (
+        llama_like(VOCAB, 64, 2, 4, None, 128, 64).replace(
+            moe=MoEConfig(n_experts=4, top_k=1, d_expert=32, score_func="sigmoid", aux_loss_coef=0.0)
+        ),
+        "Glm4MoeForCausalLM",
     ),
     "deepseek-v3-style-sigmoid": (
         llama_like(VOCAB, 64, 3, 4, 2, 128, 64).replace(
@@ -128,14 +136,22 @@ def test_tokenizer_encodes_and_decodes_as_the_runs(tokenizer, tmp_path) -> None:
 
 
 def test_saved_dtype_and_config(tokenizer, tmp_path) -> None:
-    export_hf(loaded(CASES["llama-gqa"][0], tokenizer), tmp_path / "hf", dtype="bfloat16")
+    run = loaded(CASES["llama-gqa"][0], tokenizer)
+    run.model.train()
+    export_hf(run, tmp_path / "hf", dtype="bfloat16")
+    assert run.model.training and next(run.model.parameters()).dtype == torch.float32  # the run's, as it was
     hf = from_pretrained(tmp_path / "hf")
     assert hf.dtype == torch.bfloat16
-    assert (hf.config.num_key_value_heads, hf.config.eos_token_id, hf.config.max_position_embeddings) == (
-        2,
-        2,
-        64,
-    )
+    config = hf.config
+    assert (config.num_key_value_heads, config.eos_token_id, config.max_position_embeddings) == (2, 2, 64)
+    # GLM-4-MoE keeps its router in fp32: the expert biases are saved as trained, not rounded to bf16
+    run = loaded(CASES["deepseek-v3-style-sigmoid"][0], tokenizer)
+    export_hf(run, tmp_path / "glm", dtype="bfloat16")
+    saved = load_file(tmp_path / "glm" / "model.safetensors")
+    bias = saved["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, run.model.blocks[1].ffn.router.expert_bias)
+    assert saved["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert saved["model.layers.1.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

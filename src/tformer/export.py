@@ -24,6 +24,7 @@ Needs `transformers` >= 5 (`pip install 'tformer[hf]'`); nothing else in tformer
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -141,7 +142,7 @@ def hf_config(cfg: ModelConfig, family: str, vocab_size: int, tied: bool, tokens
             "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": moe.d_expert or cfg.d_ff,
             "shared_expert_intermediate_size": moe.n_shared * (moe.d_shared or moe.d_expert or cfg.d_ff),
-            "norm_topk_prob": moe.norm_topk,
+            "norm_topk_prob": norm_topk(moe),
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(cfg.n_layers) if not moe_layer(cfg, i)],
             "qkv_bias": False,
@@ -160,9 +161,15 @@ def hf_config(cfg: ModelConfig, family: str, vocab_size: int, tied: bool, tokens
         "first_k_dense_replace": moe.first_dense,
         "n_group": moe.n_group,
         "topk_group": moe.topk_group,
-        "norm_topk_prob": moe.norm_topk,
+        "norm_topk_prob": norm_topk(moe),
         "routed_scaling_factor": moe.routed_scaling,
     }
+
+
+def norm_topk(moe) -> bool:
+    """Whether the chosen experts' weights are renormalised: tformer leaves a top-1 choice's score as it
+    is (Hugging Face would divide it by itself, giving 1)."""
+    return moe.norm_topk and moe.top_k > 1
 
 
 def moe_layer(cfg: ModelConfig, i: int) -> bool:
@@ -219,8 +226,8 @@ def hf_state(model: nn.Module, family: str) -> tuple[dict[str, Tensor], bool]:
         if family == "glm4_moe":
             out[h + "mlp.gate.e_score_correction_bias"] = bias.float()
         elif bias.any():
-            raise ExportError(f"layer {i}'s router carries expert biases (model.moe.bias_update_rate > 0), "
-                              "which softmax routing in Hugging Face cannot apply")  # fmt: skip
+            raise ExportError(f"layer {i}'s router carries non-zero expert biases, which softmax routing in "
+                              "Hugging Face cannot apply")  # fmt: skip
         used.update({b + "ffn.router.tokens_per_expert", b + "ffn.router.window_tokens"})  # training counters
         gate, up = take(b + "ffn.experts.gate_proj"), take(b + "ffn.experts.up_proj")
         out[h + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # (E, 2F, D): gate rows first
@@ -234,7 +241,7 @@ def hf_state(model: nn.Module, family: str) -> tuple[dict[str, Tensor], bool]:
                 out[f"{h}mlp.{shared}.{p}_proj.weight"] = (
                     t * 2 if family == "qwen2_moe" and p == "down" else t
                 )
-            elif family == "qwen2_moe":  # no shared expert: one of width 0
+            else:  # no shared expert: the family always has one, here of width 0
                 shape = (cfg.d_model, 0) if p == "down" else (0, cfg.d_model)
                 out[f"{h}mlp.{shared}.{p}_proj.weight"] = emb.new_zeros(shape)
         if family == "qwen2_moe":
@@ -283,7 +290,19 @@ def export_hf(run, out: str | Path, dtype: str = "float32", check_tokens: int = 
     out = check_out(out)
     transformers = _transformers()
     run = run if isinstance(run, LoadedRun) else load_run(run)
-    model = run.model.float().eval()
+    model = run.model
+    if next(model.parameters()).device.type != "cpu" or any(
+        p.dtype != torch.float32 for p in model.parameters()
+    ):
+        model = copy.deepcopy(model).float().cpu()  # the check runs in fp32 on the CPU; the run's model stays
+    training = model.training
+    try:
+        return _export(run, model.eval(), out, dtype, check_tokens, transformers)
+    finally:
+        model.train(training)
+
+
+def _export(run, model: nn.Module, out: Path, dtype: str, check_tokens: int, transformers) -> Exported:
     cfg: ModelConfig = model.cfg
     family = hf_family(cfg)
     state, tied = hf_state(model, family)
@@ -303,8 +322,14 @@ def export_hf(run, out: str | Path, dtype: str = "float32", check_tokens: int = 
     hf.eval()
     diff = check_logits(model, hf, cfg.vocab_size, min(check_tokens, cfg.max_seq_len))
     if dtype != "float32":
+        keep = tuple(getattr(hf, "_keep_in_fp32_modules_strict", None) or ())  # GLM-4-MoE's router weights
+        tensors = [*hf.named_parameters(), *hf.named_buffers()]
+        fp32 = {name: tensor.data.clone() for name, tensor in tensors if keep and name.endswith(keep)}
         hf = hf.to(DTYPES[dtype])
         hf.config.dtype = dtype
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if name in fp32:  # as trained, not rounded through the saved dtype
+                tensor.data = fp32[name]
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         with quiet(transformers):

@@ -141,3 +141,19 @@ def test_the_windows_stated_are_the_ones_scored(tmp_path, capsys) -> None:
     )
     assert main(["experiment", "norm", "--report-only", "--out", str(tmp_path)]) == 2  # setting, no arms yet
     assert "is incomplete: 0 of 8 arms finished" in capsys.readouterr().err  # (it had been "No such file")
+
+
+def test_begin_study_takes_a_setting_as_its_file_will_hold_it(tmp_path) -> None:
+    from tformer.experiments.runner import begin_study
+
+    listed = norm.QUICK.replace(
+        depths=[2, 4]
+    )  # a list from Python: compared as the tuple the file gives back
+    for _ in range(2):
+        begin_study(tmp_path / "a", "norm", listed, norm.QUICK)
+    with pytest.raises(ValueError, match=r"the setting given: setting steps = 16.0 is not a int"):
+        begin_study(tmp_path / "b", "norm", norm.QUICK.replace(steps=16.0), norm.QUICK)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tokenizer.json").write_text("{}")  # a training run's: not taken as the study's
+    with pytest.raises(ValueError, match="holds tokenizer.json of something else"):
+        begin_study(tmp_path / "run", "norm", norm.QUICK, norm.QUICK)

@@ -58,6 +58,8 @@ def flags_named(args: argparse.Namespace):
                 lambda m: "--" + m.group(1).replace("_", "-"),
                 text,
             )
+        if text == str(err):  # about nothing the user typed: as it was raised
+            raise
         raise (ConfigError if isinstance(err, ConfigError) else ValueError)(text) from None
 
 
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
     from tformer.experiments.runner import (
+        DONE,
         PREVIOUS,
         _study_files,
         check_complete,
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         except BaseException as err:  # failed or stopped before an arm finished (data, batch size): a
             # study that --overwrite moved aside comes back (interrupted too); else a failed run leaves
             # nothing behind (an interrupted one stays, for --resume)
-            early = len(list((out / "arms").glob("*"))) <= 1  # at most the arm in flight
+            early = not any((out / "arms").glob(f"*/{DONE}"))  # no arm finished: nothing to resume
             if not early and (out / PREVIOUS).is_dir():  # the new study is resumable: say where the old is
                 print(
                     f"tformer experiment: the study this --overwrite replaces is kept in {out / PREVIOUS} until "

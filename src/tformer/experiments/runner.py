@@ -304,6 +304,8 @@ def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Settin
     arms it kept were trained under that setting, and a study mixing arms of two settings would compare
     them as equals."""
     run_dir = Path(run_dir)
+    # as setting.json will hold it (lists as tuples; a float where an int belongs is named now, not later)
+    setting = type(setting).from_dict(json.loads(json.dumps(setting.to_dict())), "the setting given")
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"{run_dir} is a file; a study needs a directory")
     if (run_dir / SETTING).exists():
@@ -320,7 +322,7 @@ def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Settin
                 "another directory"
             )
         return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(run_dir, overwrite=False)  # another run's files (a tokenizer.json) are refused
     write_setting(run_dir, study, "quick" if setting == quick else "full", setting)
     return run_dir
 

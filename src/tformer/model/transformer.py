@@ -321,13 +321,18 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 
 def weight_count_bound(cfg: ModelConfig) -> int:
-    """An upper bound on the model's parameter count from its sizes alone (no module is built): every
-    layer counted with full-width K/V, the larger of its dense and MoE FFNs, and cross-attention where
-    there is a decoder over an encoder; embeddings, head and a learned position table."""
-    d, hd = cfg.d_model, cfg.n_heads * cfg.resolved_head_dim
-    attn = 4 * d * hd + 4 * hd
+    """An upper bound on the model's parameter count from its sizes alone (no module is built): each
+    layer with its biases and norms, the larger of its dense and MoE FFNs, cross-attention in a decoder
+    over an encoder; embeddings (the head's and a source vocabulary's where not shared), a learned
+    position table and the classifier head counted whether or not the architecture has them."""
+    d, hd, kv = (
+        cfg.d_model,
+        cfg.n_heads * cfg.resolved_head_dim,
+        cfg.resolved_n_kv_heads * cfg.resolved_head_dim,
+    )
+    attn = 2 * d * hd + 2 * d * kv + 2 * hd + 2 * kv + d  # q, o; k, v; their biases
     gated = 3 if cfg.ffn == "swiglu" else 2
-    ffn = gated * d * cfg.d_ff + cfg.d_ff + d
+    ffn = gated * d * cfg.d_ff + 2 * cfg.d_ff + d
     if cfg.moe is not None:  # routed and shared experts (and their biases), the router's centroids
         moe = cfg.moe
         hidden = moe.n_experts * moe.expert_width(cfg.d_ff) + moe.n_shared * moe.shared_width(cfg.d_ff)
@@ -337,14 +342,18 @@ def weight_count_bound(cfg: ModelConfig) -> int:
     if cfg.arch == "encoder_decoder":
         layers += cfg.resolved_n_encoder_layers
         layer += attn + 2 * d  # the decoder's cross-attention, counted for every layer
-    vocab = cfg.vocab_size + (cfg.src_vocab_size or 0)
-    return layers * layer + 2 * vocab * d + cfg.max_seq_len * d + cfg.n_classes * d
+    vocab = cfg.vocab_size * (1 if cfg.tie_embeddings else 2)
+    if cfg.arch == "encoder_decoder" and not cfg.share_embeddings:
+        vocab += cfg.src_vocab_size or cfg.vocab_size
+    return layers * layer + vocab * d + 2 * cfg.max_seq_len * d + (cfg.n_classes + 4) * (d + 1)
 
 
 def check_fits(cfg: ModelConfig) -> None:
     """ValueError, before anything is allocated, when the fp32 weights alone would need more than this
     machine's memory (a layer count or width typed with extra digits would otherwise allocate until the
     machine runs out, or build modules for hours)."""
+    if torch.empty(0).device.type == "meta":  # built for its shapes only (count_params): no memory
+        return
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocator will say
