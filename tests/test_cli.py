@@ -203,7 +203,7 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["experiment", "norm", "--depths", "2,2"], "argument --depths: a depth appears twice in '2,2'"),
         (
             ["experiment", "norm", "--quick", "--warmup-steps", "0", "--out", "fresh"],
-            "warmup_steps (--warmup-steps) must be >= 1: the study compares arms with and without",
+            "--warmup-steps must be >= 1: the norm study compares arms with and without",
         ),
         (
             ["experiment", "norm", "--report-only", "--steps", "5", "--out", "adir"],
