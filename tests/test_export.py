@@ -4,6 +4,9 @@ what no family can express is refused by name, and a failed export leaves no dir
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -32,7 +35,7 @@ TEXTS = ["To be, or not to be, that is the question:", "Whether 'tis nobler in t
 def main_job_model(**moe):
     """The main job's Pre-Norm + RoPE + DeepSeekMoE decoder (softmax routing, one shared expert, first
     layer dense), narrowed for a test."""
-    base = shakespeare().model.moe.replace(d_expert=32, **moe)
+    base = shakespeare().model.moe.replace(**{"d_expert": 32, **moe})
     return shakespeare_model(base).replace(vocab_size=VOCAB, d_model=64, n_heads=4, d_ff=128, max_seq_len=64)
 
 
@@ -124,6 +127,7 @@ def test_tokenizer_encodes_and_decodes_as_the_runs(tokenizer, tmp_path) -> None:
     export_hf(loaded(tiny().replace(vocab_size=VOCAB), tokenizer), tmp_path / "hf")
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (1, 2, 0)
+    assert hf_tok("To be").input_ids == tokenizer.encode("To be")  # no BOS added by default either
     for text in [
         "To be, or not to be",
         "a literal <eos> stays text",
@@ -185,7 +189,7 @@ def test_failed_check_or_taken_directory_writes_nothing(tokenizer, tmp_path, mon
 
     run = loaded(tiny().replace(vocab_size=VOCAB), tokenizer)
     monkeypatch.setattr(tformer.export, "LOGIT_TOLERANCE", -1.0)  # any difference, even 0, fails the check
-    with pytest.raises(ExportError, match="logits differ"):
+    with pytest.raises(ExportError, match="logits that differ"):
         export_hf(run, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "taken").mkdir()
@@ -193,6 +197,44 @@ def test_failed_check_or_taken_directory_writes_nothing(tokenizer, tmp_path, mon
         export_hf(run, tmp_path / "taken")
     with pytest.raises(ExportError, match="dtype"):
         export_hf(run, tmp_path / "hf", dtype="int8")
+    with pytest.raises(ExportError, match="check_tokens must be an int >= 8"):
+        export_hf(run, tmp_path / "hf", check_tokens=0)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a link to nowhere is taken too
+    with pytest.raises(ExportError, match="link already exists"):
+        export_hf(run, tmp_path / "link")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # named as a step a run would save
+    with pytest.raises(ExportError, match="the export directory .* is named as a checkpoint"):
+        export_hf(run, tmp_path / "run" / "checkpoints" / "step_000099")
+
+
+def test_a_signal_while_writing_leaves_no_temporary_folder(tokenizer, tmp_path, monkeypatch) -> None:
+    run = loaded(tiny().replace(vocab_size=VOCAB), tokenizer)
+    real = transformers.PreTrainedTokenizerFast.save_pretrained
+
+    def killed(self, *args, **kwargs):  # SIGTERM halfway through the directory
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt) as e:
+        export_hf(run, tmp_path / "hf")
+    assert e.value.signum == signal.SIGTERM and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
+
+
+@pytest.mark.parametrize("width, dtype", [(30, "float32"), (172, "bfloat16")])  # the main job's in bf16
+def test_expert_widths_the_grouped_kernel_cannot_take_export_to_the_eager_kernel(
+    width, dtype, tokenizer, tmp_path
+) -> None:
+    run = loaded(main_job_model(d_expert=width), tokenizer)
+    done = export_hf(run, tmp_path / "hf", dtype=dtype)  # torch's grouped product needs 16-byte rows
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["experts_implementation"] == "eager"
+    hf = from_pretrained(tmp_path / "hf")  # loads with the defaults and runs
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = hf(ids).logits.float()
+        assert torch.isfinite(logits).all()
+        assert (logits - run.model(ids)).abs().max().item() == pytest.approx(done.saved_logit_diff, abs=0.5)
 
 
 def test_cli_exports_a_trained_run(trained_run, tmp_path, capsys) -> None:

@@ -29,7 +29,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.config import ModelConfig
+from tformer.train.interrupt import SIGNALS, Stopped
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +58,7 @@ class Exported:
     architecture: str  # the Hugging Face class, e.g. "LlamaForCausalLM"
     max_logit_diff: float  # max |HF - tformer| over the check's sample, fp32
     parameters: int
+    saved_logit_diff: float  # the same for the saved directory reloaded, in its dtype
 
 
 # ----------------------------------------------------------------------------- what maps where
@@ -287,6 +291,10 @@ def export_hf(run, out: str | Path, dtype: str = "float32", check_tokens: int = 
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(check_tokens, bool) or not isinstance(check_tokens, int) or check_tokens < 8:
+        raise ExportError(
+            f"check_tokens must be an int >= 8 (the logit check's sample length), got {check_tokens!r}"
+        )
     out = check_out(out)
     transformers = _transformers()
     run = run if isinstance(run, LoadedRun) else load_run(run)
@@ -310,8 +318,11 @@ def _export(run, model: nn.Module, out: Path, dtype: str, check_tokens: int, tra
     tokens = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     config_cls = getattr(transformers, FAMILIES[family].replace("ForCausalLM", "Config"))
     hf_cfg = config_cls(**hf_config(cfg, family, cfg.vocab_size, tied, tokens))
+    experts = experts_implementation(cfg, DTYPES[dtype])
     with quiet(transformers):
-        hf = getattr(transformers, FAMILIES[family])._from_config(hf_cfg, attn_implementation="sdpa")
+        hf = getattr(transformers, FAMILIES[family])._from_config(
+            hf_cfg, attn_implementation="sdpa", **({"experts_implementation": experts} if experts else {})
+        )
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
@@ -320,7 +331,9 @@ def _export(run, model: nn.Module, out: Path, dtype: str, check_tokens: int, tra
     if tied:
         hf.tie_weights()
     hf.eval()
-    diff = check_logits(model, hf, cfg.vocab_size, min(check_tokens, cfg.max_seq_len))
+    ids = sample_ids(cfg.vocab_size, min(check_tokens, cfg.max_seq_len))
+    ours = model(ids).float()
+    diff = check_logits(ours, hf, ids, "the Hugging Face model built from the run")
     if dtype != "float32":
         keep = tuple(getattr(hf, "_keep_in_fp32_modules_strict", None) or ())  # GLM-4-MoE's router weights
         tensors = [*hf.named_parameters(), *hf.named_buffers()]
@@ -332,46 +345,103 @@ def _export(run, model: nn.Module, out: Path, dtype: str, check_tokens: int, tra
                 tensor.data = fp32[name]
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        with quiet(transformers):
+        with signals_interrupt(), quiet(transformers):
             hf.save_pretrained(tmp)
-        hf.generation_config.save_pretrained(tmp)
-        fast = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tok._backend,
-            pad_token=tok.special_tokens[0],
-            bos_token=tok.special_tokens[1],
-            eos_token=tok.special_tokens[2],
-            unk_token=tok.special_tokens[3],
-            split_special_tokens=True,  # "<eos>" typed in text is text, as tformer encodes it
-            model_max_length=cfg.max_seq_len,
-        )
-        fast.save_pretrained(tmp)
-        (tmp / "tformer_export.json").write_text(json.dumps({
-            "run_checkpoint": str(run.checkpoint), "step": run.step, "averaged_steps": list(run.averaged_steps),
-            "architecture": FAMILIES[family], "max_logit_diff_fp32": diff,
-        }, indent=2) + "\n")  # fmt: skip
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():  # mkdtemp's 0700 and the library's private files: as any new file
-            f.chmod(0o666 & ~umask)
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        tmp.chmod(0o777 & ~umask)
-        os.rename(tmp, out)
+            hf.generation_config.save_pretrained(tmp)
+            if experts:  # the library does not write it: read from config.json when the directory is loaded
+                config = json.loads((tmp / "config.json").read_text())
+                (tmp / "config.json").write_text(
+                    json.dumps({**config, "experts_implementation": experts}, indent=2) + "\n"
+                )
+            fast = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=tok._backend,
+                pad_token=tok.special_tokens[0],
+                bos_token=tok.special_tokens[1],
+                eos_token=tok.special_tokens[2],
+                unk_token=tok.special_tokens[3],
+                split_special_tokens=True,  # "<eos>" typed in text is text, as tformer encodes it
+                add_bos_token=False,  # tformer LMs see no BOS: documents end in EOS, prompts start bare
+                add_eos_token=False,
+                model_max_length=cfg.max_seq_len,
+            )
+            fast.save_pretrained(tmp)
+            # the directory as a user will load it, in the saved dtype: it must run, and say how close it is
+            saved = transformers.AutoModelForCausalLM.from_pretrained(tmp).eval()
+            saved_diff = check_logits(ours, saved, ids, f"the saved {dtype} model", exact=dtype == "float32")
+            (tmp / "tformer_export.json").write_text(json.dumps({
+                "run_checkpoint": str(Path(run.checkpoint).resolve()), "step": run.step,
+                "averaged_steps": list(run.averaged_steps), "architecture": FAMILIES[family], "dtype": dtype,
+                "max_logit_diff_fp32": diff, "max_logit_diff_saved": saved_diff,
+            }, indent=2) + "\n")  # fmt: skip
+            umask = os.umask(0)
+            os.umask(umask)
+            for f in tmp.iterdir():  # mkdtemp's 0700 and the library's private files: as any new file
+                f.chmod(0o666 & ~umask)
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            tmp.chmod(0o777 & ~umask)
+            if os.path.lexists(out):  # made meanwhile: never replaced
+                raise ExportError(f"{out} appeared while the export was written; nothing was replaced")
+            os.rename(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"cannot write {out}: {err.strerror or err}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Exported(out, FAMILIES[family], diff, sum(p.numel() for p in hf.parameters()))
+    return Exported(out, FAMILIES[family], diff, sum(p.numel() for p in hf.parameters()), saved_diff)
+
+
+def experts_implementation(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
+    """ "eager" where the library's default experts kernel (`grouped_mm`) cannot take the experts' rows:
+    torch's CPU grouped product needs the rows' bytes (d_model, the expert width) in multiples of 16, which
+    the main job's width 172 in bf16 is not; None (the library's default) elsewhere."""
+    if cfg.moe is None:
+        return None
+    size = torch.finfo(dtype).bits // 8  # and 4: the check runs in fp32 first
+    widths = (cfg.d_model, cfg.moe.expert_width(cfg.d_ff))
+    return None if all(w * s % 16 == 0 for w in widths for s in (4, size)) else "eager"
+
+
+@contextmanager
+def signals_interrupt():
+    """SIGTERM and a hang-up (SIGHUP) raise KeyboardInterrupt while the directory is written, as Ctrl-C
+    does, so the temporary folder is removed (the exit status says which signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum, "export stopped before its directory was complete; nothing was written")
+
+    previous = {}
+    for sig in SIGNALS[1:]:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def check_out(out: str | Path) -> Path:
     """`out` as a Path if it can be the new export directory; ExportError otherwise."""
+    from tformer.train.run_dir import refuse_run_dir_in_checkpoints
+
     out = Path(out)
-    if out.exists():
+    if os.path.lexists(out):  # a link to nowhere too
         raise ExportError(
             f"{out} already exists: export writes a new directory (remove it or choose another)"
         )
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent} is not a directory")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {out}: {out.parent} is not writable")
+    try:
+        refuse_run_dir_in_checkpoints(out)  # its files would mix with a checkpoint's
+    except ValueError as err:
+        raise ExportError(str(err).replace("the run directory", "the export directory")) from None
     return out
 
 
@@ -393,15 +463,19 @@ def quiet(transformers):
             logging.enable_progress_bar()
 
 
-def check_logits(model: nn.Module, hf: nn.Module, vocab_size: int, length: int) -> float:
-    """Max |HF - tformer| logit over a (2, length) sample; ExportError past LOGIT_TOLERANCE of the logits'
-    scale."""
-    ids = sample_ids(vocab_size, length)
-    ours = model(ids).float()
-    theirs = hf(input_ids=ids, use_cache=False).logits.float()
+def check_logits(ours: Tensor, hf: nn.Module, ids: Tensor, what: str, exact: bool = True) -> float:
+    """Max |HF - tformer| logit over the sample `ids` (tformer's logits `ours`). `exact`: ExportError past
+    LOGIT_TOLERANCE of the logits' scale (a float32 model); otherwise only non-finite logits are (weights
+    rounded to bf16 / fp16 differ by their rounding; an fp16 overflow gives inf)."""
+    try:
+        theirs = hf(input_ids=ids, use_cache=False).logits.float()
+    except RuntimeError as err:
+        raise ExportError(
+            f"{what} does not run: {' '.join(str(err).split())[:300]}; nothing was written"
+        ) from None
     diff = (ours - theirs).abs().max().item()
     scale = max(1.0, ours.abs().max().item())
-    if not diff <= LOGIT_TOLERANCE * scale:
-        raise ExportError(f"the exported model's logits differ from the run's by {diff:.3g} (scale {scale:.3g}); "
+    if not math.isfinite(diff) or (exact and not diff <= LOGIT_TOLERANCE * scale):
+        raise ExportError(f"{what} gives logits that differ from the run's by {diff:.3g} (scale {scale:.3g}); "
                           "nothing was written")  # fmt: skip
     return diff

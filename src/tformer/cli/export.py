@@ -15,9 +15,14 @@ def run(args: argparse.Namespace) -> int:
     _transformers()
     run_ = load_run_arg(args, "export")
     done = export_hf(run_, args.out, dtype=args.dtype)
+    saved = (
+        f"; saved in {args.dtype}, reloaded it is within {done.saved_logit_diff:.1e} of them (its rounding)"
+        if args.dtype != "float32"
+        else ""
+    )
     print(
-        f"exported {run_.weights_words()} as {done.architecture} ({done.parameters:,} parameters, {args.dtype}) "
-        f"to {done.path}; its logits equal the run's to {done.max_logit_diff:.1e} (float32)\n"
+        f"exported {run_.weights_words()} as {done.architecture} ({done.parameters:,} parameters) to "
+        f"{done.path}; in float32 its logits equal the run's to {done.max_logit_diff:.1e}{saved}\n"
         f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r}) and "
         f"AutoTokenizer.from_pretrained(...)"
     )
