@@ -130,3 +130,22 @@ def test_bench_text_output_says_what_the_json_holds(capsys, monkeypatch) -> None
     )
     assert "8-token prompt + 4 tokens, best of 1 call)" in lines[3]
     assert f"{4 / 0.25:,.1f} tokens/s ({1000 * 0.25 / 4:.2f} ms/token" in lines[3]
+
+
+@pytest.mark.parametrize("command", [["bench", "--preset", "tiny-lm"], ["experiment", "norm", "--quick"]])
+def test_one_process_commands_refuse_torchrun_before_writing(command, tmp_path, monkeypatch, capsys) -> None:
+    """Under torchrun every rank had run the benchmark whole, or trained the same study into one
+    directory (rank 1 then failed on rank 0's files, which stayed behind)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*command, "--out", "s"] if command[0] == "experiment" else command) == 2
+    assert "runs in one process" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_a_collective_timeout_past_timedelta_is_a_config_error() -> None:
+    from tformer.schema import ConfigError
+    from tformer.train.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="timeout_s must be from 1 to 1,000,000,000"):
+        ParallelConfig(timeout_s=10**14)  # had overflowed datetime.timedelta on every rank

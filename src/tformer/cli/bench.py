@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tformer.cli.options import warn_oversubscribed
+from tformer.cli.options import refuse_torchrun, warn_oversubscribed
 
 PROMPT = 8  # tokens of the decoding prompt
 # untimed training steps before the timed ones for an MoE model in bf16 / fp16 on the CPU: oneDNN compiles a
@@ -42,6 +42,7 @@ def _times(fn, repeats: int, device: torch.device, warmup: int = 1) -> tuple[flo
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_torchrun("bench", "it measures this machine's speed for one process; ranks would share its cores")
     warn_oversubscribed("bench", args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,7 +19,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tformer.cli.options import nonnegative_int, positive_int, thread_count, warn_oversubscribed
+from tformer.cli.options import (
+    nonnegative_int,
+    positive_int,
+    refuse_torchrun,
+    thread_count,
+    warn_oversubscribed,
+)
 from tformer.experiments import STUDIES
 from tformer.schema import ConfigError
 
@@ -173,6 +179,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_torchrun("experiment", "every rank would train the same study into the same directory")
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
     from tformer.experiments.runner import (

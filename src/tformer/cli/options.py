@@ -180,6 +180,15 @@ def input_lines(text: str) -> list[str]:
     return lines[:-1] if lines and not lines[-1] else lines
 
 
+def refuse_torchrun(command: str, why: str) -> None:
+    """ConfigError (printed once, by rank 0) where a one-process command was started by torchrun: every
+    rank would run it whole, side by side."""
+    import os
+
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        raise ConfigError(f"tformer {command} runs in one process ({why}); start it without torchrun")
+
+
 def warn_oversubscribed(command: str, threads: int | None) -> None:
     """Warn when `threads` torch threads would share this process's cores (they run, but slower, and a
     measurement under them says so little of the machine)."""

@@ -167,7 +167,7 @@ class ParallelConfig(Config):
     sequence: bool = False
 
     def check(self) -> None:
-        self._require(self.timeout_s >= 1, "timeout_s", "must be >= 1")
+        self._require(1 <= self.timeout_s <= 10**9, "timeout_s", "must be from 1 to 1,000,000,000 (seconds)")
         self._require(self.tensor >= 1, "tensor", "must be >= 1 (1 = no tensor parallelism)")
         self._require(
             not self.sequence or self.tensor > 1,
