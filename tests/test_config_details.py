@@ -248,7 +248,10 @@ def test_a_double_quoted_set_value_is_the_string_inside_the_quotes() -> None:
         (lambda: OptimConfig(warmup_steps=-1), "OptimConfig.warmup_steps must be >= 0, got -1"),
         (lambda: OptimConfig(min_lr_ratio=-0.1), "OptimConfig.min_lr_ratio must be in [0, 1], got -0.1"),
         (lambda: OptimConfig(grad_clip=-1.0), "OptimConfig.grad_clip must be finite and >= 0"),
-        (lambda: ParallelConfig(timeout_s=0), "ParallelConfig.timeout_s must be from 1 to 1,000,000,000 (seconds), got 0"),
+        (
+            lambda: ParallelConfig(timeout_s=0),
+            "ParallelConfig.timeout_s must be from 1 to 1,000,000,000 (seconds), got 0",
+        ),
         (lambda: ParallelConfig(tensor=0), "ParallelConfig.tensor must be >= 1"),
         (lambda: ParallelConfig(sequence=True), "ParallelConfig.sequence needs tensor > 1"),
         (
