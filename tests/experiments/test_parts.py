@@ -22,14 +22,8 @@ from tformer.experiments.report import (
     text_table,
     training_units,
 )
-from tformer.experiments.runner import (
-    ArmLog,
-    Setting,
-    drop_previous_study,
-    layer_groups,
-    prepare_run_dir,
-    restore_previous_study,
-)
+from tformer.experiments.runner import ArmLog, Setting, layer_groups
+from tformer.experiments.study_dir import drop_previous_study, prepare_run_dir, restore_previous_study
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.model.stats import count_params, flops_per_token

@@ -17,16 +17,8 @@ from tests.experiments.test_parts import moe_grid, norm_grid, small_moe
 from tformer.config import MoEConfig
 from tformer.experiments import moe, norm, rope
 from tformer.experiments.report import Report, fmt, fmt_count
-from tformer.experiments.runner import (
-    Arm,
-    ArmLog,
-    LoadWindow,
-    Setting,
-    prepare_run_dir,
-    read_arms,
-    read_records,
-    train_arm,
-)
+from tformer.experiments.runner import Arm, ArmLog, LoadWindow, Setting, read_arms, read_records, train_arm
+from tformer.experiments.study_dir import prepare_run_dir
 from tformer.model import build_model
 from tformer.model.stats import count_params, flops_per_token
 from tformer.presets import tiny

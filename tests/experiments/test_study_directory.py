@@ -144,7 +144,7 @@ def test_the_windows_stated_are_the_ones_scored(tmp_path, capsys) -> None:
 
 
 def test_begin_study_takes_a_setting_as_its_file_will_hold_it(tmp_path) -> None:
-    from tformer.experiments.runner import begin_study
+    from tformer.experiments.study_dir import begin_study
 
     listed = norm.QUICK.replace(
         depths=[2, 4]

@@ -182,11 +182,10 @@ def run(args: argparse.Namespace) -> int:
     refuse_torchrun("experiment", "every rank would train the same study into the same directory")
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
-    from tformer.experiments.runner import (
-        DONE,
+    from tformer.experiments.runner import DONE, check_complete
+    from tformer.experiments.study_dir import (
         PREVIOUS,
         _study_files,
-        check_complete,
         drop_previous_study,
         prepare_run_dir,
         read_setting,

@@ -29,7 +29,8 @@ from torch import nn
 from tformer.config import ModelConfig, MoEConfig
 from tformer.data.datasets import collate_lm
 from tformer.distributed.env import resolve_device
-from tformer.experiments.runner import Arm, Setting, StudyData, begin_study, run_arms
+from tformer.experiments.runner import Arm, Setting, StudyData, run_arms
+from tformer.experiments.study_dir import begin_study
 from tformer.model import build_model
 from tformer.model.moe import moe_layers
 from tformer.model.router import Routing

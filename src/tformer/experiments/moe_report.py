@@ -27,14 +27,8 @@ from tformer.experiments.report import (
     training_units,
     verdict_lines,
 )
-from tformer.experiments.runner import (
-    ArmLog,
-    read_arms,
-    read_setting,
-    scored_windows,
-    setting_of,
-    vocabulary_words,
-)
+from tformer.experiments.runner import ArmLog, read_arms, scored_windows, vocabulary_words
+from tformer.experiments.study_dir import read_setting, setting_of
 
 COLORS = {
     "dense": "black",

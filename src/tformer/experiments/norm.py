@@ -40,15 +40,13 @@ from tformer.experiments.runner import (
     ArmLog,
     Setting,
     StudyData,
-    begin_study,
     block_names,
     read_arms,
-    read_setting,
     run_arms,
     scored_windows,
-    setting_of,
     vocabulary_words,
 )
+from tformer.experiments.study_dir import begin_study, read_setting, setting_of
 from tformer.train.config import DataConfig
 
 PLACEMENTS = ("post", "pre")

@@ -45,18 +45,8 @@ from tformer.experiments.report import (
     training_units,
     verdict_lines,
 )
-from tformer.experiments.runner import (
-    Arm,
-    ArmLog,
-    Setting,
-    StudyData,
-    begin_study,
-    read_arms,
-    read_setting,
-    run_arms,
-    setting_of,
-    vocabulary_words,
-)
+from tformer.experiments.runner import Arm, ArmLog, Setting, StudyData, read_arms, run_arms, vocabulary_words
+from tformer.experiments.study_dir import begin_study, read_setting, setting_of
 from tformer.model import build_model
 
 POSITIONS = ("sinusoidal", "learned", "rope")
