@@ -97,6 +97,23 @@ def test_a_safetensors_run_resumed_with_dcp_saves_continues_exactly(
         assert torch.equal(a, b), name
 
 
+def test_a_dcp_run_resumed_in_one_process_keeps_saving_dcp(trained_run: Path, tmp_path: Path) -> None:
+    """A run that saved DCP (as every torchrun run does), resumed in one process under parallel.checkpoint=auto,
+    goes on saving DCP: it had switched to the single-process format, which a later torchrun resume refuses."""
+    from tformer.distributed.checkpoint import is_dcp_checkpoint
+    from tformer.train.checkpoint import latest_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    argv = ["train", "--out", str(run), "--resume", "--no-progress", "--no-sample"]
+    assert main([*argv, "--set", "parallel.checkpoint=dcp"]) == 0
+    assert is_dcp_checkpoint(latest_checkpoint(run))
+    assert main([*argv, "--set", "parallel.checkpoint=auto", "--set", "steps=6"]) == 0
+    latest = latest_checkpoint(run)
+    assert latest.name == "step_000006" and is_dcp_checkpoint(latest)
+
+
 def test_resume_takes_the_runs_own_config_and_refuses_changes_that_break_exactness(
     trained_run: Path, tmp_path: Path, capsys
 ) -> None:

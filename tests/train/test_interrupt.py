@@ -380,3 +380,32 @@ def test_a_fresh_run_that_cannot_write_its_config_leaves_no_directory(tmp_path: 
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"tformer train: error: {out / 'config.json.tmp'}: File too large"
     assert not (tmp_path / "made").exists()
+
+
+def test_a_ctrl_c_before_training_starts_leaves_no_directory(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A Ctrl-C after the vocabulary is trained but before the loop starts (here: while the metrics log opens,
+    where a launch's first seconds had ended) removes the directory the run made, or from a directory the
+    user made the files the run wrote; they had stayed (config.json, data.json, tokenizer.json). A resumed
+    run's directory is not touched."""
+    from tformer.train.metrics import MetricsLog
+
+    def interrupted(self, step):
+        raise KeyboardInterrupt
+
+    cfg = small_config(corpus_dir, steps=3, save_every=3)
+    Trainer(cfg, tmp_path / "kept", "lm", progress=False).fit()
+    monkeypatch.setattr(MetricsLog, "truncate_after", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, tmp_path / "new" / "run", "lm", progress=False)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a directory the user made stays, without what the run wrote there
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, tmp_path / "mine", "lm", progress=False)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [".lock", "notes.txt"]
+    monkeypatch.setattr(Trainer, "_restore", lambda self, path: interrupted(self, 0))
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg.replace(steps=6), tmp_path / "kept", "lm", resume=True, progress=False)
+    assert latest_checkpoint(tmp_path / "kept").name == "step_000003"

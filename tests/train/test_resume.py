@@ -233,7 +233,8 @@ def test_a_newer_trainer_resumes_from_the_save_the_older_had_in_flight(
 
 def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """A directory holding a config or tokenizer of the user's own is refused, untouched; a run that
-    stopped before its first checkpoint (its config.json, written first, is a run's) is started again."""
+    stopped before its first checkpoint (its config.json, written first, is a run's) is started again
+    (one that failed with an error removed what it wrote; one killed outright had not)."""
     cfg = small_config(corpus_dir, steps=1, save_every=1)
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -270,6 +271,11 @@ def test_a_new_run_never_replaces_files_no_run_wrote(corpus_dir: Path, tmp_path:
         raise MemoryError("out of memory")
 
     monkeypatch.setattr("tformer.train.loop.build_model", fails)  # after the tokenizer and data.json
+    with pytest.raises(MemoryError):  # an error: the files this run wrote go again
+        Trainer(cfg, stopped, make_task("lm"), progress=False)
+    assert [p.name for p in stopped.iterdir()] == [".lock"]
+    # a run killed outright (SIGKILL, a power cut) removes nothing
+    monkeypatch.setattr("tformer.train.loop.remove_run_files", lambda run_dir: None)
     with pytest.raises(MemoryError):
         Trainer(cfg, stopped, make_task("lm"), progress=False)
     assert {"config.json", "tokenizer.json", "data.json"} <= {p.name for p in stopped.iterdir()}

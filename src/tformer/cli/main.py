@@ -333,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
 
         func = getattr(importlib.import_module(f"tformer.cli.{module_name}"), func_name)
+        from tformer.distributed.env import OtherRankFailed, said_by_a_lower_rank
         from tformer.train.step import NonFiniteError
     except KeyboardInterrupt:
         if not rank:
@@ -351,9 +352,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as a shell tool does
         _silence_stdout()
         return 128 + getattr(signal, "SIGPIPE", 13)  # 13 where the platform has none
+    except OtherRankFailed as err:  # under torchrun: another rank's checks failed, and it said why
+        if not rank:
+            print(f"tformer {args.command}: error: {err}", file=sys.stderr, flush=True)
+        return 2
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
-        # a config error is the same on every rank; anything else may be this rank's own, so it is named
-        if not rank or not isinstance(err, ConfigError):
+        # a config error is the same on every rank, as is one a lower rank's checks raised in the same words;
+        # anything else may be this rank's own, so it is named
+        if not rank or not (isinstance(err, ConfigError) or said_by_a_lower_rank(err)):
             where = f" (rank {rank})" if rank else ""
             print(f"tformer {args.command}: error{where}: {_words(err)}", file=sys.stderr, flush=True)
         return 2

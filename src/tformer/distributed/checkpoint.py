@@ -387,13 +387,9 @@ class DCPCheckpointer:
         named = STEP_DIR.match(path.name)
         self._agree_on_step(int(named.group(1)) if named else -1, loading=True)  # before any rank reads
         if not is_dcp_checkpoint(path) and (path / "model.safetensors").is_file():  # the 1-process format
-            if self.env.world_size == 1:  # loads as it was saved; this run's saves are DCP from now on
-                return SafetensorsCheckpointer(self.env, self.seed).load(path, model, optimizer, scheduler)
-            raise CheckpointFormatError(
-                f"{path} is a single-process (safetensors) checkpoint and {self.env.world_size} processes "
-                "resume only DCP ones: resume it once in one process with --set parallel.checkpoint=dcp "
-                "(its saves are then DCP), then under torchrun"
-            )
+            check_resumable(path, self.env.world_size)
+            # one process loads it as it was saved; this run's saves are DCP from now on
+            return SafetensorsCheckpointer(self.env, self.seed).load(path, model, optimizer, scheduler)
         reader = _Reader(path, verify=True)
         if not is_dcp_checkpoint(path):
             raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
@@ -555,10 +551,25 @@ def rescale_loader_state(state: dict[str, int], saved_world: int, world: int) ->
     return {**state, "index_in_epoch": state["index_in_epoch"] * saved_world // world}
 
 
-def make_checkpointer(parallel: ParallelConfig, env: Local, seed: int):
+def check_resumable(path: Path, world_size: int) -> None:
+    """CheckpointFormatError where `world_size` processes cannot resume the checkpoint `path`: a
+    single-process (safetensors) one under torchrun."""
+    if world_size > 1 and not is_dcp_checkpoint(path) and (path / "model.safetensors").is_file():
+        raise CheckpointFormatError(
+            f"{path} is a single-process (safetensors) checkpoint and {world_size} processes resume only "
+            "DCP ones: resume it once in one process with --set parallel.checkpoint=dcp (its saves are then "
+            "DCP), then under torchrun"
+        )
+
+
+def make_checkpointer(parallel: ParallelConfig, env: Local, seed: int, resume_from: Path | None = None):
+    """The run's checkpointer. checkpoint="auto" saves the single-process format in one process, DCP under
+    torchrun, and DCP in one process too when the run resumes from a DCP checkpoint (it had switched to
+    the single-process format, which the run could then not take back to several processes)."""
     fmt = parallel.checkpoint
     if fmt == "auto":
-        fmt = "safetensors" if env.world_size == 1 else DCP_FORMAT
+        resumes_dcp = resume_from is not None and is_dcp_checkpoint(resume_from)
+        fmt = "safetensors" if env.world_size == 1 and not resumes_dcp else DCP_FORMAT
     if fmt == "safetensors":
         if env.world_size > 1:
             raise CheckpointError("parallel.checkpoint='safetensors' is the single-process format; use 'dcp'")

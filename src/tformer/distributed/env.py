@@ -23,6 +23,20 @@ from tformer.schema import ConfigError
 from tformer.train.config import ParallelConfig
 
 
+class OtherRankFailed(Exception):
+    """This rank's checks passed; those of the ranks named failed, and each of them says why."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        super().__init__(f"{which} failed with the error above; every rank stops")
+
+
+def said_by_a_lower_rank(err: BaseException) -> bool:
+    """Whether a lower rank raised an error of the same words in `checked_together` (and says it)."""
+    return getattr(err, "tformer_said_by_a_lower_rank", False) is True
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A 63-bit seed for one rank's RNG stream (dropout, router jitter) of a run seeded with `seed`."""
     digest = hashlib.sha256(f"tformer:rank-rng:{seed}:{rank}".encode()).digest()
@@ -64,6 +78,12 @@ class Local:
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         """Rank 0 runs the block (e.g. training and saving a tokenizer) before the others do."""
+        yield
+
+    @contextlib.contextmanager
+    def checked_together(self) -> Iterator[None]:
+        """Checks every rank makes alike (of the config, the run directory, a checkpoint to resume); one
+        process just runs them."""
         yield
 
     def barrier(self) -> None:
@@ -110,6 +130,27 @@ class ProcessGroup(Local):
         yield
         if self.is_main:
             self.barrier()
+
+    @contextlib.contextmanager
+    def checked_together(self) -> Iterator[None]:
+        """Checks every rank makes of the same config and files, after which the ranks agree. A rank whose
+        checks failed raises its error, marked where a lower rank raised the same words (the command line
+        says such an error once, not once per rank: `said_by_a_lower_rank`); a rank whose checks passed
+        raises OtherRankFailed naming the ranks that failed (it would otherwise wait for them in the next
+        collective, then stop without saying why)."""
+        failed: Exception | None = None
+        try:
+            yield
+        except Exception as e:  # a Ctrl-C is not a check: that rank stops, torchrun stops the others
+            failed = e
+        words: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(words, None if failed is None else f"{type(failed).__name__}: {failed}")
+        if failed is not None:
+            if words.index(words[self.rank]) < self.rank:
+                failed.tformer_said_by_a_lower_rank = True
+            raise failed
+        if any(w is not None for w in words):
+            raise OtherRankFailed([r for r, w in enumerate(words) if w is not None])
 
     def barrier(self) -> None:
         dist.barrier()

@@ -137,8 +137,9 @@ class ParallelConfig(Config):
         their width where tensor parallelism splits them: tformer.distributed.expert_width).
     param_dtype: FSDP2 mixed precision, the dtype blocks compute in ("bfloat16"); gradients are reduced
         and the optimizer steps in float32.
-    checkpoint: "auto" (single-process safetensors format at world size 1, DCP above), "safetensors"
-        (world size 1 only) or "dcp" (torch.distributed.checkpoint, loadable at any world size).
+    checkpoint: "auto" (single-process safetensors format at world size 1, DCP above, and DCP at world
+        size 1 too for a run resumed from a DCP checkpoint), "safetensors" (world size 1 only) or "dcp"
+        (torch.distributed.checkpoint, loadable at any world size).
     async_save: DCP saves continue in a background thread while training goes on.
     tensor: tensor-parallel degree T (Megatron-style: attention heads and FFN width split over T ranks,
         `torch.distributed.tensor.parallel`); the ranks form a (world / T) x T mesh, data parallelism

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tformer.data.corpora import user_corpus
-from tformer.distributed.checkpoint import CheckpointFormatError, make_checkpointer
+from tformer.distributed.checkpoint import CheckpointFormatError, check_resumable, make_checkpointer
 from tformer.distributed.env import NullMetrics, init_distributed, resolve_device, train_loader
 from tformer.distributed.parallelize import global_routing_stats, parallelize
 from tformer.distributed.plans import make_plan
@@ -65,6 +65,7 @@ from tformer.train.run_dir import (
     refuse_run_dir_in_checkpoints,
     refuse_run_dir_in_data,
     release_run_dir,
+    remove_run_files,
     restore_run_data_manifest,
     restore_run_tokenizer,
     take_over,
@@ -129,62 +130,68 @@ class Trainer:
         self.progress, self.lines = bool(progress) and self.env.is_main, progress == "lines"
         self._signals: StopRequests | None = None  # while fit runs
         self._out: GuardedStream | None = None
-        if not isinstance(run_dir, (str, os.PathLike)):
-            raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
-        self.run_dir = Path(run_dir)
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
-        refuse_run_dir_in_checkpoints(self.run_dir)
-        serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
-        if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
-            raise ValueError(
-                f"this task object holds the data and tokenizer of the run in {serves}; give each run its "
-                f"own (task={cfg.task!r}, or make_task({cfg.task!r})): sharing one, that run would go on "
-                "with this run's vocabulary and data"
-            )
-        self.device = self.env.device(cfg.device)
-        torch.manual_seed(cfg.seed)
-        take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
-        resume_from = latest_checkpoint(self.run_dir) if resume else None
-        if resume and resume_from is None:
-            raise FileNotFoundError(
-                f"--resume: {self.run_dir} holds no committed checkpoint ({why_none_committed(self.run_dir)})"
-            )
-        if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
-            raise ValueError(
-                f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
-            )
-        meta = None
-        if resume_from is not None:  # checked before the task reads data or writes anything
-            try:
-                meta = checkpoint_meta(resume_from)
-            except CheckpointError as e:
-                raise self._name_the_previous(resume_from, e) from None
-            if cfg.dtype == "auto":  # what the run recorded when it started, on whatever machine
-                recorded = (meta.get("train_config") or {}).get("dtype")
-                cfg = cfg.replace(dtype=recorded if recorded in ("float32", "bfloat16") else "auto")
-            check_resume_config(cfg, meta, resume_from, model=False)
-            if self.env.is_main:
-                warn_compile_switch(cfg, meta)
-            at = step_of(resume_from)
-            if cfg.steps < at:
+        # the checks every rank makes alike, before anything is written; under torchrun the ranks then agree,
+        # so that an error is said once (and a rank that passed does not wait for one that failed)
+        with self.env.checked_together():
+            if not isinstance(run_dir, (str, os.PathLike)):
+                raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
+            self.run_dir = Path(run_dir)
+            if self.run_dir.exists() and not self.run_dir.is_dir():
+                raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
+            refuse_run_dir_in_checkpoints(self.run_dir)
+            serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
+            if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
                 raise ValueError(
-                    f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
-                    f"before it. Pass steps >= {at}, or start a new run with another --out"
+                    f"this task object holds the data and tokenizer of the run in {serves}; give each run its "
+                    f"own (task={cfg.task!r}, or make_task({cfg.task!r})): sharing one, that run would go on "
+                    "with this run's vocabulary and data"
                 )
-        refuse_unfinished(self.run_dir, resume_from)
-        if cfg.dtype == "auto":  # decided once; config.json records the choice
-            cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, self.device))
-        self.cfg = cfg
-        if resume_from is None:
-            refuse_ignored_settings(cfg)
-            if self.env.is_main:
-                for setting in unread_settings(cfg):
-                    warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=3)
-            refuse_foreign_files(self.run_dir)
-            user = user_corpus(cfg.data.corpus)
-            refuse_run_dir_in_data(self.run_dir, [user[1]] if user else [])  # (an installed corpus's folder
-            # under data.path is read by its own layout, not scanned)
+            self.device = self.env.device(cfg.device)
+            torch.manual_seed(cfg.seed)
+            take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
+            resume_from = latest_checkpoint(self.run_dir) if resume else None
+            if resume and resume_from is None:
+                raise FileNotFoundError(
+                    f"--resume: {self.run_dir} holds no committed checkpoint ({why_none_committed(self.run_dir)})"
+                )
+            if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
+                raise ValueError(
+                    f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
+                )
+            meta = None
+            if resume_from is not None:  # checked before the task reads data or writes anything
+                try:
+                    meta = checkpoint_meta(resume_from)
+                except CheckpointError as e:
+                    raise self._name_the_previous(resume_from, e) from None
+                if cfg.dtype == "auto":  # what the run recorded when it started, on whatever machine
+                    recorded = (meta.get("train_config") or {}).get("dtype")
+                    cfg = cfg.replace(dtype=recorded if recorded in ("float32", "bfloat16") else "auto")
+                check_resume_config(cfg, meta, resume_from, model=False)
+                check_resumable(resume_from, self.env.world_size)
+                if self.env.is_main:
+                    warn_compile_switch(cfg, meta)
+                at = step_of(resume_from)
+                if cfg.steps < at:
+                    raise ValueError(
+                        f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
+                        f"before it. Pass steps >= {at}, or start a new run with another --out"
+                    )
+            refuse_unfinished(self.run_dir, resume_from)
+            if cfg.dtype == "auto":  # decided once; config.json records the choice
+                cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, self.device))
+            self.cfg = cfg
+            if resume_from is None:
+                refuse_ignored_settings(cfg)
+                if self.env.is_main:
+                    for setting in unread_settings(cfg):
+                        warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=3)
+                refuse_foreign_files(self.run_dir)
+                user = user_corpus(cfg.data.corpus)
+                refuse_run_dir_in_data(
+                    self.run_dir, [user[1]] if user else []
+                )  # (an installed corpus's folder
+                # under data.path is read by its own layout, not scanned)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,16 +203,14 @@ class Trainer:
                     (self.run_dir / name).unlink(missing_ok=True)
                 self._write_config(cfg)  # first: the files that follow belong to a run (refuse_foreign_files)
             self._build(task, cfg, meta, resume_from)
-        except BaseException:  # bad data or model settings, a missing package, a full disk: leave no
-            # directory behind
+            self._start(cfg, resume_from, meta)
+        except BaseException:  # bad data or model settings, a missing package, a full disk, a Ctrl-C before
+            # training starts: leave no directory behind (a resumed run's directory existed: created is None)
             self._release_lock()
             if created is not None and self.env.is_main:  # the outermost directory this run made
                 shutil.rmtree(created, ignore_errors=True)
-            raise
-        try:
-            self._start(cfg, resume_from, meta)
-        except BaseException:
-            self._release_lock()
+            elif resume_from is None and self.env.is_main:  # a directory the user made: this run's files
+                remove_run_files(self.run_dir)
             raise
 
     def _start(self, cfg: TrainConfig, resume_from: Path | None, meta: dict | None) -> None:
@@ -267,7 +272,7 @@ class Trainer:
         self.optimizer = self.parallel.adapt_optimizer(make_optimizer(self.model, cfg.optim))
         self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
         self.loader = train_loader(task, cfg, self.env)
-        self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed)
+        self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed, resume_from)
 
     def _hand_over(self) -> None:
         """A newer Trainer in this process takes the run directory over (tformer.train.run_dir): finish the

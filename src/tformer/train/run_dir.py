@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -120,6 +121,18 @@ def refuse_foreign_files(run_dir: Path) -> None:
             f"{run_dir} holds {', '.join(taken)}, which a new run would replace, and is not a tformer run "
             "(no run's config.json); choose another --out or move them"
         )
+
+
+def remove_run_files(run_dir: Path) -> None:
+    """A fresh run that stopped before training, in a directory that was there before it (a user's): the
+    files it wrote there go (RUN_FILES; refuse_foreign_files let it replace only a run's own)."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
 
 def refuse_run_dir_in_data(run_dir: Path, data_paths: list[str]) -> None:
