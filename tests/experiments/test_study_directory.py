@@ -157,3 +157,33 @@ def test_begin_study_takes_a_setting_as_its_file_will_hold_it(tmp_path) -> None:
     (tmp_path / "run" / "tokenizer.json").write_text("{}")  # a training run's: not taken as the study's
     with pytest.raises(ValueError, match="holds tokenizer.json of something else"):
         begin_study(tmp_path / "run", "norm", norm.QUICK, norm.QUICK)
+
+
+def test_device_auto_is_recorded_as_the_device_it_picked(tmp_path) -> None:
+    """setting.json (and so the report's "fp32 on ...") holds the device the arms trained on, not "auto"; a
+    second call with "auto" is the same setting."""
+    from tformer.experiments.study_dir import begin_study, setting_of
+
+    auto = norm.QUICK.replace(device="auto")
+    for _ in range(2):
+        begin_study(tmp_path / "a", "norm", auto, norm.QUICK)
+    assert setting_of(tmp_path / "a", norm.NormSetting).device == "cpu"  # this machine has no CUDA
+
+
+def test_resume_with_quick_of_a_full_study_is_refused(tmp_path, capsys) -> None:
+    """--quick names a quick study's default --out; given with --resume on a full study's directory it had
+    been dropped without a word."""
+    (tmp_path / "setting.json").write_text(
+        json.dumps({"study": "norm", "mode": "full", "setting": FULL_SETTING})
+    )
+    assert main(["experiment", "norm", "--resume", "--quick", "--out", str(tmp_path)]) == 2
+    assert "holds a full norm study, not a quick one; --resume goes on" in capsys.readouterr().err
+
+
+def test_the_steadier_gradients_evidence_shows_both_schedules_the_rule_reads() -> None:
+    s = norm.NormSetting(depths=(2,), seeds=1, steps=6, warmup_steps=2)
+    arms = norm_grid({(p, w): 3.0 for p in ("post", "pre") for w in (True, False)}, 4.0)
+    (verdict,) = [
+        v for v in norm.verdicts(arms, s) if v.claim.startswith("Pre-Norm's gradients are steadier")
+    ]
+    assert "CV with warm-up: Post L2" in verdict.evidence and "; without: Post L2" in verdict.evidence

@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         drop_previous_study,
         prepare_run_dir,
         read_setting,
+        resolved_device,
         restore_previous_study,
         setting_of,
         write_setting,
@@ -218,8 +219,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{option} {does}; {', '.join(flags)} would change nothing (to train with other settings, "
                 f"run without {option}" + (" into another --out)" if args.resume else ")")
             )
-        if read_setting(out)["study"] != args.study:
-            raise ValueError(f"{out} holds a {read_setting(out)['study']} run, not {args.study}")
+        saved = read_setting(out)
+        if saved["study"] != args.study:
+            raise ValueError(f"{out} holds a {saved['study']} run, not {args.study}")
+        if args.quick and saved["mode"] != "quick":  # --quick had been dropped without a word
+            raise ValueError(
+                f"{out} holds a full {args.study} study, not a quick one; {option} goes on with the run's own "
+                f"settings: drop --quick"
+            )
     if args.resume:
         setting = setting_of(out, type(module.FULL))
         t0 = time.perf_counter()
@@ -228,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained in {time.perf_counter() - t0:.1f} s")
     elif not args.report_only:
         with flags_named(args):
-            setting = resolve_setting(args, module)
+            setting = resolved_device(resolve_setting(args, module))
             resolve_device(setting.device)  # checked before anything is written: a device this machine lacks,
             for arm in module.make_arms(setting):  # an arm's model or optimizer setting out of range,
                 check_fits(arm.model)  # a model larger than the machine (the arms before it would train)

@@ -371,7 +371,9 @@ def verdicts(arms: list[ArmLog], s: NormSetting) -> list[Verdict]:
                 g.cases(lambda post, pre: less(grad_norm_cv(pre, w), grad_norm_cv(post, w)), (True, False))
             ),
             f"CV with warm-up: Post {g.by_depth(lambda a: grad_norm_cv(a, w), 'post')}; "
-            f"Pre {g.by_depth(lambda a: grad_norm_cv(a, w), 'pre')}",
+            f"Pre {g.by_depth(lambda a: grad_norm_cv(a, w), 'pre')}; without: "
+            f"Post {g.by_depth(lambda a: grad_norm_cv(a, w), 'post', False)}; "
+            f"Pre {g.by_depth(lambda a: grad_norm_cv(a, w), 'pre', False)}",
         ),
     ]
     if s.arch == "encoder_decoder":

@@ -124,6 +124,16 @@ def setting_of(run_dir: Path, cls: type[Setting]) -> Setting:
     return cls.from_dict(read_setting(run_dir)["setting"], str(Path(run_dir) / SETTING))
 
 
+def resolved_device(setting: Setting) -> Setting:
+    """device="auto" as the device it picks here ("cpu" or "cuda"): setting.json and the report say where
+    the arms trained (a report had read "fp32 on auto")."""
+    if setting.device != "auto":
+        return setting
+    from tformer.distributed.env import resolve_device
+
+    return setting.replace(device=resolve_device("auto").type)
+
+
 def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Setting) -> Path:
     """A study's `run` starts here: the directory made, and its setting.json written, or, where one is
     there (the command line wrote it, or an earlier attempt did), the same study and setting required: the
@@ -132,6 +142,7 @@ def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Settin
     run_dir = Path(run_dir)
     # as setting.json will hold it (lists as tuples; a float where an int belongs is named now, not later)
     setting = type(setting).from_dict(json.loads(json.dumps(setting.to_dict())), "the setting given")
+    setting = resolved_device(setting)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"{run_dir} is a file; a study needs a directory")
     if (run_dir / SETTING).exists():
