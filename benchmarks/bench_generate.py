@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import transformers  # noqa: E402
 from harness import (  # noqa: E402
+    WARMUP_CALLS,
     LoadMeter,
     paired_median,
     print_table,
@@ -56,7 +57,7 @@ from peers import (  # noqa: E402
 from tformer.generate.engine import generate  # noqa: E402
 from tformer.generate.sampling import SamplingConfig  # noqa: E402
 
-FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=3)
+FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=6)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new=16, rounds=2)
 XT = "x-transformers generate"
 COLUMNS = [
@@ -188,7 +189,7 @@ def moe_sections(args, s: dict, rounds: int) -> dict:
         }
         first = {name: timed(fn) for name, fn in variants.items()}
         with LoadMeter() as load:
-            times = round_robin(variants, rounds, warmup=0)
+            times = round_robin(variants, rounds, warmup=WARMUP_CALLS - 1)  # (after the first calls)
         rows = summarize(times, "tformer generate", new)
         table = speed_table(rows, new)
         columns = [(k, "x eager" + label[4:], f) if k.startswith("vs_hf") else (k, label, f)
@@ -266,7 +267,7 @@ def main() -> None:
         same = {name: out == outputs["HF generate"] for name, out in outputs.items() if name != "HF generate"}
         with LoadMeter() as load:
             bandwidth = read_bandwidth_gbs()
-            times = round_robin(variants, rounds, warmup=0)
+            times = round_robin(variants, rounds, warmup=WARMUP_CALLS - 1)  # (after the first calls)
         rows = summarize(times, "HF generate", batch * s["new"])
         table = speed_table(rows, s["new"])
         title = (

@@ -13,13 +13,19 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          expert counts, fp32. HF's attention is MLA (low-rank K/V, rope on part of each head), ours is
          plain MHA: we pick kv_lora_rank so the attention parameters match within a few percent, and
          count each side's own FLOPs.
-  moe-bf16  the same under bf16 autocast (batch 1 on a CPU without bf16 instructions, as bf16).
+  moe-bf16  the same under bf16 autocast (batch 1 on a CPU without bf16 instructions, as bf16), with a
+         second HF row: its eager experts (torch's autocast has no rule for grouped_mm, so HF's default
+         experts stay fp32 under autocast; the eager ones run in bf16). The ratio to quote is against the
+         faster of the two (`tformer_vs_fastest_hf`).
   compile (only with --compile) tformer under torch.compile vs tformer eager, fp32.
 
 A step is what both sides do: forward, the same cross-entropy on fp32 logits (computed outside both
 models, as tformer's trainer does by default), backward, one fused AdamW step, zero_grad(set_to_none).
 HF runs with use_cache=False. `--loss-ab` adds to the dense sections a row of tformer with its fused
 head and loss (`fused_loss: true`, tformer.model.loss: no tokens x vocabulary logits; it saves memory).
+
+Every model takes 3 untimed steps first (5 in the MoE bf16 section), then 8 timed rounds in a rotating
+order (harness.round_robin).
 
     python benchmarks/bench_lm.py            # ~10 minutes on a 2-core CPU, writes results/lm.json
     python benchmarks/bench_lm.py --quick    # < 1 minute smoke check (tiny shapes)
@@ -43,6 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
+    WARMUP_CALLS,
     LoadMeter,
     MatmulPeak,
     MatmulShape,
@@ -66,7 +73,7 @@ from peers import (  # noqa: E402
 from tformer import MoEConfig, build_model  # noqa: E402
 from tformer.presets import llama_like  # noqa: E402
 
-FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, batch=8, seq=256, rounds=3)
+FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, batch=8, seq=256, rounds=8)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, batch=2, seq=64, rounds=2)
 MOE = dict(n_experts=64, top_k=6, d_expert=344, n_shared=2, first_dense=1)
 MOE_QUICK = dict(n_experts=8, top_k=2, d_expert=96, n_shared=1, first_dense=1)
@@ -102,7 +109,9 @@ def tformer_moe(s: dict, m: dict) -> nn.Module:
     return build_model(cfg.replace(moe=moe))
 
 
-def hf_deepseek_v3(s: dict, m: dict) -> nn.Module:
+def hf_deepseek_v3(s: dict, m: dict, experts: str = "grouped_mm") -> nn.Module:
+    """experts: HF's experts implementation, "grouped_mm" (what a PreTrainedModel picks in transformers 5)
+    or "eager" (a loop over the experts)."""
     head_dim = s["d_model"] // s["heads"]
     kv_lora_rank = kv_rank_matching_mha(s["d_model"], s["heads"], head_dim)
     cfg = transformers.DeepseekV3Config(
@@ -133,7 +142,11 @@ def hf_deepseek_v3(s: dict, m: dict) -> nn.Module:
         use_cache=False,
         num_mtp_layers=0,
     )
-    return transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model.config._experts_implementation = (
+        experts  # read at every forward (as benchmarks/bench_moe.py sets it)
+    )
+    return model
 
 
 def kv_rank_matching_mha(d: int, heads: int, head_dim: int) -> int:
@@ -226,7 +239,7 @@ def run_section(
     s: dict,
     rounds: int,
     notes: list[str],
-    warmup: int = 1,
+    warmup: int = WARMUP_CALLS,
 ) -> dict:
     """warmup: untimed steps of each model first (the first one's loss is recorded)."""
     variants = {**steps, **{f"matmul peak ({k})": p for k, p in peaks.items()}}
@@ -283,6 +296,8 @@ def run_section(
 
 
 FUSED = "tformer, fused head and loss"
+HF_MOE, HF_MOE_EAGER = "HF DeepseekV3ForCausalLM", "HF DeepseekV3ForCausalLM, eager experts"
+OURS_MOE = "tformer DecoderLM (MoE)"
 OURS = "tformer DecoderLM"
 XT = "x-transformers Decoder"
 
@@ -353,14 +368,20 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32") -> dict:
             nn.init.normal_(p, std=0.02)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1))
     steps = {
-        "HF DeepseekV3ForCausalLM": make_step(hf, call_hf, tokens, autocast),
-        "tformer DecoderLM (MoE)": make_step(ours, call_tformer, tokens, autocast),
+        HF_MOE: make_step(hf, call_hf, tokens, autocast),
+        OURS_MOE: make_step(ours, call_tformer, tokens, autocast),
     }
+    models = {HF_MOE: hf, OURS_MOE: ours}
+    if dtype == "bf16":  # torch's autocast has no rule for grouped_mm, so HF's default experts stay fp32
+        # there; its eager experts (a loop of linear layers) run in bf16: both of HF's options are timed
+        hf_eager = hf_deepseek_v3(s, m, experts="eager")
+        hf_eager.load_state_dict(hf.state_dict())
+        steps[HF_MOE_EAGER], models[HF_MOE_EAGER] = make_step(hf_eager, call_hf, tokens, autocast), hf_eager
     # HF q/k heads are nope + rope = head_dim features, v heads head_dim: the same d_qk = d_v as ours
     d_attn_hf = s["heads"] * (s["d_model"] // s["heads"])
     flops = {
-        "HF DeepseekV3ForCausalLM": train_flops(hf, s, m["top_k"], d_attn_hf),
-        "tformer DecoderLM (MoE)": train_flops(ours, s, m["top_k"]),
+        name: train_flops(model, s, m["top_k"], d_attn_hf if name.startswith("HF") else None)
+        for name, model in models.items()
     }
     tokens_n = s["batch"] * s["seq"]
     d, layers_moe = s["d_model"], s["layers"] - m["first_dense"]
@@ -384,10 +405,12 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32") -> dict:
         f"{hf.config.qk_rope_head_dim} of {hf.config.qk_head_dim} q/k features per head) vs tformer MHA; "
         f"attention params HF {attn['HF']:,} vs tformer {attn['tformer']:,}",
         f"total params HF {params['HF']:,} vs tformer {params['tformer']:,}; HF experts implementation: {impl}",
+        "each side initialised on its own (MLA and MHA hold different weights), from the same distributions: "
+        "routing at the first steps differs between the sides",
         "MFU counts each side's own FLOPs (active experts + shared + router); the peak runs the active "
         "experts as one dense FFN of the same width",
     ]
-    warmup = 1
+    warmup = WARMUP_CALLS
     if dtype == "bf16":  # oneDNN compiles a kernel per new GEMM shape, and expert row counts vary
         warmup = 5
         notes.append("5 untimed steps of each model first: bf16 GEMMs compile a kernel per new shape")
@@ -398,7 +421,20 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32") -> dict:
     peaks = {"fp32": MatmulPeak(shapes)}
     if dtype == "bf16":
         peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
-    return run_section(title, steps, flops, peaks, s, rounds, notes, warmup)
+    result = run_section(title, steps, flops, peaks, s, rounds, notes, warmup)
+    if HF_MOE_EAGER in steps:  # the ratio against the faster of HF's two experts implementations
+        times = result["times_s"]
+        fastest = min((HF_MOE, HF_MOE_EAGER), key=lambda n: min(times[n]))
+        ratio = {
+            "peer": fastest,
+            "paired_median": round(paired_median(times, fastest, OURS_MOE), 3),
+            "best": round(min(times[fastest]) / min(times[OURS_MOE]), 3),
+        }
+        result["tformer_vs_fastest_hf"] = ratio
+        line = f"tformer vs the faster HF ({fastest}): {ratio['paired_median']:.2f}x paired median, {ratio['best']:.2f}x best"
+        result["notes"].append(line)
+        print("  " + line)
+    return result
 
 
 def compile_section(s: dict, rounds: int, dtype: str) -> dict:

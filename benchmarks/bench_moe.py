@@ -206,14 +206,17 @@ def measure(
     return times, max(peaks)
 
 
-def matmul_peak(rows: int, d_in: int, d_out: int, dtype: torch.dtype = torch.float32):
-    """A probe returning the GFLOP/s of one (rows x d_in) @ (d_in x d_out) matmul in `dtype`."""
+def matmul_peak(rows: int, d_in: int, d_out: int, dtype: torch.dtype = torch.float32, reps: int = 1):
+    """A probe returning the GFLOP/s of a (rows x d_in) @ (d_in x d_out) matmul in `dtype`, timed over
+    `reps` back-to-back products (a few-row product takes tens of microseconds: timed alone, the clock's
+    and the call's overhead and its noise had given decode MFUs above 100%)."""
     a, b = torch.randn(rows, d_in, dtype=dtype), torch.randn(d_in, d_out, dtype=dtype)
 
     def probe() -> float:
         t = time.perf_counter()
-        a @ b
-        return 2 * rows * d_in * d_out / (time.perf_counter() - t) / 1e9
+        for _ in range(reps):
+            a @ b
+        return 2 * rows * d_in * d_out * reps / (time.perf_counter() - t) / 1e9
 
     probe()
     return probe
@@ -222,6 +225,8 @@ def matmul_peak(rows: int, d_in: int, d_out: int, dtype: torch.dtype = torch.flo
 def summarize(times: dict[str, list[float]], tokens: int, flops_per_call: float, peak: float) -> dict:
     ref, dense = times["tformer grouped"], times["dense SwiGLU"]
     rows = {}
+    hf = [n for n in times if n.startswith("HF")]
+    fastest = min(hf, key=lambda n: min(times[n])) if hf else None  # HF's faster experts implementation
     for name, ts in times.items():
         rows[name] = {
             "best_ms": round(min(ts) * 1e3, 2),
@@ -231,6 +236,12 @@ def summarize(times: dict[str, list[float]], tokens: int, flops_per_call: float,
             "share_of_dense": round(statistics.median(d / t for d, t in zip(dense, ts)), 2),
             "mfu": round(flops_per_call / min(ts) / 1e9 / peak, 3),
             "times_ms": [round(t * 1e3, 3) for t in ts],  # per round: the paired medians can be recomputed
+        }
+    if fastest is not None:  # the ratio to quote: tformer against the faster of HF's two implementations
+        rows["tformer grouped"]["vs_fastest_hf"] = {
+            "peer": fastest,
+            "paired_median": round(statistics.median(t / o for t, o in zip(times[fastest], ref)), 2),
+            "best": round(min(times[fastest]) / min(ref), 2),
         }
     return rows
 
@@ -285,7 +296,7 @@ def bench_config(cname: str, spec: dict, args) -> dict:
     reps = args.decode_reps
     # the decode MFU's peak: the active width as one product of the decoding step's few rows (a 2048-row
     # peak, as until 2026-12-01, made every decode MFU look tiny)
-    decode_probe = matmul_peak(DECODE_BATCH, D, spec["F"] * (spec["K"] + spec["shared"]), dtype)
+    decode_probe = matmul_peak(DECODE_BATCH, D, spec["F"] * (spec["K"] + spec["shared"]), dtype, reps=200)
     decode, decode_peak = measure(
         blocks, lambda b: decode_step(b, xd, reps, autocast), args.rounds, reps, decode_probe, warmup
     )
@@ -311,6 +322,12 @@ def report(results: dict, load: dict, args) -> None:
             print(
                 f"{name:<26}{r['best_ms']:>10.2f}{r['tokens_per_s']:>10}{r['tformer_speedup']:>11.2f}"
                 f"{r['share_of_dense']:>10.2f}{r['mfu']:>7.2f}"
+            )
+        versus = rows.get("tformer grouped", {}).get("vs_fastest_hf")
+        if versus:
+            print(
+                f"tformer grouped vs the faster HF ({versus['peer']}): {versus['paired_median']:.2f}x paired "
+                f"median, {versus['best']:.2f}x best"
             )
     print(
         f"\nforeign CPU share {load['foreign_cpu_share']:.1%} over {load['wall_s']} s, loadavg {load['loadavg']}"

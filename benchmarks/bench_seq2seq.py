@@ -65,7 +65,7 @@ from tformer import ModelConfig, build_model  # noqa: E402
 from tformer.generate.beam import beam_search  # noqa: E402
 from tformer.model.positions import sinusoidal_table  # noqa: E402
 
-FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=5)
+FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=6)
 QUICK = dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128, batch=4, src=16, tgt=16, rounds=2)
 SLOW_BF16 = dict(batch=1, src=32, tgt=32, rounds=2)
 BEAM = dict(sentences=32, src=24, max_len=32, beam=4, alpha=0.6, rounds=3)
