@@ -149,6 +149,10 @@ def test_generate_can_truncate_a_long_prompt(trained_run: Path, capsys) -> None:
     assert main([*argv[:-3], "--max-new-tokens", "64", "--truncate-prompt"]) == 2  # no room left for a prompt
     err = capsys.readouterr().err
     assert "--max-new-tokens 64 leaves no room for a prompt" in err and "Traceback" not in err
+    # without --max-new-tokens the count is --min-new-tokens's (the message had named --max-new-tokens)
+    assert main([*argv[:-3], "--min-new-tokens", "64", "--truncate-prompt"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-new-tokens 64 leaves no room for a prompt" in err and "--max-new-tokens" not in err
 
 
 def test_truncate_prompts_keeps_the_tail() -> None:

@@ -90,6 +90,20 @@ def test_bbc_skips_hidden_files(tmp_path):
     assert not any("hidden" in d.text for d in docs)
 
 
+def test_a_shakespeare_copy_skips_hidden_files(tmp_path):
+    """A copy under data.path with hidden files (an editor's, macOS's ._hamlet_gut.txt of NUL bytes): not
+    works (the first had been read as a work called '.macbeth', the second had failed the whole load)."""
+    import shutil
+
+    installed = Path(C.package_dir("shksprdata", "Shakespeare texts", C.SHAKESPEARE_INSTALL))
+    shutil.copytree(installed / "texts", tmp_path / "texts")
+    (tmp_path / "texts" / ".macbeth_gut.txt").write_text("an editor's copy")
+    (tmp_path / "texts" / "._hamlet_gut.txt").write_bytes(b"\x00\x05\x16\x07" * 8)
+    copy, original = C.load_shakespeare(str(tmp_path)), C.load_shakespeare()
+    for split in SPLITS:
+        assert [d.id for d in copy[split]] == [d.id for d in original[split]]
+
+
 def test_bbc_val_and_test_fractions_are_not_swapped(tmp_path):
     _bbc(tmp_path)
     corpus = C.load_bbc_news(root=str(tmp_path), val_frac=0.3, test_frac=0.1)
@@ -267,3 +281,17 @@ def test_ui_strings_whose_translation_holds_a_placeholder_are_dropped():
         pairs = LO.parse_ui(lang)
         assert len(pairs) > 10_000
         assert not [p for p in pairs if placeholder.search(p[2])]
+
+
+def test_corpus_options_that_are_counts_must_be_counts():
+    """n_val 1.5 had given 2 pairs, -5 an empty split's confusing error, terms=True one term; the
+    LibreOffice corpus, whose loader takes **options, had let any name through to a raw TypeError."""
+    for options, error, words in (
+        ({"n_val": 1.5}, TypeError, "option n_val must be an int, got 1.5"),
+        ({"terms": True}, TypeError, "option terms must be an int, got True"),
+        ({"n_val": -5}, ValueError, "option n_val must be >= 0, got -5"),
+    ):
+        with pytest.raises(error, match=words):
+            load_corpus("trans-de-en", **options)
+    with pytest.raises(TypeError, match="corpus 'libreoffice' takes no option 'foo'; its options: direction"):
+        load_corpus("libreoffice", foo=1)

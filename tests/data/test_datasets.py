@@ -113,3 +113,9 @@ def test_classification_truncates_and_counts():
 def test_sizes_below_one_are_named():
     with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
         PackedLMDataset([[4, 5, 6]], seq_len=0, eos_id=EOS)
+
+
+def test_a_seq_len_that_is_not_an_int_is_named():
+    for bad in (2.5, "4", True):
+        with pytest.raises(TypeError, match=f"seq_len must be an int >= 1, got {bad!r}"):
+            PackedLMDataset([[5, 6, 7]], seq_len=bad, eos_id=EOS)

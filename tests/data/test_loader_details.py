@@ -159,3 +159,21 @@ def test_len_is_the_current_epochs_batch_count_when_epochs_differ():
     for e in (3, 1, 2):
         other.load_state_dict({"epoch": e, "index_in_epoch": 0, "seed": 5})
         assert len(other) == counts[e]
+
+
+def test_batch_sizes_and_token_budgets_must_be_positive_ints():
+    """The bucket sampler had checked nothing: batch_size 0 raised a TypeError deep inside, -1 gave no
+    batches, max_tokens 0, -5 or 2.5 were taken."""
+    from tformer.data.loader import BucketBatchSampler, RandomBatchSampler
+
+    for kwargs, error in (
+        ({"batch_size": 0}, ValueError),
+        ({"batch_size": -1}, ValueError),
+        ({"max_tokens": 0}, ValueError),
+        ({"max_tokens": 2.5}, TypeError),
+        ({"batch_size": 2, "pool_batches": 0}, ValueError),
+    ):
+        with pytest.raises(error, match="must be"):
+            BucketBatchSampler([3, 4, 5], **kwargs)
+    with pytest.raises(TypeError, match="batch_size must be an int >= 1, got True"):
+        RandomBatchSampler(5, True)

@@ -3,6 +3,7 @@ suffixes, blank and whitespace-differing labelled texts, pairs that share a sour
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -68,3 +69,37 @@ def test_each_label_holds_out_ten_percent_for_val_and_for_test(tmp_path):
     counts = {(s, label): sum(d.label == label for d in corpus[s]) for s in SPLITS for label in "ab"}
     assert counts == {("train", "a"): 24, ("val", "a"): 3, ("test", "a"): 3,
                       ("train", "b"): 16, ("val", "b"): 2, ("test", "b"): 2}  # fmt: skip
+
+
+def _label(root, name: str | bytes, texts: list[str]) -> None:
+    folder = os.path.join(os.fsencode(root), name if isinstance(name, bytes) else name.encode())
+    os.mkdir(folder)
+    for i, text in enumerate(texts):
+        with open(os.path.join(folder, f"{i}.txt".encode()), "w") as f:
+            f.write(text)
+
+
+def test_label_folders_that_cannot_be_labels_are_named(tmp_path):
+    """A folder name that is not UTF-8 text had crashed every evaluation (in the confusion plot); a folder
+    of empty files had vanished without a word; a folder that does not exist is said to be missing."""
+    _label(tmp_path, "pos", [f"good text {i}" for i in range(3)])
+    _label(tmp_path, b"n\xffg", [f"bad text {i}" for i in range(3)])
+    with pytest.raises(ValueError, match="has a name that is not valid UTF-8 text; rename it"):
+        C.load_labelled(tmp_path)
+    os.rename(os.path.join(os.fsencode(tmp_path), b"n\xffg"), tmp_path / "neg")
+    _label(tmp_path, "blank", ["  \n"] * 3)
+    with pytest.raises(
+        ValueError, match=r"label 'blank' .* has 0 distinct non-empty text file\(s\) of its 3"
+    ):
+        C.load_labelled(tmp_path)
+    with pytest.raises(FileNotFoundError, match="labelled corpus .*nowhere' does not exist"):
+        C.load_labelled(tmp_path / "nowhere")
+
+
+def test_a_pairs_split_error_speaks_of_sources(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("".join(f"Hallo\thello {i}\n" for i in range(4)))  # one source: one split
+    with pytest.raises(
+        ValueError, match="pairs with the same source stay in one split: 1 distinct sources of 4"
+    ):
+        load_corpus(f"pairs:{path}")

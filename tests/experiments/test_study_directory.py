@@ -187,3 +187,17 @@ def test_the_steadier_gradients_evidence_shows_both_schedules_the_rule_reads() -
         v for v in norm.verdicts(arms, s) if v.claim.startswith("Pre-Norm's gradients are steadier")
     ]
     assert "CV with warm-up: Post L2" in verdict.evidence and "; without: Post L2" in verdict.evidence
+
+
+def test_a_study_continued_packs_a_text_file_as_it_began(tmp_path) -> None:
+    """A text: file is packed with its pieces joined; the study's own data.json had dropped that flag, so a
+    study continued later (--resume) packed the same file into other windows."""
+    from tformer.experiments.runner import Setting, StudyData
+
+    text = tmp_path / "big.txt"
+    text.write_text("".join(f"line {i} of a text the study reads\n" for i in range(3000)))
+    setting = Setting(corpus=f"text:{text}", vocab_size=300, seq_len=32, steps=2, warmup_steps=1, seeds=1)
+    (tmp_path / "study").mkdir()
+    first = StudyData(setting, tmp_path / "study")
+    again = StudyData(setting, tmp_path / "study")
+    assert first.task.join is True and again.task.join is True

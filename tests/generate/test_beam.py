@@ -77,16 +77,25 @@ def test_cached_beam_search_equals_uncached(changes, alpha: float) -> None:
         assert len(f.tokens) + f.finished <= n
 
 
-def test_batched_search_equals_one_sentence_at_a_time() -> None:
-    model = seq2seq()
-    src, mask = sources()
-    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, beam_size=3, alpha=0.6, banned=(PAD, BOS))
-    batched = beam_search(model, src, mask, **common)
-    for i, hyp in enumerate(batched):
-        n = int(mask[i].sum())
-        alone = beam_search(model, src[i : i + 1, :n], None, **common)[0]
-        assert alone.tokens == hyp.tokens
-        assert alone.score == pytest.approx(hyp.score, abs=1e-4)
+@pytest.mark.parametrize("beam", [3, 40])
+def test_batched_search_equals_one_sentence_at_a_time(beam: int) -> None:
+    """Also with more beams than the vocabulary has tokens (24): the first step's slots past the vocabulary
+    had pointed at the first sentence's row, whose source a beam moving into them later decoded against."""
+    for seed in range(4):
+        model = seq2seq()
+        if seed:  # sharper distributions, other seeds: beams move between slots
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(std=0.6) if p.dim() > 1 else None
+        src, mask = sources()
+        common = dict(bos_id=BOS, eos_id=EOS, max_len=10, beam_size=beam, alpha=0.6, banned=(PAD, BOS))
+        batched = beam_search(model, src, mask, **common)
+        for i, hyp in enumerate(batched):
+            n = int(mask[i].sum())
+            alone = beam_search(model, src[i : i + 1, :n], None, **common)[0]
+            assert alone.tokens == hyp.tokens, (seed, i)
+            assert alone.score == pytest.approx(hyp.score, abs=1e-4), (seed, i)
 
 
 @torch.no_grad()
@@ -292,6 +301,7 @@ def test_search_config_dispatch_and_validation() -> None:
     for bad in (
         {"beam_size": 0},
         {"max_len": 0},
+        {"max_len": 3, "min_len": 3},  # no room for the end
         {"top_p": 0.0},
         {"method": "nucleus"},
         {"seed": -(2**63) - 1},

@@ -43,6 +43,19 @@ def test_accuracy_macro_f1_and_confusion_png(tmp_path: Path) -> None:
         score_classification([3], [0], ["a", "b"])
 
 
+def test_the_confusion_png_draws_any_label_as_written_and_stays_a_page(tmp_path: Path) -> None:
+    """Labels are folder names: "$\\foo$" had stopped the run in matplotlib's math parser (and "$x$" been
+    drawn as maths); hundreds of labels had asked for an image of gigabytes."""
+    from PIL import Image
+
+    scores = score_classification([0, 1, 2], [0, 1, 1], ["$\\foo$", "$x$", "c"])
+    plot_confusion(scores, tmp_path / "odd.png")
+    many = [f"label {i}" for i in range(300)]
+    scores = score_classification(list(range(300)), list(range(300)), many)
+    with Image.open(plot_confusion(scores, tmp_path / "many.png")) as image:
+        assert max(image.size) <= 45 * 110
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_classifier_overfits_a_tiny_set(pooling: str) -> None:
     torch.manual_seed(0)

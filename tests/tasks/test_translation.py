@@ -470,6 +470,27 @@ def test_min_len_reaches_the_command_line(trained_run: Path, capsys) -> None:
     assert "--min-len must be in [0" in capsys.readouterr().err
     assert main(["translate", "--run", run, "--text", "Der Hund.", "--min-len", "5", "--max-len", "5"]) == 2
     assert "--min-len 5 leaves no room for the end within --max-len 5" in capsys.readouterr().err
+    # the default min_len too (--max-len 1 had returned one unfinished token without a word)
+    assert main(["translate", "--run", run, "--text", "Der Hund.", "--max-len", "1"]) == 2
+    assert (
+        "--min-len 1 (the default) leaves no room for the end within --max-len 1" in capsys.readouterr().err
+    )
+    # a --min-len past the length the source gives (1.5 x its tokens + 10) raises it: the output had been cut
+    # there, shorter than --min-len and unfinished, without a word
+    from tformer.generate.beam import SearchConfig
+
+    assert SearchConfig(min_len=20).max_lens(torch.tensor([4, 30]), 64).tolist() == [21, 55]
+    assert (
+        main(["translate", "--run", run, "--text", "Der Hund.", "--greedy", "--min-len", "20", "--scores"])
+        == 0
+    )
+    from tformer.tasks.translation import load_translator
+
+    translator = load_translator(run)
+    (hyp,) = translator.hypotheses(
+        translator.encode(["Der Hund."])[0], SearchConfig(method="greedy", min_len=20)
+    )
+    assert len(hyp.tokens) >= 20
 
 
 def test_the_python_api_takes_a_run_or_its_path_and_names_a_wrong_search(trained_run: Path) -> None:
@@ -598,7 +619,10 @@ def test_the_manifest_counts_the_training_pairs_too_long_for_seq_len(
     cfg = small_config(dictionary_file)
     n = 25  # the pairs are 17..29 source and 15..27 target tokens
     cfg = cfg.replace(data=cfg.data.replace(seq_len=n))
-    task = set_up_task(cfg, tmp_path)
+    with pytest.warns(
+        UserWarning, match=r"of the [\d,]+ training pairs are longer than data.seq_len=25 tokens"
+    ):
+        task = set_up_task(cfg, tmp_path)  # said, not only recorded in data.json
     train = list(task.corpus["train"])
     tok = task.src_tok
     too_long = sum(

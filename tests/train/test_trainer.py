@@ -562,6 +562,19 @@ def test_a_split_too_short_for_one_window_is_named(tmp_path: Path) -> None:
             trainer.close()
 
 
+def test_a_train_text_cut_by_max_train_docs_says_so(corpus_dir: Path, tmp_path: Path) -> None:
+    """The count is of the documents data.max_train_docs keeps: it had read as the whole split's."""
+    cfg = small_config(corpus_dir, steps=1)
+    cfg = cfg.replace(
+        data=cfg.data.replace(max_train_docs=1, seq_len=30000), model=cfg.model.replace(max_seq_len=30000)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the train split of 'text:.*' \(its first 1 document\(s\), data.max_train_docs\) is",
+    ):
+        Trainer(cfg, tmp_path / "s", make_task("lm"), progress=False)
+
+
 def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path: Path) -> None:
     """Kept (one setting switches their component back on) but never silently dropped."""
     cfg = small_config(corpus_dir, steps=1)

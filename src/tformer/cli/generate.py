@@ -152,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
     if args.truncate_prompt:
         try:
             encoded, cut = truncate_prompts(encoded, sampling.max_new_tokens, context)
-        except ValueError as err:  # named as the option the user typed
-            raise ValueError(str(err).replace("max_new_tokens=", "--max-new-tokens ")) from None
+        except ValueError as err:  # named as the option the user typed (without --max-new-tokens, the
+            # count comes from --min-new-tokens)
+            flag = "--max-new-tokens" if args.max_new_tokens is not None else "--min-new-tokens"
+            raise ValueError(str(err).replace("max_new_tokens=", f"{flag} ")) from None
         for i in cut:
             print(
                 f"tformer generate: warning: {names[i]} is longer than the context allows "

@@ -107,11 +107,14 @@ def search_from_args(args: argparse.Namespace) -> SearchConfig:
         given.update({options[flag]: getattr(args, options[flag]) for flag in flags})
     cli_words = {"(method='greedy' for argmax)": "(--greedy for argmax)",
                  "(or null: from the source length)": "(or leave --max-len out: from the source length)"}  # fmt: skip
+    min_len = SearchConfig().min_len if args.min_len is None else args.min_len
+    if args.max_len is not None and 1 <= args.max_len <= min_len:  # (also the default 1: --max-len 1 had
+        # returned one unfinished token without a word)
+        default = " (the default)" if args.min_len is None else ""
+        raise ValueError(
+            f"--min-len {min_len}{default} leaves no room for the end within --max-len {args.max_len}"
+        )
     if args.min_len is not None:
-        if args.max_len is not None and args.min_len >= args.max_len:
-            raise ValueError(
-                f"--min-len {args.min_len} leaves no room for the end within --max-len {args.max_len}"
-            )
         given["min_len"] = args.min_len
     with named_as_flags("SearchConfig", {"beam_size": "--beam"}, cli_words):
         return SearchConfig(method=method, max_len=args.max_len, batch_size=args.batch_size, **given)

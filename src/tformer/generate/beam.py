@@ -62,8 +62,9 @@ class SearchConfig(Config):
     """How to decode. method: "beam", "greedy" or "sample" (temperature / top_k / top_p / seed).
 
     max_len: most target tokens (EOS included) for every sentence; null: max_len_a * source length +
-    max_len_b per sentence. Both are capped by the model's context (max_seq_len). min_len: tokens
-    generated before EOS may end a hypothesis (1: never an empty output; 0: no limit).
+    max_len_b per sentence, and at least min_len + 1 (room for the end after min_len tokens). Both are
+    capped by the model's context (max_seq_len). min_len: tokens generated before EOS may end a
+    hypothesis (1: never an empty output; 0: no limit); a max_len given must leave room for the end.
     """
 
     method: Literal["beam", "greedy", "sample"] = "beam"
@@ -87,6 +88,12 @@ class SearchConfig(Config):
         self._require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
         self._require(self.max_len_b >= 1, "max_len_b", "must be >= 1")
         self._require(0 <= self.min_len <= MAX_SIZE, "min_len", f"must be in [0, {MAX_SIZE:,}] (0: no limit)")
+        if self.max_len is not None:  # the end could never come: every output would stop unfinished
+            self._require(
+                self.min_len < self.max_len,
+                "min_len",
+                f"must be below max_len {self.max_len}: min_len {self.min_len} leaves no room for the end",
+            )
         self._require(
             0 < self.temperature < math.inf,
             "temperature",
@@ -111,7 +118,8 @@ class SearchConfig(Config):
             # clamped as floats: a length beyond int64 (max_len_a 1e30, max_len_b 2**63 - 1) had wrapped
             # to a negative number, which the clamp below turned into 1 token
             lens = ((src_lens.double() * self.max_len_a).floor() + float(self.max_len_b)).clamp(
-                1, max_seq_len
+                self.min_len + 1,
+                max_seq_len,  # (a min_len past it had been cut at it, unfinished)
             )
             return lens.long()
         return lens.clamp(1, max_seq_len)
@@ -333,9 +341,12 @@ def beam_search(
         ends = valid & in_top_k & (is_eos | last)
         _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, length_penalty(t, alpha))
         live = top.masked_fill(~valid | is_eos | last, NEG_INF)
-        if live.shape[1] < k:  # tiny vocabularies at the first step
-            live = F.pad(live, (0, k - live.shape[1]), value=NEG_INF)
-            token, row = F.pad(token, (0, k - token.shape[1])), F.pad(row, (0, k - row.shape[1]))
+        if live.shape[1] < k:  # tiny vocabularies at the first step: the slots past them are dead (-inf),
+            # but each must be a row of its own sentence (it had been row 0, the first sentence's: a beam
+            # that later moved into the slot read that sentence's cross-attention keys and values)
+            extra = k - live.shape[1]
+            live = F.pad(live, (0, extra), value=NEG_INF)
+            token, row = F.pad(token, (0, extra)), torch.cat([row, row[:, :1].expand(-1, extra)], dim=1)
         scores, pick = live.topk(k, dim=-1)  # (N, K)
         token, row = token.gather(1, pick), row.gather(1, pick)
         lp_max = length_penalty(max_lens[alive] if alpha >= 0 else torch.full_like(alive, t + 1), alpha)

@@ -68,9 +68,11 @@ class LMTask:
         train_texts = corpus.lm_texts("train", cfg.data.max_train_docs, self.join)
         self.tokenizer = load_or_train_tokenizer(run_dir, train_texts, cfg.data.vocab_size)
         self.corpus = corpus
-        self.train_ds = PackedLMDataset.from_texts(
-            self.tokenizer, train_texts, cfg.data.seq_len, f"the train split of {cfg.data.corpus!r}"
+        limit = cfg.data.max_train_docs  # the train text is then that many documents, not the whole split
+        what = f"the train split of {cfg.data.corpus!r}" + (
+            f" (its first {limit} document(s), data.max_train_docs)" if limit is not None else ""
         )
+        self.train_ds = PackedLMDataset.from_texts(self.tokenizer, train_texts, cfg.data.seq_len, what)
         self.val_ds, self.val_chars = self.split_dataset("val")
         if not resume:  # not needed to train, but better said before than after (`tformer eval` scores it)
             try:

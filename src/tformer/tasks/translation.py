@@ -177,6 +177,13 @@ class TranslationTask:
                 train_pairs_used=len(train),
                 train_pairs_too_long=self.train_ds.n_filtered,
             )
+            if self.train_ds.n_filtered > 0.01 * len(train):  # (recorded in data.json alone, it went unseen)
+                warnings.warn(
+                    f"{self.train_ds.n_filtered:,} of the {len(train):,} training pairs are longer than "
+                    f"data.seq_len={cfg.data.seq_len} tokens (with BOS / EOS) and are left out of training",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _tokenizers(self, train: Sequence[Pair]) -> tuple[Tokenizer, Tokenizer]:
         data, tgt_path, src_path = (
