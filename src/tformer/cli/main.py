@@ -280,6 +280,15 @@ def _words(err: Exception) -> str:
     return str(err)
 
 
+def _say(line: str) -> None:
+    """One line on stderr in one write: under torchrun every rank shares the terminal, and print's two
+    writes (the text, then the newline) had let two ranks' lines run into one."""
+    if sys.stderr is None:  # started without one (pythonw, a closed descriptor)
+        return
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -337,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tformer.train.step import NonFiniteError
     except KeyboardInterrupt:
         if not rank:
-            print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
+            _say(f"tformer {args.command}: interrupted")
         return 130
     formatwarning = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_: f"tformer {args.command}: warning: {message}\n"
@@ -354,14 +363,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + getattr(signal, "SIGPIPE", 13)  # 13 where the platform has none
     except OtherRankFailed as err:  # under torchrun: another rank's checks failed, and it said why
         if not rank:
-            print(f"tformer {args.command}: error: {err}", file=sys.stderr, flush=True)
+            _say(f"tformer {args.command}: error: {err}")
         return 2
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank, as is one a lower rank's checks raised in the same words;
         # anything else may be this rank's own, so it is named
         if not rank or not (isinstance(err, ConfigError) or said_by_a_lower_rank(err)):
             where = f" (rank {rank})" if rank else ""
-            print(f"tformer {args.command}: error{where}: {_words(err)}", file=sys.stderr, flush=True)
+            _say(f"tformer {args.command}: error{where}: {_words(err)}")
         return 2
     except RuntimeError as err:
         # under torchrun, a rank waiting in a collective when another rank failed, exited or hung: one line
@@ -373,23 +382,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif rank and any(t in str(err) for t in TIMED_OUT):  # rank 0 keeps the traceback: a deadlock
                 why = "a collective timed out (parallel.timeout_s): another rank hung, stopped or failed"
             if why is not None:
-                print(f"tformer {args.command}: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
+                _say(f"tformer {args.command}: rank {rank} stopped: {why}")
                 return 1
         words = str(err).strip()
         if any(w in words for w in OUT_OF_MEMORY):  # a size the machine cannot hold: one line
             first = words.splitlines()[0]
-            print(
+            _say(
                 f"tformer {args.command}: error: out of memory ({first}); use smaller sizes "
-                "(batch, beam, sequence length, model) or a machine with more memory",
-                file=sys.stderr,
-                flush=True,
+                "(batch, beam, sequence length, model) or a machine with more memory"
             )
             return 1
         raise
     except KeyboardInterrupt as e:  # Ctrl-C (130), or SIGTERM (143) for a training run's graceful stop
         if not rank:
             with contextlib.suppress(OSError):  # a hang-up (129) or lost output (141): stderr may be gone
-                print(f"tformer {args.command}: interrupted", file=sys.stderr, flush=True)
+                _say(f"tformer {args.command}: interrupted")
         return 128 + getattr(e, "signum", 2)
     finally:
         warnings.formatwarning = formatwarning
