@@ -120,3 +120,38 @@ def test_input_positions_are_added_to_the_scaled_token_embedding(positions: str,
     scale = math.sqrt(cfg.d_model) if embed_scale else 1.0
     want = model.tok_embed(tokens) * scale + table[pos]
     torch.testing.assert_close(model.embed(tokens, pos), want)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"positions": "rope"},
+        {
+            "positions": "rope",
+            "rope": RopeConfig(layout="interleaved", fraction=0.5, scaling="yarn", factor=2.0),
+        },
+        {"positions": "sinusoidal"},
+        {"arch": "encoder_decoder", "positions": "sinusoidal"},
+    ],
+    ids=["rope-half", "rope-interleaved-yarn", "sinusoidal", "enc-dec"],
+)
+def test_a_model_built_on_meta_computes_its_position_tables_when_it_gets_storage(changes, tmp_path) -> None:
+    """The recipe tformer's own meta-device error gives (to_empty, then load_weights): the position tables
+    are computed, not saved, and had stayed uninitialised memory (wrong logits or NaN)."""
+    from tformer import build_model
+    from tformer.train.weights import load_weights, save_weights
+
+    cfg = tiny(changes.get("arch", "decoder")).replace(**{k: v for k, v in changes.items() if k != "arch"})
+    torch.manual_seed(0)
+    built = build_model(cfg).eval()
+    save_weights(built, tmp_path / "w.safetensors")
+    with torch.device("meta"):
+        shell = build_model(cfg)
+    shell = shell.to_empty(device="cpu").eval()
+    load_weights(shell, tmp_path / "w.safetensors")
+    for (name, a), b in zip(built.named_buffers(), shell.buffers()):
+        assert torch.equal(a, b), name
+    tokens = rand_tokens(cfg, 2, 9)
+    with torch.no_grad():
+        args = (tokens, tokens) if cfg.arch == "encoder_decoder" else (tokens,)
+        assert torch.equal(shell(*args), built(*args))

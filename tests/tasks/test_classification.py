@@ -237,8 +237,18 @@ def test_resume_keeps_the_vocabulary_and_continues(bbc_root: Path, tmp_path: Pat
     assert report["step"] == 4 and (tmp_path / "a" / "tokenizer.json").read_text() == tokenizer
 
 
-def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys) -> None:
-    """`data.corpus=labels:FOLDER`: one folder of text files per label (any names), end to end."""
+def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`data.corpus=labels:FOLDER`: one folder of text files per label (any names), end to end; its
+    loss.png says the loss is per text (it had said per token)."""
+    import matplotlib.axes
+
+    ylabels: list[str] = []
+    real_ylabel = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "set_ylabel",
+        lambda self, text, *a, **k: ylabels.append(text) or real_ylabel(self, text, *a, **k),
+    )
     rng = random.Random(0)
     for label, words in (("cheerful", "good great happy nice fine"), ("gloomy", "bad sad awful poor grim")):
         (tmp_path / "mine" / label).mkdir(parents=True)
@@ -248,6 +258,7 @@ def test_a_users_own_labelled_folders_train_and_classify(tmp_path: Path, capsys)
     out = tmp_path / "run"
     argv = ["train", "--preset", "tiny-classification", "--set", f"data.corpus=labels:{tmp_path / 'mine'}"]
     assert main([*argv, "--set", "steps=2", "--out", str(out), "--no-progress"]) == 0
+    assert "cross-entropy (nats / text)" in ylabels
     assert json.loads((out / "data.json").read_text())["labels"] == ["cheerful", "gloomy"]
     capsys.readouterr()
     assert main(["classify", "--run", str(out), "--text", "good happy day"]) == 0

@@ -99,6 +99,25 @@ def test_the_result_line_counts_the_windows_eval_batches_scored(tmp_path):
     task.val_ds, task.run_dir = nine_windows(), tmp_path
     line = task.describe_result({"eval_loss": 1.0, "perplexity": math.e, "bits_per_char": 0.5})
     assert "6 of its 9 windows" in line
+    # the report's own counts where it has them: a run resumed with another eval_batches reports the
+    # evaluation it ran earlier (it had claimed the whole split for one that scored 32 of 60 windows)
+    earlier = {
+        "eval_loss": 1.0,
+        "perplexity": math.e,
+        "bits_per_char": 0.5,
+        "windows": 9,
+        "windows_scored": 4,
+    }
+    assert "4 of its 9 windows" in task.describe_result(earlier)
+    whole = {**earlier, "windows_scored": 9}
+    assert "windows" not in task.describe_result(whole)
+
+
+def test_perplexity_is_exp_of_the_loss_until_it_overflows():
+    from tformer.tasks.losses import perplexity
+
+    assert perplexity(55.67) == pytest.approx(math.exp(55.67))  # it had been capped at exp(50)
+    assert perplexity(800.0) == math.inf
 
 
 def test_the_sample_prompt_is_the_first_four_words_of_the_first_validation_text():

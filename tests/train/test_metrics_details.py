@@ -47,6 +47,18 @@ def test_tensorboard_mirrors_the_finite_numbers_at_their_steps_and_tags_skips_ap
     ]  # every record kept in the JSON lines, in order, non-finite values included
 
 
+def test_tensorboard_shows_the_moe_routing_statistics_by_layer(tmp_path: Path) -> None:
+    """A train record's nested `moe` statistics (they had been left out): numbers as moe/<layer>/<name>,
+    the per-expert lists not."""
+    log = MetricsLog(tmp_path)
+    moe = {"blocks.1.ffn": {"max_vio": 0.5, "dropped": 3, "load": [0.25, 0.75], "dead_experts": [2]}}
+    log.write({"kind": "train", "step": 1, "loss": 2.5, "moe": moe})
+    log.close()
+    got = scalars(tmp_path / "tensorboard")
+    assert got["moe/blocks.1.ffn/max_vio"] == [(1, 0.5)] and got["moe/blocks.1.ffn/dropped"] == [(1, 3.0)]
+    assert not [tag for tag in got if tag.endswith(("load", "dead_experts"))]
+
+
 def test_a_resume_hides_the_tensorboard_events_after_its_step(tmp_path: Path) -> None:
     first = MetricsLog(tmp_path)
     for step in range(1, 6):

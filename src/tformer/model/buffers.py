@@ -9,20 +9,39 @@ them in float32 and cast what they read to the input's dtype.
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 
 
 class Float32Buffers(nn.Module):
-    """A module whose buffers named in `FLOAT32_BUFFERS` stay float32 through `.to()`, `.half()`, ..."""
+    """A module whose buffers named in `FLOAT32_BUFFERS` stay float32 through `.to()`, `.half()`, ...
+
+    Subclasses whose buffers are computed (not saved) give `computed_buffers()`: a module built on the
+    meta device computes them again when it gets storage (`model.to_empty(device=...)`, which leaves
+    every tensor uninitialised, and `load_weights` restores only what is saved: the position tables had
+    read leftover memory, wrong logits or NaN)."""
 
     FLOAT32_BUFFERS: tuple[str, ...] = ()
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        """{name: float32 tensor} of the buffers this module computes from its settings (none here)."""
+        return {}
 
     def _apply(self, fn, recurse: bool = True):
         kept = {name: self._buffers.get(name) for name in self.FLOAT32_BUFFERS}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers.get(name)
-            if before is not None and after is not None and after.dtype != before.dtype:
+            if before is not None and after is not None and before.is_meta and not after.is_meta:
+                # given storage: from now on every _apply computes the tables again (a module shared by
+                # several parents is applied once per parent, and to_empty's later visits would leave
+                # uninitialised memory where the first had computed the tables)
+                self._computes_its_buffers = True
+            elif before is not None and after is not None and after.dtype != before.dtype:
                 # the values from before the cast, on the device the cast moved them to
                 self._buffers[name] = before.to(device=after.device)
+        if getattr(self, "_computes_its_buffers", False):
+            for name, table in self.computed_buffers().items():
+                after = self._buffers.get(name)
+                if after is not None and not after.is_meta:
+                    self._buffers[name] = table.to(after.device)
         return self

@@ -48,7 +48,12 @@ class SinusoidalPositions(Float32Buffers):
 
     def __init__(self, max_seq_len: int, d_model: int) -> None:
         super().__init__()
-        self.register_buffer("table", sinusoidal_table(max_seq_len, d_model), persistent=False)
+        self.max_seq_len, self.d_model = max_seq_len, d_model
+        for name, table in self.computed_buffers().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        return {"table": sinusoidal_table(self.max_seq_len, self.d_model)}
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         return x + self.table[positions].to(x.dtype)
@@ -141,12 +146,16 @@ class RotaryEmbedding(Float32Buffers):
 
     def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
         super().__init__()
-        rot_dim = int(head_dim * rope.fraction)
-        inv_freq, scale = rope_inv_freq(rot_dim, rope, max_seq_len)
-        angle = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, r/2)
-        self.register_buffer("cos", (angle.cos() * scale).float(), persistent=False)
-        self.register_buffer("sin", (angle.sin() * scale).float(), persistent=False)
+        self.head_dim, self.max_seq_len, self.rope = head_dim, max_seq_len, rope
+        for name, table in self.computed_buffers().items():
+            self.register_buffer(name, table, persistent=False)
         self.rotate = ROPE_LAYOUTS[rope.layout]
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        rot_dim = int(self.head_dim * self.rope.fraction)
+        inv_freq, scale = rope_inv_freq(rot_dim, self.rope, self.max_seq_len)
+        angle = torch.arange(self.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, r/2)
+        return {"cos": (angle.cos() * scale).float(), "sin": (angle.sin() * scale).float()}
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         cos = self.cos[positions].to(x.dtype)  # (B, T, r/2) or (T, r/2)
@@ -168,11 +177,11 @@ class HalfRotaryEmbedding(RotaryEmbedding):
 
     FLOAT32_BUFFERS = ("cos", "sin", "cos_sin")
 
-    def __init__(self, head_dim: int, max_seq_len: int, rope: RopeConfig) -> None:
-        super().__init__(head_dim, max_seq_len, rope)
-        cos, sin = self.cos, self.sin  # (P, E/2)
-        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))  # (2, P, E)
-        self.register_buffer("cos_sin", table, persistent=False)
+    def computed_buffers(self) -> dict[str, Tensor]:
+        tables = super().computed_buffers()
+        cos, sin = tables["cos"], tables["sin"]  # (P, E/2)
+        tables["cos_sin"] = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))  # (2, P, E)
+        return tables
 
     def table(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         e = self.cos_sin.shape[-1]

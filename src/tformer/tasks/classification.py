@@ -107,6 +107,7 @@ def classification_loss_sum(
 
 
 class ClassificationTask:
+    loss_unit = "nats / text"  # loss.png's axis: one label per text
     """The task protocol of `tformer.tasks` for text classification."""
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:

@@ -27,7 +27,7 @@ from tformer.tasks.corpus import (
     train_tokenizer,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum, fuses_loss, target_count
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, perplexity, target_count
 from tformer.tasks.stream import BatchStream, check_eval_args
 from tformer.train.config import TrainConfig
 
@@ -55,6 +55,8 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 
 
 class LMTask:
+    loss_unit = "nats / token"  # loss.png's axis
+
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         corpus = load_task_corpus(cfg.data, "lm")  # checks the corpus is text for a language model
@@ -130,8 +132,9 @@ class LMTask:
         if "eval_loss" not in report:
             return "no evaluation recorded"
         split = "the validation works" if self.cfg.data.corpus == "shakespeare" else "the validation split"
-        windows = len(self.val_ds)
-        scored = min(windows, self.cfg.eval_batches * self.cfg.batch_size)
+        # what the reported evaluation scored (a resumed run's settings may differ from the ones it ran under)
+        windows = report.get("windows", len(self.val_ds))
+        scored = report.get("windows_scored", min(windows, self.cfg.eval_batches * self.cfg.batch_size))
         if scored < windows:
             more = f"tformer eval --run {self.run_dir} --split val"
             split += f": {scored} of its {windows} windows (eval_batches); more: {more}"
@@ -183,7 +186,7 @@ def evaluate_lm(
     tokens_per_char = ds.n_tokens / max(1, chars)
     return {
         "eval_loss": loss,
-        "perplexity": math.exp(min(loss, 50.0)),
+        "perplexity": perplexity(loss),
         "bits_per_token": loss / math.log(2),
         "bits_per_char": loss * tokens_per_char / math.log(2),
         "windows": n,

@@ -10,6 +10,8 @@ loss is computed from the pieces (tformer.distributed.vocab).
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -55,3 +57,8 @@ def vocab_split(logits: Tensor) -> bool:
     """A DTensor (only possible once torch.distributed.tensor is imported): the logits of a head split by
     vocabulary, kept split for the loss (tformer.distributed.vocab)."""
     return is_dtensor(logits)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past what a float holds (it had been capped at exp(50), which read as a number)."""
+    return math.exp(loss) if loss < 709.0 else math.inf

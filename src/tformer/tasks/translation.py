@@ -12,7 +12,6 @@ reports the copy-the-source baseline beside it.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from tformer.tasks.corpus import (
     warn_if_split_changed,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum, fuses_loss, target_count
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, perplexity, target_count
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.train.config import DataConfig, TrainConfig
 
@@ -156,6 +155,7 @@ def seq2seq_loss_sum(
 
 
 class TranslationTask:
+    loss_unit = "nats / target token; train label-smoothed"  # loss.png's axis (eval: plain cross-entropy)
     """The task protocol of `tformer.tasks` for sentence-pair translation."""
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
@@ -310,7 +310,7 @@ def evaluate_loss(
         loss, n = seq2seq_loss_sum(model, batch, fused=fused)
         total, count = total + float(loss), count + n
     loss = total / max(1, count)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    return {"eval_loss": loss, "perplexity": perplexity(loss)}
 
 
 # ----------------------------------------------------------------------------- trained runs

@@ -456,7 +456,7 @@ class Trainer:
         self.save()
         self.checkpointer.wait()
         if self.env.is_main:
-            plot_loss_curve(self.run_dir)
+            plot_loss_curve(self.run_dir, unit=getattr(self.task, "loss_unit", "nats / token"))
         self.metrics.close()
         self._failed = False
         report = self.final_report()
@@ -469,7 +469,7 @@ class Trainer:
     def _plot_so_far(self) -> None:
         """loss.png of a run that stops early (Ctrl-C, SIGTERM, the non-finite guard): the steps so far."""
         try:  # metrics.jsonl is written line by line: it holds every step so far
-            plot_loss_curve(self.run_dir)
+            plot_loss_curve(self.run_dir, unit=getattr(self.task, "loss_unit", "nats / token"))
         except Exception as error:  # never in place of the reason the run stopped
             warnings.warn(f"loss.png not drawn: {error}", stacklevel=2)
 

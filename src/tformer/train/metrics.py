@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,8 @@ class MetricsLog:
             kind = record.get("kind")  # skip / spike records get tags of their own, off the loss curve
             prefix = "" if kind in ("train", "eval", None) else f"{kind}/"
             with self._named():
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                for key, value in _scalars(record):
+                    if key != "step" and math.isfinite(value):
                         tb.add_scalar(prefix + key, value, record["step"])
 
     def truncate_after(self, step: int) -> None:
@@ -109,12 +110,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return read_json_lines(Path(run_dir) / "metrics.jsonl", is_record)
 
 
+def _scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(tag, number) of a record's numbers, nested dicts as tag paths: the MoE routing statistics as
+    moe/<layer>/max_vio, ... (they had been left out of TensorBoard); lists (per-expert loads) are not."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif _number(value):
+            yield prefix + key, value
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
-    """run_dir/loss.png: training loss per step and evaluation loss at each evaluation."""
+def plot_loss_curve(run_dir: Path, title: str = "", unit: str = "nats / token") -> Path:
+    """run_dir/loss.png: training loss per step and evaluation loss at each evaluation; `unit` labels the
+    loss axis (the task's `loss_unit`: a classifier's loss is per text, not per token)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,7 +143,7 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_ylabel(f"cross-entropy ({unit})")
     ax.set_title(title or run_dir.name)
     ax.grid(alpha=0.3)
     if train or evals:
