@@ -575,6 +575,27 @@ def test_a_train_text_cut_by_max_train_docs_says_so(corpus_dir: Path, tmp_path: 
         Trainer(cfg, tmp_path / "s", make_task("lm"), progress=False)
 
 
+def test_eval_of_the_train_split_scores_what_the_run_trained_on(
+    corpus_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """`tformer eval --split train` of a run with data.max_train_docs scores those documents (it had scored
+    the whole split)."""
+    from tformer.cli.main import main
+
+    cfg = small_config(corpus_dir, steps=1, save_every=1)
+    cfg = cfg.replace(data=cfg.data.replace(max_train_docs=2))
+    trainer = Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False)
+    trainer.fit()
+    trained = len(trainer.task.train_ds)
+    trainer.close()
+    capsys.readouterr()
+    assert (
+        main(["eval", "--run", str(tmp_path / "r"), "--split", "train", "--json", "--max-batches", "1000"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["windows"] == trained
+
+
 def test_a_new_run_warns_of_settings_it_does_not_use(corpus_dir: Path, tmp_path: Path) -> None:
     """Kept (one setting switches their component back on) but never silently dropped."""
     cfg = small_config(corpus_dir, steps=1)

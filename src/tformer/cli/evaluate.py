@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
         corpus = load_task_corpus(cfg.data, "lm")
         warn_if_split_changed(run_dir_of(run_.checkpoint), corpus, args.split)
-        texts = corpus.lm_texts(args.split, join=joins_pieces(run_dir_of(run_.checkpoint), corpus))
+        # the train split as the run trained on it: data.max_train_docs's documents (it had scored them all)
+        limit = cfg.data.max_train_docs if args.split == "train" else None
+        texts = corpus.lm_texts(args.split, limit, join=joins_pieces(run_dir_of(run_.checkpoint), corpus))
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"

@@ -278,6 +278,8 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
     index = {label: i for i, label in enumerate(classifier.labels)}
     docs = corpus[split]
+    if split == "train":  # as the run trained on it (data.max_train_docs)
+        docs = spread(docs, cfg.data.max_train_docs)
     unknown = sorted({d.label for d in docs} - index.keys())
     if unknown:  # a label folder renamed or added since the run trained: no class of the model is it
         raise ValueError(

@@ -354,7 +354,8 @@ def evaluate_run(
     translator = load_translator(run)
     corpus = load_translation_corpus(cfg.data)
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
-    pairs = whole = list(corpus[split])
+    limit = cfg.data.max_train_docs if split == "train" else None  # the train split as the run trained on it
+    pairs = whole = list(corpus[split])[:limit]
     if max_batches is not None:  # a sample of the whole split, as the LM and classification evaluations take
         pairs = spread(pairs, max_batches * search_cfg.batch_size)
     sources, cut = translator.encode([p.src for p in pairs])
