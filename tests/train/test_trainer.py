@@ -713,3 +713,21 @@ def test_a_run_inside_its_data_folder_is_refused(corpus_dir: Path, tmp_path: Pat
             Trainer(small_config(corpus_dir, steps=1), out, "lm", progress=False)
     assert sorted(p.name for p in corpus_dir.iterdir()) == before  # nothing written there
     Trainer(small_config(corpus_dir, steps=1), tmp_path / "beside", "lm", progress=False).close()
+
+
+def test_with_a_progress_bar_evaluations_are_written_above_it(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Through the bar's write (which clears and redraws it): printed past it, a stale copy of the bar had
+    stayed above each evaluation line; each redraw shows its own step's numbers."""
+    from tqdm import tqdm
+
+    written: list[str] = []
+    real_write = tqdm.write
+    monkeypatch.setattr(
+        tqdm, "write", classmethod(lambda cls, s, *a, **k: written.append(s) or real_write(s, *a, **k))
+    )
+    cfg = small_config(corpus_dir, steps=4, eval_every=2, save_every=4)
+    Trainer(cfg, tmp_path / "r", make_task("lm"), progress=True).fit()
+    evals = [line for line in written if ": eval_loss" in line]
+    assert [line.split(":")[0] for line in evals] == ["step 2", "step 4"]

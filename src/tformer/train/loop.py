@@ -501,11 +501,13 @@ class Trainer:
                     f"step {s.step}/{cfg.steps}: loss {result.loss:.4f}, lr {result.lr:.2e}, "
                     f"{rate:,.0f} tok/s, ETA {_duration(eta)}"
                 )
-        if bar is not None:
+        if bar is not None:  # the step's numbers, then one redraw (update first had redrawn the last step's)
+            bar.set_postfix(
+                loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False
+            )
             bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}")
         if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
-            self._log_eval_or_keep_the_step()
+            self._log_eval_or_keep_the_step(bar)
         if cfg.sample_every and s.step % cfg.sample_every == 0 and self.env.world_size == 1:
             self._log_sample(bar)
         if s.step % cfg.save_every == 0:
@@ -580,12 +582,12 @@ class Trainer:
             record["moe"] = stats
         self.metrics.write(record)
 
-    def _log_eval_or_keep_the_step(self) -> None:
+    def _log_eval_or_keep_the_step(self, bar=None) -> None:
         """The evaluation of a step that has finished; where it raises (a model whose outputs went NaN, a
         decoding error), the step is saved first, so the steps since the last checkpoint are not lost (one
         process: under torchrun a save is a collective, which the other ranks may not reach)."""
         try:
-            self._log_eval()
+            self._log_eval(bar)
         except Exception:
             if self.env.world_size == 1 and self.env.is_main:
                 try:
@@ -600,12 +602,14 @@ class Trainer:
                 )
             raise
 
-    def _log_eval(self) -> None:
+    def _log_eval(self, bar=None) -> None:
         result = self.evaluate()
         self.state.best_eval = min(self.state.best_eval, result["eval_loss"])
         self.metrics.write({"kind": "eval", "step": self.state.step, **result})
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
-        self._say(f"{'' if self.lines else chr(10)}step {self.state.step}: {shown}")
+        # above the bar (printed past it, a stale copy of the bar had stayed above each evaluation)
+        off_the_bar = "" if self.lines or bar is not None else "\n"
+        self._say(f"{off_the_bar}step {self.state.step}: {shown}", bar)
 
     def sample(self) -> str:
         """The task's sample of what the model does now (`sample_tokens` new tokens for a language model;
