@@ -161,3 +161,28 @@ def test_metadata_without_a_key_names_it(trained_run: Path, monkeypatch) -> None
     )
     with pytest.raises(CheckpointError, match="meta.json: run metadata without the key 'model_config'"):
         runs.load_run(trained_run)
+
+
+def test_async_save_in_one_process_is_said_to_wait_for_dcp(trained_run: Path, tmp_path: Path) -> None:
+    """Under checkpoint=auto one process saves safetensors, synchronously: async_save is named as unused
+    there; a DCP run resumed in one process (which keeps saving DCP) saves asynchronously, unwarned."""
+    from tformer.tasks import make_task
+    from tformer.train.config import TrainConfig
+    from tformer.train.loop import Trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text())).with_overrides(
+        {"parallel.async_save": True}
+    )
+    with pytest.warns(
+        UserWarning, match="async_save=True: this run saves single-process .* async saves are DCP's"
+    ):
+        Trainer(cfg, tmp_path / "fresh", make_task("lm"), progress=False).close()
+    argv = ["train", "--out", str(run), "--resume", "--no-progress", "--no-sample"]
+    assert main([*argv, "--set", "parallel.checkpoint=dcp", "--set", "steps=5"]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = Trainer(cfg.replace(steps=6), run, make_task("lm"), resume=True, progress=False)
+        trainer.close()
+    assert not [w for w in seen if "async" in str(w.message)], [str(w.message) for w in seen]

@@ -249,11 +249,13 @@ def test_parallel_settings_in_one_process_are_named_as_unused() -> None:
         match="parallel.data=fsdp, parallel.tensor=2: this is one process, which trains the whole model",
     ):
         assert isinstance(init_distributed(ParallelConfig(data="fsdp", tensor=2)), Local)
-    with pytest.warns(  # every setting that waits for torchrun (sequence and async_save had been left out)
+    with pytest.warns(  # every setting that waits for torchrun (sequence had been left out)
         UserWarning,
-        match=r"^parallel.async_save=True, parallel.tensor=2, parallel.sequence=True: this is one",
+        match=r"^parallel.tensor=2, parallel.sequence=True: this is one",
     ):
-        init_distributed(ParallelConfig(tensor=2, sequence=True, async_save=True))
+        init_distributed(ParallelConfig(tensor=2, sequence=True))
+    with pytest.warns(UserWarning, match=r"^parallel.async_save=True, parallel.tensor=2: this is one"):
+        init_distributed(ParallelConfig(tensor=2, checkpoint="safetensors", async_save=True))
     import warnings
 
     with warnings.catch_warnings():

@@ -168,6 +168,11 @@ def test_device_auto_is_recorded_as_the_device_it_picked(tmp_path) -> None:
     for _ in range(2):
         begin_study(tmp_path / "a", "norm", auto, norm.QUICK)
     assert setting_of(tmp_path / "a", norm.NormSetting).device == "cpu"  # this machine has no CUDA
+    from tformer.experiments.study_dir import write_setting
+
+    (tmp_path / "b").mkdir()  # a study saved with "auto" before it was resolved goes on (it had been refused)
+    write_setting(tmp_path / "b", "norm", "quick", auto)
+    begin_study(tmp_path / "b", "norm", auto, norm.QUICK)
 
 
 def test_resume_with_quick_of_a_full_study_is_refused(tmp_path, capsys) -> None:

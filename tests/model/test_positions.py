@@ -155,3 +155,9 @@ def test_a_model_built_on_meta_computes_its_position_tables_when_it_gets_storage
     with torch.no_grad():
         args = (tokens, tokens) if cfg.arch == "encoder_decoder" else (tokens,)
         assert torch.equal(shell(*args), built(*args))
+        shell.share_memory()  # the tables are computed into the shared tensors, which stay shared
+        assert all(b.is_shared() for b in shell.buffers()) and torch.equal(shell(*args), built(*args))
+        with torch.device("meta"):  # the other recipe: load_state_dict(assign=True), which applies nothing
+            assigned = build_model(cfg)
+        assigned.load_state_dict(built.state_dict(), assign=True)
+        assert torch.equal(assigned.eval()(*args), built(*args))

@@ -117,7 +117,8 @@ def test_perplexity_is_exp_of_the_loss_until_it_overflows():
     from tformer.tasks.losses import perplexity
 
     assert perplexity(55.67) == pytest.approx(math.exp(55.67))  # it had been capped at exp(50)
-    assert perplexity(800.0) == math.inf
+    assert perplexity(800.0) == math.inf and perplexity(709.5) == pytest.approx(math.exp(709.5))
+    assert math.isnan(perplexity(math.nan))  # not inf, as if it had been measured
 
 
 def test_the_sample_prompt_is_the_first_four_words_of_the_first_validation_text():

@@ -368,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError, OSError, MissingDataError, NonFiniteError) as err:
         # a config error is the same on every rank, as is one a lower rank's checks raised in the same words;
         # anything else may be this rank's own, so it is named
-        if not rank or not (isinstance(err, ConfigError) or said_by_a_lower_rank(err)):
+        said = said_by_a_lower_rank(err)  # None: not from the checks the ranks agree on
+        if not rank or not (said or (said is None and isinstance(err, ConfigError))):
             where = f" (rank {rank})" if rank else ""
             _say(f"tformer {args.command}: error{where}: {_words(err)}")
         return 2

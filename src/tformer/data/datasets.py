@@ -50,8 +50,10 @@ class PackedLMDataset(Dataset):
         what: str = "the text",
         score_tail: bool = False,
     ):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int):  # (2.5, "4": raw TypeErrors deeper in)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):  # (2.5, "4": raw
+            # TypeErrors deeper in; a numpy integer is an integer)
             raise TypeError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        seq_len = int(seq_len)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         stream: list[int] = []

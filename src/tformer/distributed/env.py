@@ -32,9 +32,10 @@ class OtherRankFailed(Exception):
         super().__init__(f"{which} failed with the error above; every rank stops")
 
 
-def said_by_a_lower_rank(err: BaseException) -> bool:
-    """Whether a lower rank raised an error of the same words in `checked_together` (and says it)."""
-    return getattr(err, "tformer_said_by_a_lower_rank", False) is True
+def said_by_a_lower_rank(err: BaseException) -> bool | None:
+    """For an error `checked_together` raised: whether a lower rank raised one of the same words (and says
+    it); None for any other error."""
+    return getattr(err, "tformer_said_by_a_lower_rank", None)
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -145,9 +146,8 @@ class ProcessGroup(Local):
             failed = e
         words: list[str | None] = [None] * self.world_size
         dist.all_gather_object(words, None if failed is None else f"{type(failed).__name__}: {failed}")
-        if failed is not None:
-            if words.index(words[self.rank]) < self.rank:
-                failed.tformer_said_by_a_lower_rank = True
+        if failed is not None:  # said by this rank unless a lower rank says the same words
+            failed.tformer_said_by_a_lower_rank = words.index(words[self.rank]) < self.rank
             raise failed
         if any(w is not None for w in words):
             raise OtherRankFailed([r for r, w in enumerate(words) if w is not None])
@@ -176,9 +176,10 @@ def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:
             ProcessGroup(False, parallel.tensor, parallel.timeout_s) if dist.get_world_size() > 1 else Local()
         )
     if world_size_from_env() <= 1:
-        # every setting but the checkpoint format (DCP works in one process, async saves with it) waits
-        # for more processes
-        defaults, one_process = type(parallel)(), {"checkpoint"} | ({"async_save"} if parallel.checkpoint == "dcp" else set())  # fmt: skip
+        # every setting but the checkpoint format (DCP works in one process, async saves with it: whether
+        # a run under "auto" saves DCP, and so async, is said where its checkpointer is made) waits for
+        # more processes
+        defaults, one_process = type(parallel)(), {"checkpoint"} | ({"async_save"} if parallel.checkpoint != "safetensors" else set())  # fmt: skip
         unused = [
             f"parallel.{name}={getattr(parallel, name)}"
             for name in type(parallel).field_names()

@@ -149,7 +149,8 @@ def begin_study(run_dir: str | Path, study: str, setting: Setting, quick: Settin
         saved = read_setting(run_dir)
         if saved["study"] != study:
             raise ValueError(f"{run_dir} holds a {saved['study']} study, not {study}")
-        before = type(setting).from_dict(saved["setting"], str(run_dir / SETTING))
+        # (a study saved with device "auto" before it was recorded as the device it picked: that device)
+        before = resolved_device(type(setting).from_dict(saved["setting"], str(run_dir / SETTING)))
         if before != setting:
             changed = [f"{k} {v!r} -> {getattr(setting, k)!r}" for k, v in before.to_dict().items()
                        if v != setting.to_dict()[k] and not (isinstance(v, list) and tuple(v) == getattr(setting, k))]  # fmt: skip

@@ -9,6 +9,7 @@ them in float32 and cast what they read to the input's dtype.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 
@@ -40,8 +41,33 @@ class Float32Buffers(nn.Module):
                 # the values from before the cast, on the device the cast moved them to
                 self._buffers[name] = before.to(device=after.device)
         if getattr(self, "_computes_its_buffers", False):
-            for name, table in self.computed_buffers().items():
-                after = self._buffers.get(name)
-                if after is not None and not after.is_meta:
-                    self._buffers[name] = table.to(after.device)
+            self._fill_computed()
         return self
+
+    def _fill_computed(self, device: torch.device | None = None) -> None:
+        """The computed buffers' values, into the tensors in place where they fit (a shared-memory copy stays
+        shared), else as new tensors on `device` or the buffer's own."""
+        for name, table in self.computed_buffers().items():
+            buf = self._buffers.get(name)
+            if buf is None:
+                continue
+            if not buf.is_meta and buf.shape == table.shape and buf.dtype == table.dtype:
+                with torch.no_grad():
+                    buf.copy_(table)
+            elif device is not None or not buf.is_meta:
+                self._buffers[name] = table.to(device if device is not None else buf.device)
+
+
+def compute_tables_after_load(model: nn.Module, incompatible_keys=None) -> None:
+    """A load_state_dict post-hook of tformer's models: `load_state_dict(..., assign=True)` gives a
+    meta-built model the loaded tensors without applying a function to it, so the computed buffers (the
+    position tables) stayed on meta; they are computed on the weights' device."""
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None:
+        return
+    for module in model.modules():
+        if isinstance(module, Float32Buffers) and any(
+            b is not None and b.is_meta for b in module._buffers.values()
+        ):
+            module._computes_its_buffers = True
+            module._fill_computed(device)

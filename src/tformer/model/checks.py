@@ -26,7 +26,7 @@ META_MODEL = (
 
 def check_not_meta(model: torch.nn.Module) -> None:
     """A model built under torch.device('meta') has shapes but no values: named before anything runs."""
-    if any(p.is_meta for p in model.parameters()):
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError(META_MODEL)
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tformer.config import ModelConfig
 from tformer.model.attention import Memory
 from tformer.model.blocks import BLOCKS, CROSS_BLOCKS, make_dropout
+from tformer.model.buffers import compute_tables_after_load
 from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
 from tformer.model.checks import check_key_padding, check_positions, check_targets, check_tokens, is_dtensor
 from tformer.model.init import init_weights
@@ -374,7 +375,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         raise TypeError(f"build_model expects a ModelConfig, got {type(cfg).__name__}")
     check_fits(cfg)
     try:
-        return ARCHITECTURES[cfg.arch](cfg)
+        model = ARCHITECTURES[cfg.arch](cfg)
+        model.register_load_state_dict_post_hook(compute_tables_after_load)  # (assign=True on meta)
+        return model
     except (RuntimeError, MemoryError) as err:  # the allocator's message names bytes, not the setting
         if isinstance(err, RuntimeError) and "allocate" not in str(err):
             raise

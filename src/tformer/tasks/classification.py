@@ -107,8 +107,9 @@ def classification_loss_sum(
 
 
 class ClassificationTask:
-    loss_unit = "nats / text"  # loss.png's axis: one label per text
     """The task protocol of `tformer.tasks` for text classification."""
+
+    loss_unit = "nats / text"  # loss.png's axis: one label per text
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir

@@ -55,6 +55,8 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 
 
 class LMTask:
+    """The task protocol of `tformer.tasks` for language modelling."""
+
     loss_unit = "nats / token"  # loss.png's axis
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:

@@ -60,5 +60,9 @@ def vocab_split(logits: Tensor) -> bool:
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss), inf past what a float holds (it had been capped at exp(50), which read as a number)."""
-    return math.exp(loss) if loss < 709.0 else math.inf
+    """exp(loss), inf past what a float holds (it had been capped at exp(50), which read as a number);
+    NaN for a NaN loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf

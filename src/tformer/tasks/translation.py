@@ -155,8 +155,13 @@ def seq2seq_loss_sum(
 
 
 class TranslationTask:
-    loss_unit = "nats / target token; train label-smoothed"  # loss.png's axis (eval: plain cross-entropy)
     """The task protocol of `tformer.tasks` for sentence-pair translation."""
+
+    @property
+    def loss_unit(self) -> str:
+        """loss.png's axis (the evaluation's loss is plain cross-entropy; training's may be smoothed)."""
+        smoothing = getattr(getattr(self, "cfg", None), "label_smoothing", 0.0)
+        return "nats / target token" + (f"; train label-smoothed {smoothing:g}" if smoothing else "")
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir

@@ -273,6 +273,18 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.steps, cfg.optim)
         self.loader = train_loader(task, cfg, self.env)
         self.checkpointer = make_checkpointer(cfg.parallel, self.env, cfg.seed, resume_from)
+        if (
+            cfg.parallel.async_save
+            and not getattr(self.checkpointer, "async_save", False)
+            and self.env.is_main
+        ):
+            warnings.warn(
+                "parallel.async_save=True: this run saves single-process (safetensors) checkpoints, written "
+                "when the step ends; async saves are DCP's (parallel.checkpoint=dcp, torchrun, or a resumed "
+                "DCP run)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _hand_over(self) -> None:
         """A newer Trainer in this process takes the run directory over (tformer.train.run_dir): finish the
