@@ -77,7 +77,21 @@ def test_an_evaluation_that_fails_saves_its_step_first(corpus_dir: Path, tmp_pat
     assert latest_checkpoint(tmp_path / "run").name == "step_000003"
     resumed = Trainer(cfg, tmp_path / "run", "lm", resume=True, progress=False)
     assert resumed.state.step == 3
+    resumed.fit()  # the evaluation of step 3 is made first (it had been missing from the log for good)
     resumed.close()
+    straight = tmp_path / "straight"
+    Trainer(cfg, straight, "lm", progress=False).fit()
+
+    def evals(run: Path) -> list[dict]:
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in r.items() if k != "time_s"} for r in records if r["kind"] in ("eval", "train")
+        ]
+
+    assert [r["step"] for r in evals(tmp_path / "run") if r["kind"] == "eval"] == [3, 6, 8]
+    assert [(r["kind"], r["step"], r.get("loss"), r.get("eval_loss")) for r in evals(tmp_path / "run")] == [
+        (r["kind"], r["step"], r.get("loss"), r.get("eval_loss")) for r in evals(straight)
+    ]  # the same records, the same values, as a run that never failed
 
 
 def test_evaluate_keeps_the_models_mode(corpus_dir: Path, tmp_path: Path) -> None:

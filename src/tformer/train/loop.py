@@ -430,6 +430,13 @@ class Trainer:
         try:
             with StopRequests(announce=self.env.is_main) as signals:
                 self._signals = signals  # lost output asks it to stop (`_output_lost`)
+                if 0 < s.step < self.cfg.steps and s.step % self.cfg.eval_every == 0:
+                    # resumed at an evaluation step whose evaluation is not in the log (it failed, after
+                    # its step was saved, or the run was killed between the two): made now, where the
+                    # run would have made it; rank 0 reads the log, every rank evaluates (a collective)
+                    unevaluated = self.env.is_main and self._last_eval_step() != s.step
+                    if self.parallel.comm.ranks_where(unevaluated):
+                        self._log_eval(bar)
                 while s.step < stop:
                     self._one_step(bar, t0, tok0, step0)
                     signum = signals.agreed(self.parallel.comm)
