@@ -133,65 +133,7 @@ class Trainer:
         # the checks every rank makes alike, before anything is written; under torchrun the ranks then agree,
         # so that an error is said once (and a rank that passed does not wait for one that failed)
         with self.env.checked_together():
-            if not isinstance(run_dir, (str, os.PathLike)):
-                raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
-            self.run_dir = Path(run_dir)
-            if self.run_dir.exists() and not self.run_dir.is_dir():
-                raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
-            refuse_run_dir_in_checkpoints(self.run_dir)
-            serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
-            if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
-                raise ValueError(
-                    f"this task object holds the data and tokenizer of the run in {serves}; give each run its "
-                    f"own (task={cfg.task!r}, or make_task({cfg.task!r})): sharing one, that run would go on "
-                    "with this run's vocabulary and data"
-                )
-            self.device = self.env.device(cfg.device)
-            torch.manual_seed(cfg.seed)
-            take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
-            resume_from = latest_checkpoint(self.run_dir) if resume else None
-            if resume and resume_from is None:
-                raise FileNotFoundError(
-                    f"--resume: {self.run_dir} holds no committed checkpoint ({why_none_committed(self.run_dir)})"
-                )
-            if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
-                raise ValueError(
-                    f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
-                )
-            meta = None
-            if resume_from is not None:  # checked before the task reads data or writes anything
-                try:
-                    meta = checkpoint_meta(resume_from)
-                except CheckpointError as e:
-                    raise self._name_the_previous(resume_from, e) from None
-                if cfg.dtype == "auto":  # what the run recorded when it started, on whatever machine
-                    recorded = (meta.get("train_config") or {}).get("dtype")
-                    cfg = cfg.replace(dtype=recorded if recorded in ("float32", "bfloat16") else "auto")
-                check_resume_config(cfg, meta, resume_from, model=False)
-                check_resumable(resume_from, self.env.world_size)
-                if self.env.is_main:
-                    warn_compile_switch(cfg, meta)
-                at = step_of(resume_from)
-                if cfg.steps < at:
-                    raise ValueError(
-                        f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
-                        f"before it. Pass steps >= {at}, or start a new run with another --out"
-                    )
-            refuse_unfinished(self.run_dir, resume_from)
-            if cfg.dtype == "auto":  # decided once; config.json records the choice
-                cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, self.device))
-            self.cfg = cfg
-            if resume_from is None:
-                refuse_ignored_settings(cfg)
-                if self.env.is_main:
-                    for setting in unread_settings(cfg):
-                        warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=3)
-                refuse_foreign_files(self.run_dir)
-                user = user_corpus(cfg.data.corpus)
-                refuse_run_dir_in_data(
-                    self.run_dir, [user[1]] if user else []
-                )  # (an installed corpus's folder
-                # under data.path is read by its own layout, not scanned)
+            cfg, resume_from, meta = self._checked(cfg, task, run_dir, resume)
         created = outermost_missing(self.run_dir)
         self.env.barrier()  # every rank has looked before any makes it: rank 0 knows whether the run did
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -212,6 +154,70 @@ class Trainer:
             elif resume_from is None and self.env.is_main:  # a directory the user made: this run's files
                 remove_run_files(self.run_dir)
             raise
+
+    def _checked(
+        self, cfg: TrainConfig, task, run_dir, resume: bool
+    ) -> tuple[TrainConfig, Path | None, dict | None]:
+        """The run directory, the checkpoint to resume and the settings, checked before anything is written;
+        sets run_dir, device and cfg; returns the config (its dtype decided), the checkpoint and its meta."""
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"run_dir must be a path, got {type(run_dir).__name__}")
+        self.run_dir = Path(run_dir)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
+        refuse_run_dir_in_checkpoints(self.run_dir)
+        serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
+        if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
+            raise ValueError(
+                f"this task object holds the data and tokenizer of the run in {serves}; give each run its "
+                f"own (task={cfg.task!r}, or make_task({cfg.task!r})): sharing one, that run would go on "
+                "with this run's vocabulary and data"
+            )
+        self.device = self.env.device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        take_over(self.run_dir)  # a Trainer in this process on the directory commits its saves first
+        resume_from = latest_checkpoint(self.run_dir) if resume else None
+        if resume and resume_from is None:
+            raise FileNotFoundError(
+                f"--resume: {self.run_dir} holds no committed checkpoint ({why_none_committed(self.run_dir)})"
+            )
+        if not resume and (self.run_dir / "checkpoints").exists() and latest_checkpoint(self.run_dir):
+            raise ValueError(
+                f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
+            )
+        meta = None
+        if resume_from is not None:  # checked before the task reads data or writes anything
+            try:
+                meta = checkpoint_meta(resume_from)
+            except CheckpointError as e:
+                raise self._name_the_previous(resume_from, e) from None
+            if cfg.dtype == "auto":  # what the run recorded when it started, on whatever machine
+                recorded = (meta.get("train_config") or {}).get("dtype")
+                cfg = cfg.replace(dtype=recorded if recorded in ("float32", "bfloat16") else "auto")
+            check_resume_config(cfg, meta, resume_from, model=False)
+            check_resumable(resume_from, self.env.world_size)
+            if self.env.is_main:
+                warn_compile_switch(cfg, meta)
+            at = step_of(resume_from)
+            if cfg.steps < at:
+                raise ValueError(
+                    f"--resume: the run is at step {at} ({resume_from.name}); steps={cfg.steps} would end "
+                    f"before it. Pass steps >= {at}, or start a new run with another --out"
+                )
+        refuse_unfinished(self.run_dir, resume_from)
+        if cfg.dtype == "auto":  # decided once; config.json records the choice
+            cfg = cfg.replace(dtype=resolve_dtype(cfg.dtype, self.device))
+        self.cfg = cfg
+        if resume_from is None:
+            refuse_ignored_settings(cfg)
+            if self.env.is_main:
+                for setting in unread_settings(cfg):
+                    warnings.warn(f"{setting} is not used by this run", UserWarning, stacklevel=4)
+            refuse_foreign_files(self.run_dir)
+            user = user_corpus(cfg.data.corpus)
+            # (an installed corpus's folder under data.path is read by its own layout, not scanned)
+            refuse_run_dir_in_data(self.run_dir, [user[1]] if user else [])
+        return cfg, resume_from, meta
 
     def _start(self, cfg: TrainConfig, resume_from: Path | None, meta: dict | None) -> None:
         """Metrics, the compiled forward, then the checkpoint's state (or a clean log) and config.json."""
@@ -430,13 +436,7 @@ class Trainer:
         try:
             with StopRequests(announce=self.env.is_main) as signals:
                 self._signals = signals  # lost output asks it to stop (`_output_lost`)
-                if 0 < s.step < self.cfg.steps and s.step % self.cfg.eval_every == 0:
-                    # resumed at an evaluation step whose evaluation is not in the log (it failed, after
-                    # its step was saved, or the run was killed between the two): made now, where the
-                    # run would have made it; rank 0 reads the log, every rank evaluates (a collective)
-                    unevaluated = self.env.is_main and self._last_eval_step() != s.step
-                    if self.parallel.comm.ranks_where(unevaluated):
-                        self._log_eval(bar)
+                self._evaluate_the_step_resumed_at(bar)
                 while s.step < stop:
                     self._one_step(bar, t0, tok0, step0)
                     signum = signals.agreed(self.parallel.comm)
@@ -467,15 +467,10 @@ class Trainer:
             self._signals = None
             if bar is not None:
                 bar.close()
-        if s.step == step0 == self.cfg.steps:  # a resume that starts at its last step: the evaluation an
-            # ending run makes, unless it made it; rank 0 reads the log, every rank evaluates (a collective)
-            unevaluated = self.env.is_main and self._last_eval_step() != s.step
-            if self.parallel.comm.ranks_where(unevaluated):
-                self._log_eval()
         self.save()
         self.checkpointer.wait()
         if self.env.is_main:
-            plot_loss_curve(self.run_dir, unit=getattr(self.task, "loss_unit", "nats / token"))
+            self._plot_loss()
         self.metrics.close()
         self._failed = False
         report = self.final_report()
@@ -485,12 +480,26 @@ class Trainer:
             os.replace(tmp, self.run_dir / "report.json")
         return report
 
+    def _plot_loss(self) -> None:
+        plot_loss_curve(self.run_dir, unit=getattr(self.task, "loss_unit", "nats / token"))
+
     def _plot_so_far(self) -> None:
         """loss.png of a run that stops early (Ctrl-C, SIGTERM, the non-finite guard): the steps so far."""
         try:  # metrics.jsonl is written line by line: it holds every step so far
-            plot_loss_curve(self.run_dir, unit=getattr(self.task, "loss_unit", "nats / token"))
+            self._plot_loss()
         except Exception as error:  # never in place of the reason the run stopped
             warnings.warn(f"loss.png not drawn: {error}", stacklevel=2)
+
+    def _evaluate_the_step_resumed_at(self, bar) -> None:
+        """A run resumed at an evaluation step (or at its last step) whose evaluation is not in the log (it
+        failed after its step was saved, or the run was killed between the two) makes it now, where the run
+        would have made it; rank 0 reads the log, every rank evaluates (a collective)."""
+        s, cfg = self.state, self.cfg
+        if s.step == 0 or (s.step % cfg.eval_every and s.step != cfg.steps):
+            return
+        unevaluated = self.env.is_main and self._last_eval_step() != s.step
+        if self.parallel.comm.ranks_where(unevaluated):
+            self._log_eval(bar)
 
     def _one_step(self, bar, t0: float, tok0: int, step0: int) -> None:
         """One optimizer step and its cadence: log, progress bar, evaluation, checkpoint."""
