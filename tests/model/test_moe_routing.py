@@ -12,7 +12,7 @@ from torch import nn
 
 from tformer import MoEConfig
 from tformer.model.ffn import make_dense_ffn
-from tformer.model.moe import MoE, moe_aux_loss, moe_routing_stats, update_expert_biases
+from tformer.model.moe import Capacity, MoE, moe_aux_loss, moe_routing_stats, update_expert_biases
 from tformer.model.router import (
     Segments,
     TopKRouter,
@@ -101,6 +101,26 @@ def test_jitter_only_in_training() -> None:
     assert not torch.equal(moe.train().router(x).logits, moe.router(x).logits)
     clean = F.linear(x, moe.router.weight)
     torch.testing.assert_close(moe.eval().router(x).logits, clean, rtol=0, atol=0)
+
+
+def test_jitter_is_drawn_in_fp32_for_bf16_inputs() -> None:
+    """U(1 - eps, 1 + eps) around 1 for a bf16 model too: drawn in bf16 the factor had come out of four
+    values, never above 1 (a one-sided, biased noise)."""
+    router = MoE(moe_cfg(n_experts=4, top_k=2, jitter=0.01), 0).router.train()
+    router.weight.data = torch.eye(4, 16)
+    x = torch.ones(50_000, 16, dtype=torch.bfloat16)
+    factor = router(x).logits[:, 0]  # x * U, one draw per element
+    assert factor.dtype == torch.float32 and factor.unique().numel() > 1000
+    assert factor.max() > 1.005 and factor.min() < 0.995 and abs(factor.mean().item() - 1) < 5e-4
+
+
+def test_sigmoid_scores_that_underflow_give_finite_balance_loss_and_entropy() -> None:
+    moe = MoE(moe_cfg(n_experts=4, top_k=2, score_func="sigmoid", aux_loss_coef=0.01), 0).train()
+    moe.router.weight.data = torch.full((4, 16), -10.0)  # logits -160: sigmoid underflows to 0 in fp32
+    x = torch.ones(1, 6, 16)
+    assert moe.router(x[0]).scores.max() == 0
+    moe(x)
+    assert torch.isfinite(moe.last_aux) and moe.last_stats["entropy"] == 0
 
 
 # ----------------------------------------------------------------------------- balance losses
@@ -282,9 +302,42 @@ def test_capacity_overflow_drops_an_exact_count(dispatch: str) -> None:
     assert (
         stats["load"] == [0.5, 0.5, 0.0, 0.0] and stats["max_vio"] == 1.0 and stats["dead_experts"] == [2, 3]
     )
+    first = moe.router(x.view(512, 8)).idx[:, 0]
+    assert max(int((first == 0).sum()), int((first == 1).sum())) <= 320
     shared = moe.shared(x.view(512, 8))
-    torch.testing.assert_close(y[320:], shared[320:])  # both experts full: residual + shared only
-    assert not torch.allclose(y[:320], shared[:320])
+    kept = ~torch.isclose(y, shared).all(dim=1)  # a token some expert served
+    assert kept.all()  # first choices before second ones: every token keeps its first choice
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_capacity_keeps_first_choices_before_second_ones(dispatch: str) -> None:
+    """GShard's priority: expert 0 is token 0's second choice and tokens 1-3's first; with 2 slots it
+    keeps tokens 1 and 2 (first choices, token order), not token 0's second choice."""
+    cap = Capacity(MoEConfig(n_experts=4, top_k=2, capacity_factor=1.0)).train()
+    idx = torch.tensor([[1, 0], [0, 2], [0, 3], [0, 1]])  # (N=4, K=2), best first
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    kept, counts, dropped = cap.trim(order, flat[order], torch.bincount(flat, minlength=4), 4)
+    assert cap.limit(4) == 2 and int(dropped) == 2 and counts.tolist() == [2, 2, 1, 1]
+    assert [(int(a) // 2, int(a) % 2) for a in kept if flat[a] == 0] == [(1, 0), (2, 0)]
+    # the whole layer, both dispatches: token 0 loses its second choice (expert 0), token 3 its first
+    # (expert 0's third first choice) and keeps its second (expert 1)
+    values = [[0.0, 2.0, -9.0, -9.0], [2.0, -9.0, 1.0, -9.0], [2.0, -9.0, -9.0, 1.0], [2.0, 1.0, -9.0, -9.0]]
+    moe = MoE(moe_cfg(d_model=4, n_experts=4, top_k=2, capacity_factor=1.0, dispatch=dispatch), 0).train()
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4))
+    x = torch.tensor(values)[None]  # logits = x (identity centroids)
+    route = moe.router(x[0])
+    assert route.idx.tolist() == idx.tolist()
+    out, n_dropped = moe.dispatch(moe.experts, x[0], route)
+    assert int(n_dropped) == 2
+    for t, served in enumerate([[1], [0, 2], [0, 3], [1]]):
+        expected = sum(
+            moe.experts(x[0, t : t + 1], proj) * route.weights[t, list(route.idx[t]).index(e)]
+            for e, proj in enumerate(moe.experts.per_expert())
+            if e in served
+        )
+        torch.testing.assert_close(out[t : t + 1], expected)
 
 
 def test_capacity_is_clamped_to_the_token_count_and_dropless_drops_nothing() -> None:

@@ -220,3 +220,37 @@ def test_the_bleu_tokenizer_names_a_direction_that_is_not_a_string() -> None:
 
     with pytest.raises(TypeError, match="direction must be a str such as 'de-en', got NoneType"):
         bleu_tokenizer(None)
+
+
+def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path() -> None:
+    """A batch's target padding takes no expert capacity and no share of the balance loss: the same real
+    targets with and without 24 padded slots give the same loss, routing counts, drops and aux loss."""
+    from tformer import MoEConfig
+    from tformer.data.datasets import Seq2SeqBatch
+    from tformer.model.masks import causal_mask
+    from tformer.model.moe import moe_layers
+    from tformer.presets import tiny
+    from tformer.tasks.translation import seq2seq_loss_sum
+
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=8, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01)
+    model = build_model(tiny("encoder_decoder").replace(moe=moe, dropout=0.0, max_seq_len=64)).train()
+    src = torch.randint(4, model.cfg.vocab_size, (2, 8))
+    tgt = torch.randint(4, model.cfg.vocab_size, (2, 8))
+
+    def routed(n_pad: int) -> tuple[float, list[int], int, float]:
+        tgt_in, tgt_out = F.pad(tgt, (0, n_pad), value=0), F.pad(tgt, (0, n_pad), value=-100)
+        batch = Seq2SeqBatch(src, torch.ones_like(src, dtype=torch.bool), tgt_in, tgt_out, tgt_in != 0)
+        loss, count = seq2seq_loss_sum(model, batch)
+        assert count == 16
+        dec = next(m for name, m in moe_layers(model) if name.startswith("decoder"))
+        stats = dec.last_stats
+        return loss.item(), stats["counts"].tolist(), int(stats["dropped"]), float(dec.last_aux)
+
+    plain, padded = routed(0), routed(24)
+    assert padded[1] == plain[1] and sum(plain[1]) == 32  # 16 real tokens x top-2, nothing from padding
+    assert padded[2] == plain[2] > 0  # the capacity drops the same real assignments
+    assert padded[0] == pytest.approx(plain[0], abs=1e-4) and padded[3] == pytest.approx(plain[3], abs=1e-7)
+    right = torch.tensor([[True, True, False], [True, True, True]])
+    assert causal_mask(0, 3, right, torch.device("cpu")).is_causal  # right padding keeps SDPA's causal path
+    assert not causal_mask(0, 3, right.flip(1), torch.device("cpu")).is_causal

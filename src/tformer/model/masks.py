@@ -2,7 +2,7 @@
 
 Shapes: B batch, Tq queries, Tk keys. A `Mask` holds `allowed` (B or 1, 1, Tq, Tk) bool, True where a
 query may attend to a key. `is_causal` is a hint that `allowed` is exactly the square lower-triangular
-pattern with no padding, so a fused kernel may use its own causal path (SDPA's `is_causal=True` is
+pattern, with no padding or only right padding (which no real query reaches), so a fused kernel may use its own causal path (SDPA's `is_causal=True` is
 top-left aligned and is only correct when Tq == Tk, which is why the hint is set only then).
 `is_full` is a hint that `allowed` is all True (no padding, and either a bidirectional mask or one
 new token over the cache, which attends to every cached key), so a fused kernel may skip the mask.
@@ -45,8 +45,20 @@ def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torc
     allowed = (k_slot[None, :] <= q_slot[:, None])[None, None]  # (1, 1, Tq, Tk)
     if key_padding is None:
         return Mask(allowed, is_causal=q_start == 0, is_full=t_q == 1)
+    if q_start == 0 and is_right_padded(key_padding):  # the causal pattern already hides the padding
+        return Mask(allowed, is_causal=True, is_full=t_q == 1, tokens=key_padding)
     allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
     return Mask(_finite_rows(allowed), tokens=key_padding[:, q_start:])
+
+
+def is_right_padded(key_padding: Tensor) -> bool:
+    """Every row's real tokens come first (a training batch of targets). A real query then never reaches
+    a padded key under the causal pattern, so the mask keeps the causal hint (SDPA's fused causal path)
+    and only `tokens` records the padding. Padded queries see the padding before them: their outputs are
+    ignored, as everywhere. One host sync on an accelerator, only where a padding mask is given."""
+    first_pad = key_padding.sum(dim=1, keepdim=True)  # real tokens per row
+    slots = torch.arange(key_padding.shape[1], device=key_padding.device)
+    return bool(torch.equal(slots[None, :] < first_pad, key_padding))
 
 
 def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:

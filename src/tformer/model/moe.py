@@ -343,8 +343,10 @@ class Dropless(nn.Module):
 
 
 class Capacity(nn.Module):
-    """Each expert keeps its first ceil(cf * N * K / E) assignments in token order (<= N); the rest
-    are dropped: those tokens get nothing from that expert (the residual and shared experts remain).
+    """Each expert keeps ceil(cf * N * K / E) assignments (<= N): every token's first choice before any
+    token's second, and so on, in token order within a choice (GShard's priority: a token's second choice
+    never pushes out another token's first). The rest are dropped: those tokens get nothing from that
+    expert (the residual and shared experts remain).
     cf is capacity_factor in training mode and eval_capacity_factor in eval mode; None: no limit
     (an expert holds each token at most once, so a limit of N drops nothing)."""
 
@@ -364,8 +366,14 @@ class Capacity(nn.Module):
         return min(-(-num * n_tokens * self.top_k // (den * self.n_experts)), n_tokens)  # ceil, exact
 
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
-        """order (S,) assignments sorted by expert; expert (S,) their experts; counts (E,)."""
-        cap = self.limit(n_tokens)
+        """order (S,) assignments (indices into the token-major N x K choices) sorted by expert; expert (S,)
+        their experts; counts (E,). Returns the kept ones, by expert, choice rank then token within one."""
+        cap, k = self.limit(n_tokens), self.top_k
+        if cap >= n_tokens:  # no expert holds more than N: nothing to drop, no need to reorder
+            return order, counts, counts.new_zeros(())
+        rank_major = expert * order.numel() + (order % k) * n_tokens + order // k  # unique keys
+        by_priority = rank_major.argsort()
+        order, expert = order[by_priority], expert[by_priority]
         starts = counts.cumsum(0) - counts  # (E,) first sorted slot of each expert
         keep = torch.arange(order.numel(), device=order.device) - starts[expert] < cap  # (S,)
         return order[keep], counts.clamp(max=cap), (~keep).sum()
@@ -388,7 +396,7 @@ class LoopDispatch(Dispatch):
         cap, dropped = self.capacity.limit(n), 0
         out = torch.zeros(n, d, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         for e, proj in enumerate(experts.per_expert()):
-            token, slot = torch.where(route.idx == e)  # in token order
+            slot, token = torch.where(e == route.idx.T)  # first choices first, token order within
             dropped += max(token.numel() - cap, 0)
             token, slot = token[:cap], slot[:cap]
             y = experts(x[token], proj)  # (n_e, D)

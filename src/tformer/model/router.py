@@ -121,7 +121,9 @@ class TopKRouter(Float32Buffers):
 
     def forward(self, x: Tensor) -> Routing:
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(self.jitter(x).float(), self.weight.float())  # (N, E)
+            logits = F.linear(
+                self.jitter(x.float()), self.weight.float()
+            )  # (N, E); fp32 noise on bf16 inputs too
             scores = self.score(logits)
             choice = self.limit_groups(scores + self.expert_bias.float())
             idx = choice.topk(self.top_k, dim=-1).indices  # (N, K)
@@ -147,8 +149,10 @@ class TopKRouter(Float32Buffers):
 
 # ----------------------------------------------------------------------------- balance losses
 def probabilities(scores: Tensor) -> Tensor:
-    """Scores normalised to sum 1 over experts (softmax scores already do; sigmoid ones do not)."""
-    return scores / scores.sum(-1, keepdim=True)
+    """Scores normalised to sum 1 over experts (softmax scores already do; sigmoid ones do not). A token
+    whose sigmoid scores all underflow to 0 gets probabilities 0 (no share of the balance loss, entropy 0),
+    not 0 / 0 = NaN, which would have made the trainer skip the step."""
+    return scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
 
 
 class Segments(NamedTuple):

@@ -139,18 +139,19 @@ def seq2seq_loss_sum(
     model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0, fused: bool = False
 ) -> tuple[Tensor, int]:
     """(summed target-token loss, target count); `fused`: the model's fused head and loss, else its logits."""
-    # Right-padded targets need no key mask: causal attention never reaches the padding after a token.
+    # The target padding mask keeps SDPA's causal path (right padding: masks.is_right_padded) and keeps
+    # the padding out of MoE routing (capacity, balance losses, statistics).
     if fused:
         loss = model(
             batch.src,
             batch.tgt_in,
             batch.src_mask,
-            None,
+            batch.tgt_mask,
             targets=batch.tgt_out,
             label_smoothing=label_smoothing,
         )
         return loss, target_count(batch.tgt_out)
-    logits = model(batch.src, batch.tgt_in, batch.src_mask, None)  # (B, T, V)
+    logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)  # (B, T, V)
     return cross_entropy_sum(logits, batch.tgt_out, label_smoothing, "target tokens")
 
 
