@@ -119,3 +119,21 @@ def test_the_configured_label_smoothing_reaches_the_task_loss(
     torch.testing.assert_close(loss, torch_loss(0.1))
     assert not torch.isclose(loss, torch_loss(0.0))  # the smoothing shows at this tolerance
     trainer.close()
+
+
+def test_the_loss_plot_names_label_smoothing_for_every_task_that_reads_it() -> None:
+    from types import SimpleNamespace
+
+    from tformer.tasks import make_task
+
+    for name, base in (
+        ("lm", "nats / token"),
+        ("translation", "nats / target token"),
+        ("classification", "nats / text"),
+    ):
+        task = make_task(name)
+        assert task.loss_unit == base  # before setup: no config
+        task.cfg = SimpleNamespace(label_smoothing=0.1)
+        assert task.loss_unit == f"{base}; train label-smoothed 0.1"
+        task.cfg = SimpleNamespace(label_smoothing=0.0)
+        assert task.loss_unit == base

@@ -70,6 +70,33 @@ def test_a_wsd_decay_goes_down_in_equal_steps_from_the_peak() -> None:
     assert f == pytest.approx([1.0] * 6 + [1.0 - k * drop for k in range(1, 5)])
 
 
+@pytest.mark.parametrize(
+    ("total", "frac", "decaying"), [(10, 0.8, 8), (10, 0.9, 9), (100, 0.56, 56), (7, 0.3, 3)]
+)
+def test_a_wsd_decay_takes_the_fraction_of_steps_its_decimal_names(
+    total: int, frac: float, decaying: int
+) -> None:
+    """floor(total * (1 - decay_frac)) with the fraction as written: 1 - 0.8 in float is just below 0.2,
+    which had added a step to the decay (and with 0.9 of 10 steps, step 0 had never run at the peak)."""
+    cfg = OptimConfig(schedule="wsd", warmup_steps=0, min_lr_ratio=0.0, decay_frac=frac)
+    f = [lr_factor(i, total, cfg) for i in range(total)]
+    assert sum(x < 1.0 for x in f) == decaying and f[0] == 1.0 and f[-1] == 0.0
+
+
+def test_a_fused_adamw_that_cannot_run_falls_back_to_foreach_with_a_warning(monkeypatch) -> None:
+    real = torch.optim.AdamW
+
+    def no_fused(params, fused=None, **kw):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be on a supported device")
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    with pytest.warns(UserWarning, match=r"fused AdamW is not available .*supported device.*foreach"):
+        opt = make_optimizer(tiny_model(), OptimConfig(fused=True))
+    assert opt.defaults["foreach"] is True
+
+
 def test_the_scheduler_sets_each_steps_rate_from_lr_factor() -> None:
     cfg = OptimConfig(lr=0.5, schedule="cosine", warmup_steps=3, min_lr_ratio=0.1, fused=False)
     total = 9

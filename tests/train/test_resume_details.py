@@ -17,6 +17,7 @@ from tformer.train.resume import (
     absolute_data_paths,
     check_resume_config,
     warn_compile_switch,
+    warn_precision_switch,
     warn_rank_count_change,
 )
 
@@ -101,6 +102,23 @@ def test_a_compile_switch_without_dropout_is_not_said():
     with pytest.warns(UserWarning, match="model.dropout=0.1"):
         dropped = cfg.replace(model=cfg.model.replace(dropout=0.1))
         warn_compile_switch(dropped.replace(compile=not dropped.compile), saved(dropped))
+
+
+def test_a_change_of_fsdp_compute_precision_on_resume_is_said():
+    """parallel.param_dtype may change (a sharded run resumed in one process must drop it), but the steps
+    then compute in another precision: said, as dtype's change is refused."""
+    from tformer.train.config import ParallelConfig
+
+    cfg = tiny_lm()
+    bf16 = cfg.replace(parallel=ParallelConfig(data="fsdp", param_dtype="bfloat16"))
+    with pytest.warns(
+        UserWarning, match=r"parallel.param_dtype is 'float32' on resume of a run trained with 'bfloat16'"
+    ):
+        warn_precision_switch(cfg, saved(bf16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_precision_switch(bf16, saved(bf16))
+        warn_precision_switch(cfg, saved(cfg))
 
 
 def test_a_section_dropped_now_is_named_once():

@@ -535,6 +535,18 @@ def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path)
         Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False).close()
 
 
+def test_a_constant_schedule_whose_warm_up_outlasts_the_run_is_named(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    optim = OptimConfig(lr=1e-2, schedule="constant", warmup_steps=4, fused=False)
+    with pytest.warns(
+        UserWarning, match=r"warmup_steps 4 > steps 2: the constant schedule never reaches optim.lr"
+    ):
+        Trainer(
+            small_config(corpus_dir, steps=2, optim=optim), tmp_path / "c", make_task("lm"), progress=False
+        ).close()
+
+
 def test_a_test_split_too_short_to_score_is_said_before_training(tmp_path: Path) -> None:
     """It had been found only by `tformer eval --split test`, after the training."""
     from tformer.data import load_corpus

@@ -27,7 +27,7 @@ from tformer.tasks.corpus import (
     train_tokenizer,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum, fuses_loss, perplexity, target_count
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, loss_unit, perplexity, target_count
 from tformer.tasks.stream import BatchStream, check_eval_args
 from tformer.train.config import TrainConfig
 
@@ -57,7 +57,10 @@ def load_or_train_tokenizer(run_dir: Path, texts: list[str], vocab_size: int) ->
 class LMTask:
     """The task protocol of `tformer.tasks` for language modelling."""
 
-    loss_unit = "nats / token"  # loss.png's axis
+    @property
+    def loss_unit(self) -> str:
+        """loss.png's axis."""
+        return loss_unit("nats / token", self)
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir

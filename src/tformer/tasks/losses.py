@@ -66,3 +66,10 @@ def perplexity(loss: float) -> float:
         return math.exp(loss)
     except OverflowError:
         return math.inf
+
+
+def loss_unit(base: str, task: object) -> str:
+    """loss.png's axis: the unit of the plotted loss (the evaluation's loss is plain cross-entropy; the
+    training loss is label-smoothed where the run's config sets label_smoothing)."""
+    smoothing = getattr(getattr(task, "cfg", None), "label_smoothing", 0.0)
+    return base + (f"; train label-smoothed {smoothing:g}" if smoothing else "")

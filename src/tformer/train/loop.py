@@ -54,6 +54,7 @@ from tformer.train.resume import (
     absolute_data_paths,
     check_resume_config,
     warn_compile_switch,
+    warn_precision_switch,
     warn_rank_count_change,
 )
 from tformer.train.run_dir import (
@@ -198,6 +199,7 @@ class Trainer:
             check_resumable(resume_from, self.env.world_size)
             if self.env.is_main:
                 warn_compile_switch(cfg, meta)
+                warn_precision_switch(cfg, meta)
             at = step_of(resume_from)
             if cfg.steps < at:
                 raise ValueError(
@@ -228,18 +230,19 @@ class Trainer:
         self.autocast = autocast_context(self.device, cfg.dtype)
         optim = cfg.optim
         steps_left = resume_from is None or step_of(resume_from) < cfg.steps  # else the schedule has run
-        if (
-            optim.schedule != "constant"
-            and optim.warmup_steps >= cfg.steps
-            and self.env.is_main
-            and steps_left
-        ):
+        if optim.warmup_steps >= cfg.steps and self.env.is_main and steps_left:
             end = lr_factor(cfg.steps - 1, cfg.steps, optim)  # the warm-up takes every step
-            if end > optim.min_lr_ratio:
+            if optim.schedule != "constant" and end > optim.min_lr_ratio:
                 warnings.warn(
                     f"optim.warmup_steps {optim.warmup_steps} >= steps {cfg.steps}: the {optim.schedule} "
                     f"schedule never decays (the last step runs at {end:.3g} x optim.lr, not at "
                     f"min_lr_ratio {optim.min_lr_ratio:g})",
+                    stacklevel=2,
+                )
+            elif optim.schedule == "constant" and end < 1:
+                warnings.warn(
+                    f"optim.warmup_steps {optim.warmup_steps} > steps {cfg.steps}: the constant schedule "
+                    f"never reaches optim.lr (the last step runs at {end:.3g} x optim.lr)",
                     stacklevel=2,
                 )
         if resume_from is not None:

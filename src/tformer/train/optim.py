@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -34,8 +36,12 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.fused:
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, TypeError):
-            pass
+        except (RuntimeError, TypeError) as e:
+            warnings.warn(
+                f"fused AdamW is not available for these parameters ({str(e).splitlines()[0]}): "
+                "using the foreach kernel (the same update; set optim.fused=false to choose it quietly)",
+                stacklevel=2,
+            )
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
@@ -53,7 +59,9 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
         done, span = (step - w + 1, total - w) if w else (step, total - 1)
         progress = min(1.0, done / max(1, span))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_start = max(w, int(total * (1 - cfg.decay_frac)))  # wsd: stable, then a linear decay
+    # wsd: stable, then a linear decay from step floor(total * (1 - decay_frac)), the fraction as its decimal
+    # reads (0.8 is 4/5: in float, 1 - 0.8 is 0.19999999999999996, which had started the decay a step early)
+    decay_start = max(w, math.floor(total * (1 - Fraction(repr(cfg.decay_frac)))))
     if step < decay_start:
         return 1.0
     progress = (step - decay_start + 1) / max(1, total - decay_start)

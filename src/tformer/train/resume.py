@@ -18,6 +18,7 @@ __all__ = [
     "absolute_data_paths",
     "check_resume_config",
     "warn_compile_switch",
+    "warn_precision_switch",
     "warn_rank_count_change",
 ]
 
@@ -135,6 +136,24 @@ def warn_compile_switch(cfg: TrainConfig, meta: dict[str, Any]) -> None:
             f"{', '.join(f'model.{k}={v:g}' for k, v in rates.items())}: "
             "compiled and eager steps draw different dropout masks, so the losses from here will not be "
             "bit-identical to a run that kept its compile setting",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def warn_precision_switch(cfg: TrainConfig, meta: dict[str, Any]) -> None:
+    """`parallel.param_dtype` (FSDP's compute precision) may change on resume, since a sharded run may be
+    resumed in one process, where it must be float32; the steps from there compute in another precision,
+    as a change of `dtype` would (which is refused). Said, not silent."""
+    saved = meta.get("train_config")
+    if not isinstance(saved, dict):
+        return
+    before = (saved.get("parallel") or {}).get("param_dtype", "float32")
+    if before != cfg.parallel.param_dtype:
+        warnings.warn(
+            f"parallel.param_dtype is {cfg.parallel.param_dtype!r} on resume of a run trained with "
+            f"{before!r}: the steps from here compute in another precision, so the losses will not be "
+            "those of a run that kept it",
             UserWarning,
             stacklevel=3,
         )
