@@ -313,12 +313,15 @@ def test_training_values_on_the_limits_are_taken() -> None:
         assert TrainConfig(device=device).device == device
 
 
-def test_a_classifier_with_another_arch_is_left_for_the_task_to_name() -> None:
-    """The classification task refuses a non-encoder arch itself ("classification needs model.arch
-    'encoder'"): refuse_ignored_settings must not call its pooling "ignored" first."""
+def test_a_classifier_with_another_arch_is_named_as_the_task_names_it() -> None:
+    """A non-encoder arch for classification is refused in the task's words ("classification needs
+    model.arch 'encoder'") before anything is built: its pooling is not called "ignored" first."""
     classify = get_train_preset("tiny-classification")
     assert classify.model.pooling != "cls"
-    refuse_ignored_settings(classify.with_overrides({"model.arch": "decoder"}))
+    refused(
+        lambda: refuse_ignored_settings(classify.with_overrides({"model.arch": "decoder"})),
+        "classification needs model.arch 'encoder', got 'decoder'",
+    )
 
 
 # ---------------------------------------------------------------- command line and presets

@@ -19,6 +19,7 @@ ARCHS = ("decoder", "encoder", "encoder_decoder")
 # the largest BPE vocabulary tformer trains (1,048,576: above those in use; the tokenizers library aborts
 # the process trying to allocate for a huge one)
 MAX_BPE_VOCAB = 1 << 20
+MAX_SIZE = 2**31 - 1  # the largest width, vocabulary or context a config takes
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class MoEConfig(Config):
     Dispatch: "grouped" (sorted, one gather, per-expert matmuls, one scatter-add) or "loop" (the readable
         reference). capacity_factor: null = dropless; else each expert takes at most
         ceil(capacity_factor * tokens * top_k / n_experts) (<= tokens) assignments of a training forward,
-        first come first served. eval_capacity_factor: the same in eval mode (evaluation, generation,
+        every token's first choice before any second choice (GShard's priority), token order within a
+        choice. eval_capacity_factor: the same in eval mode (evaluation, generation,
         search); null (default) = dropless there, so a sequence's output never depends on the other
         sequences of its batch and cached decoding equals the full forward.
     Balance (each term's coefficient; 0 turns it off; all are averaged over MoE layers):
@@ -131,10 +133,10 @@ class MoEConfig(Config):
         self._require(
             1 <= self.top_k <= self.n_experts, "top_k", f"must be in [1, n_experts={self.n_experts}]"
         )
-        if self.d_expert is not None:
-            self._require(self.d_expert > 0, "d_expert", "must be > 0")
-        if self.d_shared is not None:
-            self._require(self.d_shared > 0, "d_shared", "must be > 0")
+        for name in ("d_expert", "d_shared"):  # widths: bounded as ModelConfig's are
+            value = getattr(self, name)
+            if value is not None:
+                self._require(0 < value <= MAX_SIZE, name, f"must be from 1 to {MAX_SIZE:,} (or null)")
         self._require(self.n_shared >= 0, "n_shared", "must be >= 0")
         self._require(self.routed_scaling > 0, "routed_scaling", "must be > 0")
         self._require(
@@ -196,8 +198,6 @@ class MoEConfig(Config):
         """Width of one shared expert: d_shared, or d_expert when unset."""
         return self.d_shared if self.d_shared is not None else self.expert_width(d_ff)
 
-
-MAX_SIZE = 2**31 - 1  # the largest width, vocabulary or context a config takes
 
 SEQ2SEQ_ONLY = ("n_encoder_layers", "src_vocab_size")  # ModelConfig fields only arch encoder_decoder reads
 

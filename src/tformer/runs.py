@@ -98,11 +98,22 @@ def first_few(numbers: Sequence[int], n: int = 5) -> str:
     return ", ".join(map(str, numbers[:n])) + (", ..." if len(numbers) > n else "")
 
 
-def warn_truncated(cut: Sequence[int], limit: int) -> None:
-    """The Python API's warning for texts cut to the model's input length (the CLI names lines)."""
+def token_limit(limit: int, special: str | None = None) -> str:
+    """The input length a truncation warning names: "64 tokens", or, where the model's `limit` counts a
+    special token the text is given (a classifier's BOS under cls pooling, a source's EOS), "the 64
+    tokens the model reads (63 and the BOS)": a text of 64 tokens is cut there too."""
+    if special is None:
+        return f"{limit} tokens"
+    return f"the {limit} tokens the model reads ({limit - 1} and the {special})"
+
+
+def warn_truncated(cut: Sequence[int], limit: int, special: str | None = None) -> None:
+    """The Python API's warning for texts cut to the model's input length `limit`, which counts the
+    `special` token each text is given, if any ("BOS", "EOS"); the CLI names lines."""
     if cut:
         warnings.warn(
-            f"{len(cut)} text(s) longer than {limit} tokens were truncated (index {first_few(cut)})",
+            f"{len(cut)} text(s) longer than {token_limit(limit, special)} were truncated "
+            f"(index {first_few(cut)})",
             UserWarning,
             stacklevel=3,
         )
@@ -187,6 +198,7 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         raise CheckpointError(f"{ckpt / 'meta.json'}: run metadata without the key {err}") from None
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable run metadata ({err})") from None
+    check_vocabularies(ckpt, model_cfg, tokenizer, src_tokenizer)
     with torch.random.fork_rng(devices=[]):  # the weights' random init is overwritten: the caller's
         model = build_model(model_cfg)  # RNG stream stays where it was (seed, load, then sample)
     if checkpoint_format(ckpt) == DCP_FORMAT:  # a torch.distributed.checkpoint directory (a torchrun run)
@@ -196,6 +208,25 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
+
+
+def check_vocabularies(
+    ckpt: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, src_tokenizer: Tokenizer | None
+) -> None:
+    """CheckpointError unless the checkpoint's tokenizers have the model's vocabularies: a run's task
+    sizes its model by them (vocab_size, and src_vocab_size with a separate source tokenizer), so a
+    tokenizer of another size was swapped in, and its ids would be read as other tokens or fail midway."""
+    sides = [("tokenizer", tokenizer, "vocab_size", model_cfg.vocab_size)]
+    if model_cfg.arch == "encoder_decoder":  # the source side: its own tokenizer, or the joint one
+        source = tokenizer if src_tokenizer is None else src_tokenizer
+        what = "tokenizer" if src_tokenizer is None else "source tokenizer"
+        sides.append((what, source, "src_vocab_size", model_cfg.resolved_src_vocab_size))
+    for what, tok, field, size in sides:
+        if tok.vocab_size != size:
+            raise CheckpointError(
+                f"{ckpt / 'meta.json'}: the {what} has {tok.vocab_size:,} tokens but the model's "
+                f"{field} is {size:,}: they must be equal (a tokenizer of another run?)"
+            )
 
 
 def _averaged_run(path: Path, newest: Path, n: int, device: torch.device) -> LoadedRun:

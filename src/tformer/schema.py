@@ -191,28 +191,28 @@ class Config:
             if not isinstance(dotted, str):
                 raise TypeError(f"override keys are dotted field names (str), got {dotted!r}")
             node, parts = data, dotted.split(".")
+            section: type[Config] | None = type(self)  # the config class `node` holds (None: a setting's)
             for i, part in enumerate(parts[:-1]):
+                inner = _section_type(section, part)
+                if part in node and node[part] is None and inner is not None:
+                    node[part] = {}  # a null section (model.moe) set field by field
                 if not isinstance(node.get(part), dict):
-                    if part in node and node[part] is None:
-                        node[part] = {}
-                    else:
-                        raise ConfigError(self._bad_section(dotted, parts[: i + 1], node))
-                node = node[part]
+                    raise ConfigError(self._bad_section(dotted, parts[: i + 1], node, section))
+                node, section = node[part], inner
             node[parts[-1]] = value
         return type(self).from_dict(data)
 
-    def _bad_section(self, dotted: str, parts: list[str], node: dict[str, Any]) -> str:
-        """Why override `dotted` cannot reach inside `parts[-1]` of `node` (the section named by the parts
-        before it): a key that is not there (the section's keys listed), or a plain setting."""
+    def _bad_section(
+        self, dotted: str, parts: list[str], node: dict[str, Any], section: type[Config] | None
+    ) -> str:
+        """Why override `dotted` cannot reach inside `parts[-1]` of `node` (which holds config class
+        `section`, the one the parts before it name; None where they name a setting given a mapping): a
+        key that is not there (the section's keys listed), or a plain setting (null ones too)."""
         where = ".".join([type(self).__name__, *parts[:-1]])
         if parts[-1] in node:
             return f"{where}.{parts[-1]} is a setting, not a section: override {dotted!r} reaches inside it"
-        section: Any = type(self)  # the section's own fields (a null section was filled in empty)
-        for name in parts[:-1]:
-            hint = typing.get_type_hints(section)[name]
-            section = next(
-                a for a in (hint, *get_args(hint)) if isinstance(a, type) and issubclass(a, Config)
-            )
+        if section is None:  # inside a mapping an earlier override gave a setting
+            return f"{where} is a setting, not a section: override {dotted!r} reaches inside it"
         allowed = ", ".join(section.field_names())
         return f"unknown key {parts[-1]!r} in {where} (override {dotted!r}); allowed: {allowed}"
 
@@ -224,9 +224,11 @@ class Config:
         return cls.from_dict(cls._parse(text, "JSON"))
 
     def to_yaml(self) -> str:
+        """The fields as YAML; a string that a YAML reader (`core_loader`'s or PyYAML's own) would read as
+        another value ("1e5", "0o17", "true", "~", "2024-12-01") is quoted, so it loads back as written."""
         import yaml
 
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return yaml.dump(self.to_dict(), Dumper=_quoting_dumper(), sort_keys=False)
 
     @classmethod
     def from_yaml(cls: type[C], text: str) -> C:
@@ -246,7 +248,7 @@ class Config:
                 if where
                 else f"not a valid {fmt} text for {cls.__name__}"
             )
-            if where and fmt == "JSON" and not where.endswith(".json"):  # a YAML file named otherwise
+            if where and fmt == "JSON" and not where.lower().endswith(".json"):  # a YAML file named otherwise
                 what += " (read as JSON: name a YAML file .yaml or .yml)"
             raise ConfigError(f"{what} ({reason})") from None
         if data is None:  # an empty file, or only comments: a mistake, not a request for the defaults
@@ -258,7 +260,7 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        text = self.to_yaml() if _is_yaml(path) else self.to_json()
         path.write_text(text)
 
     @classmethod
@@ -269,7 +271,7 @@ class Config:
         except (OSError, ValueError) as e:  # unreadable, not UTF-8
             reason = " ".join(str(e).split())
             raise ConfigError(f"{path}: not a readable {cls.__name__} file ({reason})") from None
-        data = cls._parse(text, "YAML" if path.suffix in (".yaml", ".yml") else "JSON", str(path))
+        data = cls._parse(text, "YAML" if _is_yaml(path) else "JSON", str(path))
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{path}: a {cls.__name__} file holds a mapping of its fields, got a {type(data).__name__}"
@@ -278,6 +280,20 @@ class Config:
             return cls.from_dict(data)
         except ConfigError as e:  # an unknown key, a bad value: which file holds it
             raise ConfigError(f"{path}: {e}") from None
+
+
+def _section_type(section: type[Config] | None, name: str) -> type[Config] | None:
+    """The config class field `name` of config class `section` holds (a `Config` or `Config | None`
+    annotation); None for a plain setting, an unknown name, or no section."""
+    if section is None:
+        return None
+    hint = typing.get_type_hints(section).get(name)
+    return next((a for a in (hint, *get_args(hint)) if isinstance(a, type) and issubclass(a, Config)), None)
+
+
+def _is_yaml(path: Path) -> bool:
+    """Whether a config file is YAML by its name (.yaml / .yml, in any case: OK.YAML too); else JSON."""
+    return path.suffix.lower() in (".yaml", ".yml")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -295,12 +311,15 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def core_loader() -> type:
     """yaml.SafeLoader reading plain scalars as YAML 1.2's core schema does (as JSON would), not as YAML
     1.1: 010 is ten (not octal eight), 1:30 a string (not 90 in base 60), 1e-3 a float (not a string),
-    only true / false are booleans (not yes / no / on / off); 0x10 and 0o10 stay hexadecimal and octal,
-    as written, and digits may be grouped with underscores as in Python (1_000). Settings typed in 1.1's
-    forms had been read as other numbers without a word."""
+    only true / false are booleans (not yes / no / on / off), 2024-12-01 a string (not a date: no
+    setting is one); 0x10 and 0o10 stay hexadecimal and octal, as written, and digits may be grouped
+    with underscores as in Python (1_000). Settings typed in 1.1's forms had been read as other values
+    without a word."""
     import yaml
 
     bool_, int_, float_ = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+    # timestamps and `=` (YAML 1.1's "value" tag, which SafeLoader cannot construct) are plain strings
+    dropped = {bool_, int_, float_, "tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:value"}
 
     class CoreLoader(yaml.SafeLoader):
         def construct_core_int(self, node) -> int:
@@ -310,7 +329,7 @@ def core_loader() -> type:
             return sign * int(digits[2:] if base != 10 else digits, base)
 
     CoreLoader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag not in (bool_, int_, float_)]
+        first: [(tag, rx) for tag, rx in resolvers if tag not in dropped]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     CoreLoader.add_implicit_resolver(
@@ -331,15 +350,24 @@ def core_loader() -> type:
 
 
 def yaml_value(text: str) -> Any:
-    """One YAML value (a --set value), read with `core_loader`."""
+    """One YAML value (a --set value), read with `core_loader`; a mapping that names a key twice is an
+    error, as in a config file."""
     import yaml
 
-    return yaml.load(text, Loader=core_loader())  # noqa: S506 (a SafeLoader)
+    return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)
 
 
 def _yaml_unique(text: str) -> Any:
     """yaml.safe_load (with `core_loader`'s scalars), but a key written twice in one mapping is an error
     (PyYAML keeps the last)."""
+    import yaml
+
+    return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """`core_loader`, refusing a key written twice in one mapping."""
     import yaml
 
     class UniqueKeyLoader(core_loader()):
@@ -366,4 +394,22 @@ def _yaml_unique(text: str) -> Any:
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    return UniqueKeyLoader
+
+
+@functools.cache
+def _quoting_dumper() -> type:
+    """yaml.SafeDumper that quotes every string a reader would resolve to another type: those that
+    `core_loader` (YAML 1.2's core schema, as tformer reads its files) or PyYAML's YAML 1.1 resolvers (a
+    user's own script) would read as a number, boolean, null or date. The dumper writes a string plain
+    only where its resolvers find no other tag for it, so it is given both sets."""
+    import yaml
+
+    class QuotingDumper(yaml.SafeDumper):
+        pass
+
+    core, legacy = core_loader().yaml_implicit_resolvers, yaml.SafeDumper.yaml_implicit_resolvers
+    QuotingDumper.yaml_implicit_resolvers = {
+        first: [*core.get(first, []), *legacy.get(first, [])] for first in {*core, *legacy}
+    }
+    return QuotingDumper

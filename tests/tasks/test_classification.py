@@ -440,3 +440,18 @@ def test_averaged_weights_write_their_own_confusion_matrix(trained_run: Path, tm
     assert main(["classify", "--run", str(run), "--average", "2", "--text", "the match and the team"]) == 0
     out = capsys.readouterr()
     assert out.out.split("\t")[0] in LABELS and "weights: the mean of the checkpoints" in out.err
+
+
+def test_an_evaluation_of_a_sample_says_it_is_one(trained_run: Path, capsys) -> None:
+    """`tformer eval --max-batches` had printed "(step 12, 8 texts)", nothing saying the split has more (LM
+    eval says "N of its M windows (--max-batches)")."""
+    run = str(trained_run)
+    capsys.readouterr()
+    assert main(["eval", "--run", run, "--split", "train", "--max-batches", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n"] == 8 < result["texts"]
+    assert main(["eval", "--run", run, "--split", "train", "--max-batches", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"(step 12, 8 of the split's {result['texts']} texts, --max-batches): accuracy" in first
+    assert main(["eval", "--run", run, "--split", "train"]) == 0
+    assert f"(step 12, {result['texts']} texts): accuracy" in capsys.readouterr().out

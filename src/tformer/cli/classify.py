@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     given = read_texts(args, "classify")
     classifier = load_classifier(load_run_arg(args, "classify"))
     ids, cut = classifier.encode(given.texts)
-    given.warn_truncated("classify", cut, classifier.max_len)
+    given.warn_truncated("classify", cut, classifier.max_len, classifier.special)
     probs = classifier.probabilities(ids, batch_size=args.batch_size)
 
     def lines() -> Iterator[tuple[str, int]]:

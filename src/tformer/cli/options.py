@@ -87,7 +87,10 @@ def add_config_arguments(
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="dotted override, repeatable: --set model.d_model=128 --set optim.lr=1e-3 --set steps=50",
+        help="dotted override, repeatable: --set model.d_model=128 --set optim.lr=1e-3 --set steps=50. "
+        "The value is read as YAML: ~, null and an empty value mean null (data.path=~ is no path, not "
+        "your home folder: write the path out, e.g. data.path=$HOME/corpus); quote a string that would "
+        "read as a number or boolean: data.path='\"1e5\"'",
     )
 
 
@@ -103,6 +106,8 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
             if (isinstance(value, str) and unquoted) or (isinstance(value, dict) and raw.strip()[:1] != "{"):
                 value = raw.strip()  # a plain string as typed: ' #' is no comment, 'text: x' no mapping
             out[key.strip()] = value
+        except yaml.constructor.ConstructorError as err:  # a key twice in a mapping, a key not plain
+            raise ConfigError(f"--set {item}: {err.problem}") from None
         except yaml.YAMLError:
             raise ConfigError(
                 f"--set {item}: the value is not valid YAML (quote a string: {key.strip()}='\"...\"')"

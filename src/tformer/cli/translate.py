@@ -40,20 +40,24 @@ class Texts:
     n_lines: int
     where: str
 
-    def warn_truncated(self, command: str, cut: Sequence[int], limit: int) -> None:
-        """One warning for the texts (indices into `texts`) cut to `limit` tokens, naming their lines."""
+    def warn_truncated(
+        self, command: str, cut: Sequence[int], limit: int, special: str | None = None
+    ) -> None:
+        """One warning for the texts (indices into `texts`) cut to `limit` tokens (counting the `special`
+        token each is given, if any), naming their lines."""
         if not cut:
             return
-        if self.where == "--text":
-            warn(command, f"the text is longer than {limit} tokens: truncated")
-            return
-        from tformer.runs import first_few
+        from tformer.runs import first_few, token_limit
 
+        limit_words = token_limit(limit, special)
+        if self.where == "--text":
+            warn(command, f"the text is longer than {limit_words}: truncated")
+            return
         lines = [self.numbers[i] for i in cut]
         shown = first_few(lines)
         which = f"line {shown} is" if len(lines) == 1 else f"{len(lines)} lines are"
         detail = "" if len(lines) == 1 else f" (lines {shown})"
-        warn(command, f"{self.where}: {which} longer than {limit} tokens: truncated{detail}")
+        warn(command, f"{self.where}: {which} longer than {limit_words}: truncated{detail}")
 
 
 def read_texts(args: argparse.Namespace, command: str) -> Texts:
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             f"--max-len {args.max_len} is above the model's context: outputs stop at {context} tokens",
         )
     sources, cut = translator.encode(given.texts)
-    given.warn_truncated("translate", cut, translator.max_src_len)
+    given.warn_truncated("translate", cut, translator.max_src_len, translator.special)
     out = AlignedOutput(given.n_lines)
     # one sampling stream over the chunks (each chunk reseeded would repeat the draws of the one before)
     device = next(translator.model.parameters()).device

@@ -58,6 +58,16 @@ class Tokenizer:
             or not all(isinstance(t, str) and t for t in special_tokens)
         ):
             raise ValueError(f"special_tokens must be 4 strings (pad, bos, eos, unk), got {special_tokens!r}")
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        twice = next((t for i, t in enumerate(special_tokens) if t in special_tokens[:i]), None)
+        if twice is not None:  # one token cannot hold two of the ids 0..3
+            raise ValueError(f"special_tokens name {twice!r} twice; the 4 (pad, bos, eos, unk) must differ")
+        byte = next((t for t in special_tokens if t in alphabet), None)
+        if byte is not None:  # the byte-level alphabet's own token: text holding that byte would lose it
+            raise ValueError(
+                f"special token {byte!r} is a character of the byte-level alphabet (a token every "
+                "vocabulary has for one byte); choose a longer one, such as '<pad>'"
+            )
         if (
             isinstance(min_frequency, bool)
             or not isinstance(min_frequency, numbers.Integral)
@@ -67,7 +77,6 @@ class Tokenizer:
         texts = [t for t in _texts(texts) if t.strip()]
         if not texts:
             raise ValueError("no text to train a tokenizer on (every text is empty)")
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
             raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
         vocab_size = int(vocab_size)

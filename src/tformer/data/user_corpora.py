@@ -1,11 +1,13 @@
 """The user's own data as corpora: `text:<file or folder>` (language modelling), `pairs:<file>`
 (translation: `source<TAB>target` lines), `labels:<folder>` (classification: one subfolder of text
 files per label). Read afresh on every call (the user may edit them); split by a hash of the text, so
-identical texts stay in one split. `tformer.data.corpora.load_corpus` reaches them by those prefixes.
+identical texts stay in one split (labelled texts: identical up to whitespace, kept once).
+`tformer.data.corpora.load_corpus` reaches them by those prefixes.
 """
 
 from __future__ import annotations
 
+import unicodedata
 import warnings
 from pathlib import Path
 
@@ -127,11 +129,20 @@ def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
     return Corpus(f"pairs:{path}", "translation", splits, rule, str(path), direction=direction)
 
 
+def _normalised(text: str) -> str:
+    """A text with each run of whitespace one space: the key that tells labelled texts apart."""
+    return " ".join(text.split())
+
+
 def load_labelled(path: str | Path) -> Corpus:
     """The user's labelled texts: a folder with one subfolder per label (its name is the label) holding
     text files (as `text:` folders: nested folders read, hidden files skipped, other files warned about).
-    Identical texts are kept once; each label is split on its own (10% val, 10% test by sha256 of the
-    text, at least one each), so every label is in every split. Read afresh on every call."""
+    Texts identical up to whitespace (a doubled space, another line break) are kept once, the first in
+    (label, file) order; each label is split on its own (10% val, 10% test by sha256 of the
+    whitespace-normalised text, at least one each), so every label is in every split. A label folder
+    without text files is skipped with a warning; one whose name is not UTF-8 or holds a control
+    character (it would break `tformer classify`'s one line per text) is an error. Read afresh on every
+    call."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise (ValueError if path.exists() else FileNotFoundError)(
@@ -146,10 +157,10 @@ def load_labelled(path: str | Path) -> Corpus:
             f"(e.g. {loose[0]!r})",
             stacklevel=3,
         )
-    seen: dict[str, str] = {}  # text -> the document id that has it
+    seen: dict[str, str] = {}  # whitespace-normalised text -> the document id that has it
     across: list[str] = []  # texts under two labels
     splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
-    labels = []
+    labels, no_files = [], []
     for folder in folders:
         try:
             folder.name.encode("utf-8")
@@ -158,18 +169,26 @@ def load_labelled(path: str | Path) -> Corpus:
                 f"label folder {str(folder)!r} has a name that is not valid UTF-8 text; rename it (the "
                 "folder's name is the label)"
             ) from None
+        control = next((c for c in folder.name if unicodedata.category(c) == "Cc"), None)
+        if control is not None:  # a label is printed on one line (classify's output, eval's per-class rows)
+            raise ValueError(
+                f"label folder {str(folder)!r} has a name holding a control character ({control!r}); rename "
+                "it (the folder's name is the label, printed on one line)"
+            )
         docs, files = [], _folder_texts(folder)
         for p in files:
             text, doc_id = (
                 read_text(p, warn=True).strip(),
                 f"{folder.name}/{p.relative_to(folder).as_posix()}",
             )
-            if text and text in seen and seen[text].split("/", 1)[0] != folder.name:
-                across.append(f"{doc_id} (as {seen[text]})")
-            elif text and text not in seen:
-                seen[text] = doc_id
+            key = _normalised(text)  # whitespace variants of a text are one text: never in two splits
+            if key and key in seen and seen[key].split("/", 1)[0] != folder.name:
+                across.append(f"{doc_id} (as {seen[key]})")
+            elif key and key not in seen:
+                seen[key] = doc_id
                 docs.append(Document(doc_id, text, folder.name))
         if not files:  # a folder without text files is no label
+            no_files.append(folder.name)
             continue
         if len(docs) < 3:  # (empty ones, and texts already under an earlier label, are not counted)
             raise ValueError(
@@ -177,9 +196,16 @@ def load_labelled(path: str | Path) -> Corpus:
                 f"{len(files)}; each label needs at least 3 to be in the train, val and test splits"
             )
         n_val, n_test = fraction_counts(len(docs), 0.1, 0.1, 1)
-        for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():
+        for s, items in split_by_hash(docs, lambda d: _normalised(d.text), n_val, n_test).items():
             splits[s].extend(items)
         labels.append(folder.name)
+    if no_files:
+        warnings.warn(
+            f"labelled corpus {str(path)!r}: skipped {len(no_files)} label folder(s) without text files "
+            f"({', '.join(TEXT_SUFFIXES)}), so not labels: {', '.join(map(repr, no_files[:3]))}"
+            f"{f' and {len(no_files) - 3} more' if len(no_files) > 3 else ''}",
+            stacklevel=3,
+        )
     if across:
         warnings.warn(
             f"labelled corpus {str(path)!r}: {len(across)} text(s) appear under two labels, each kept under "
@@ -191,7 +217,10 @@ def load_labelled(path: str | Path) -> Corpus:
             f"labelled corpus {str(path)!r} has {len(labels)} label folder(s) with text files "
             f"({', '.join(TEXT_SUFFIXES)}); a classifier needs at least 2"
         )
-    rule = "identical texts once; per label, by sha256(text): test=10%, val=10% (at least 1), train=the rest"
+    rule = (
+        "texts identical up to whitespace once; per label, by sha256(whitespace-normalised text): "
+        "test=10%, val=10% (at least 1), train=the rest"
+    )
     return Corpus(
         f"labels:{path}", "classification", {s: tuple(v) for s, v in splits.items()}, rule, str(path),
         tuple(labels),

@@ -7,6 +7,7 @@ true class and columns the predicted one.
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,19 +88,42 @@ MAX_INCHES = 40.0  # the confusion plot's side at most (4,400 pixels at 110 dpi)
 MAX_ANNOTATED = 40  # labels up to which each cell shows its count
 
 
+def _drawable_chars() -> frozenset[int] | None:
+    """The code points the plot's font (with matplotlib's fallback fonts) has glyphs for; None when that
+    cannot be told (labels are then drawn as written)."""
+    try:
+        from matplotlib import font_manager
+
+        prop = font_manager.FontProperties()
+        find = getattr(font_manager.fontManager, "_find_fonts_by_props", None)  # the fallback list (>= 3.6)
+        paths = find(prop) if find is not None else [font_manager.findfont(prop)]
+        return frozenset(c for path in paths for c in font_manager.get_font(path).get_charmap())
+    except Exception:  # an unreadable font file, matplotlib's internals changed: no escaping, no failure
+        return None
+
+
+def _tick_label(name: str, chars: frozenset[int] | None) -> str:
+    """A label as the plot draws it: characters the font lacks (CJK in DejaVu Sans: empty boxes) as their
+    escapes (\\u4f53), bytes that are not text as escapes, "$" not as maths ("$x$" had gone to
+    matplotlib's math renderer, "$\\foo$" had stopped the run)."""
+    if chars is None:
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    else:
+        name = "".join(c if ord(c) in chars else ascii(c)[1:-1] for c in name)
+    return name.replace("$", r"\$")
+
+
 def plot_confusion(scores: ClassificationScores, path: str | Path, title: str = "") -> Path:
-    """Write the confusion matrix as a PNG: counts in each cell, colour by share of the true class."""
+    """Write the confusion matrix as a PNG: counts in each cell, colour by share of the true class. A label
+    character the font has no glyph for is written as its escape (`\\u4f53`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     matrix = scores.confusion
-    # a label is a folder's name: drawn as it is written ("$x$" had gone to matplotlib's math renderer, "$\\foo$"
-    # had stopped the run), bytes that are not text as escapes
-    labels = [
-        name.encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$") for name in scores.labels
-    ]
+    chars = _drawable_chars()
+    labels = [_tick_label(name, chars) for name in scores.labels]  # a label is a folder's name: any text
     rows = [[_safe_div(v, sum(row)) for v in row] for row in matrix]
     size = min(1.2 + 0.9 * len(labels), MAX_INCHES)  # hundreds of labels: one readable-size page, not GBs
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
@@ -116,9 +140,13 @@ def plot_confusion(scores: ClassificationScores, path: str | Path, title: str = 
     ax.set_ylabel("true")
     ax.set_title(title or f"accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
-    fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():  # labels are escaped where glyphs are missing: nothing left to say
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return path

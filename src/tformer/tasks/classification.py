@@ -1,9 +1,10 @@
 """Text classification: an encoder with a pooling head (cls or mean) over byte-level BPE tokens.
 
 Each text keeps its first data.seq_len tokens (a BOS first when pooling is "cls": it is the token the
-head reads). Batches are length-bucketed. Evaluation reports loss, accuracy and macro-F1, and writes
-the confusion matrix as confusion_<split>.png (and .json) into the run directory (`tformer eval`:
-eval_confusion_<split>.png, so it never replaces training's).
+head reads); when more than 1% of the training texts are cut, data preparation warns. Batches are
+length-bucketed. Evaluation reports loss, accuracy and macro-F1, and writes the confusion matrix as
+confusion_<split>.png (and .json) into the run directory (`tformer eval`: eval_confusion_<split>.png,
+so it never replaces training's).
 
 Run directory, besides what the trainer writes: tokenizer.json and data.json (the corpus manifest,
 whose "labels" are the class names in index order).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from tformer.tasks.corpus import (
     warn_if_split_changed,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum
+from tformer.tasks.losses import cross_entropy_sum, loss_unit
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.tasks.translation import run_dir_of
 from tformer.train.config import TrainConfig
@@ -59,6 +61,7 @@ class Classifier:
         self.model, self.tokenizer, self.labels = model, tokenizer, tuple(labels)
         self.add_bos = model.cfg.pooling == "cls"
         self.max_len = min(max_len, model.cfg.max_seq_len)
+        self.special = "BOS" if self.add_bos else None  # the token max_len counts beside the text's own
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
         """Token ids per text (its first max_len tokens) and the indices of the texts that were cut."""
@@ -95,7 +98,7 @@ class Classifier:
         warning)."""
         ids, cut = self.encode(texts)
         if warn:
-            warn_truncated(cut, self.max_len)
+            warn_truncated(cut, self.max_len, self.special)
         probs = self.probabilities(ids)
         return [(self.labels[int(p.argmax())], dict(zip(self.labels, p.tolist()))) for p in probs]
 
@@ -109,7 +112,10 @@ def classification_loss_sum(
 class ClassificationTask:
     """The task protocol of `tformer.tasks` for text classification."""
 
-    loss_unit = "nats / text"  # loss.png's axis: one label per text
+    @property
+    def loss_unit(self) -> str:
+        """loss.png's axis: one label per text."""
+        return loss_unit("nats / text", self)
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
@@ -135,6 +141,7 @@ class ClassificationTask:
                 train_docs_used=len(train),
                 train_docs_truncated=self.train_ds.n_truncated,
             )
+            warn_train_truncated(self.train_ds.n_truncated, len(train), cfg.data.seq_len, self.add_bos)
 
     def dataset(self, docs: Sequence[Document]) -> ClassificationDataset:
         index = {label: i for i, label in enumerate(self.labels)}
@@ -199,6 +206,19 @@ class ClassificationTask:
             headline = doc.text.split("\n", 1)[0][:70]
             lines.append(f"{headline!r}: predicted {label} ({probs[label]:.2f}), true {doc.label}")
         return "\n".join(lines) + "\n---"
+
+
+def warn_train_truncated(n_truncated: int, n_texts: int, seq_len: int, add_bos: bool) -> None:
+    """Warn when more than 1% of the training texts are cut to seq_len tokens (as translation warns of the
+    pairs it leaves out): recorded in data.json alone, it went unseen."""
+    if n_truncated > 0.01 * n_texts:
+        bos = " (with the BOS that cls pooling puts first)" if add_bos else ""
+        warnings.warn(
+            f"{n_truncated:,} of the {n_texts:,} training texts are longer than data.seq_len={seq_len} "
+            f"tokens{bos} and keep only their first {seq_len}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def eval_order(ds: ClassificationDataset, batch_size: int, max_batches: int | None) -> list[int]:
@@ -306,6 +326,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
         ),  # of those scored
         **result,
         "n": scores.n,
+        "texts": len(docs),  # the split's (n: those scored, fewer with max_batches)
         "per_class": scores.per_class,
         "confusion": scores.to_dict()["confusion"],
         "labels": list(scores.labels),
@@ -314,9 +335,11 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
 
 
 def format_result(result: dict) -> str:
+    n, texts = result["n"], result.get("texts", result["n"])  # a sample of the split (--max-batches): said
+    scored = f"{n} of the split's {texts} texts, --max-batches" if n < texts else f"{n} texts"
     lines = [
         f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
-        f"{result['n']} texts): accuracy "
+        f"{scored}): accuracy "
         f"{result['accuracy']:.2%} | macro-F1 {result['macro_f1']:.4f} | loss {result['eval_loss']:.4f}"
         + truncated_note(result["texts_truncated"], "text")
     ]

@@ -35,7 +35,7 @@ from tformer.tasks.corpus import (
     warn_if_split_changed,
     write_manifest,
 )
-from tformer.tasks.losses import cross_entropy_sum, fuses_loss, perplexity, target_count
+from tformer.tasks.losses import cross_entropy_sum, fuses_loss, loss_unit, perplexity, target_count
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.train.config import DataConfig, TrainConfig
 
@@ -71,6 +71,7 @@ class Translator:
     def __init__(self, model: nn.Module, src_tok: Tokenizer, tgt_tok: Tokenizer, max_src_len: int) -> None:
         self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
         self.max_src_len = min(max_src_len, model.cfg.max_seq_len)
+        self.special = "EOS"  # max_src_len counts each source's EOS
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
         """Source ids (with EOS) per text, and the indices of the texts that were truncated."""
@@ -126,7 +127,7 @@ class Translator:
         """One translation per text; texts longer than max_src_len tokens are cut (`warn`: with a warning)."""
         sources, cut = self.encode(texts)
         if warn:
-            warn_truncated(cut, self.max_src_len)
+            warn_truncated(cut, self.max_src_len, self.special)
         return [self.text(h) for h in self.hypotheses(sources, cfg)]
 
     def text(self, hypothesis: Hypothesis) -> str:
@@ -161,8 +162,7 @@ class TranslationTask:
     @property
     def loss_unit(self) -> str:
         """loss.png's axis (the evaluation's loss is plain cross-entropy; training's may be smoothed)."""
-        smoothing = getattr(getattr(self, "cfg", None), "label_smoothing", 0.0)
-        return "nats / target token" + (f"; train label-smoothed {smoothing:g}" if smoothing else "")
+        return loss_unit("nats / target token", self)
 
     def setup(self, cfg: TrainConfig, run_dir: Path, device: torch.device, resume: bool = False) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir

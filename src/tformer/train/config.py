@@ -17,6 +17,13 @@ READ_BY = {
     "tokenizer": (("joint",), ("translation",)),
     "src_vocab_size": ((None,), ("translation",)),
     "dictionary_alternatives": ((False,), ("translation",)),
+    "direction": (("de-en",), ("translation",)),
+}
+# the model each task trains, as the task names it when the config asks for another (Task.model_config)
+TASK_ARCH = {
+    "lm": ("language modelling", "decoder"),
+    "translation": ("translation", "encoder_decoder"),
+    "classification": ("classification", "encoder"),
 }
 
 
@@ -214,7 +221,7 @@ class TrainConfig(Config):
     spike_factor: float = 3.0  # log a "spike" record when a step's loss > this x the running mean; 0 = off
     label_smoothing: float = 0.0
     sample_every: int = 0  # print and log a sample every N steps (one process; 0 = none during training)
-    sample_tokens: int = 200  # new tokens of a language model's sample
+    sample_tokens: int = 200  # new tokens of a language model's sample (task lm only)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -256,8 +263,16 @@ class TrainConfig(Config):
 def refuse_ignored_settings(cfg: TrainConfig) -> None:
     """ConfigError for a setting the run would ignore: a data setting its task never reads (READ_BY),
     data.src_vocab_size without the separate tokenizer, the classifier's model.pooling / n_classes
-    outside the encoder, or model.share_embeddings off outside the encoder-decoder. Checked when a new run starts, not when a
-    stored config is read (a run saved before this check still loads, resumes and evaluates)."""
+    outside the encoder, model.share_embeddings off outside the encoder-decoder, sample_tokens outside
+    task lm; and a model.arch the task cannot train (named before any tokenizer is trained; the task
+    says the same itself). Checked when a new run starts, not when a stored config is read (a run saved
+    before this check still loads, resumes and evaluates)."""
+    noun, arch = TASK_ARCH[cfg.task]
+    if cfg.model.arch != arch:
+        raise ConfigError(
+            f"{noun} needs model.arch {arch!r}, got {cfg.model.arch!r}: task {cfg.task!r} trains "
+            f"{'an' if arch[0] in 'aeiou' else 'a'} {arch} model; set model.arch={arch}"
+        )
     for name, (unset, tasks) in READ_BY.items():
         value = getattr(cfg.data, name)
         if cfg.task not in tasks and value not in unset:
@@ -272,9 +287,9 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
             f"tokenizer would ignore it; set data.tokenizer=separate or leave it null, got {cfg.data.src_vocab_size!r}"
         )
     encoder_only = {"pooling": "cls", "n_classes": 2}  # read by the classifier's head: their defaults
-    for name, default in encoder_only.items():  # (classification refuses another arch itself)
+    for name, default in encoder_only.items():
         value = getattr(cfg.model, name)
-        if cfg.model.arch != "encoder" and cfg.task != "classification" and value != default:
+        if cfg.model.arch != "encoder" and value != default:
             raise ConfigError(
                 f"model.{name} is read by arch 'encoder' (classification) only: arch {cfg.model.arch!r} "
                 f"would ignore it; leave it at {default!r}, got {value!r}"
@@ -283,6 +298,13 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
         raise ConfigError(
             "model.share_embeddings is for arch 'encoder_decoder' only (one embedding for source and target); "
             f"arch {cfg.model.arch!r} would ignore it: leave it true"
+        )
+    default_tokens = TrainConfig.__dataclass_fields__["sample_tokens"].default
+    if cfg.task != "lm" and cfg.sample_tokens != default_tokens:
+        raise ConfigError(
+            "sample_tokens sizes the lm task's samples only (translation and classification samples show "
+            f"whole test examples): task {cfg.task!r} would ignore it; leave it at {default_tokens}, got "
+            f"{cfg.sample_tokens!r}"
         )
     if cfg.fused_loss and cfg.task == "classification":
         raise ConfigError(
