@@ -68,11 +68,11 @@ def test_a_translation_runs_source_tokenizer_is_checked_against_src_vocab_size(t
 
 def test_the_truncation_warning_says_the_limit_counts_the_special_token() -> None:
     assert token_limit(64) == "64 tokens"
-    assert token_limit(64, "BOS") == "the 64 tokens the model reads (63 and the BOS)"
+    assert token_limit(64, "BOS") == "63 tokens (the model reads 64, the BOS among them)"
     with pytest.warns(UserWarning) as seen:
         warn_truncated([2], 64, special="BOS")
     assert str(seen[0].message) == (
-        "1 text(s) longer than the 64 tokens the model reads (63 and the BOS) were truncated (index 2)"
+        "1 text(s) longer than 63 tokens (the model reads 64, the BOS among them) were truncated (index 2)"
     )
     with pytest.warns(UserWarning, match=r"^1 text\(s\) longer than 64 tokens were truncated"):
         warn_truncated([0], 64)

@@ -100,11 +100,11 @@ def first_few(numbers: Sequence[int], n: int = 5) -> str:
 
 def token_limit(limit: int, special: str | None = None) -> str:
     """The input length a truncation warning names: "64 tokens", or, where the model's `limit` counts a
-    special token the text is given (a classifier's BOS under cls pooling, a source's EOS), "the 64
-    tokens the model reads (63 and the BOS)": a text of 64 tokens is cut there too."""
+    special token the text is given (a classifier's BOS under cls pooling, a source's EOS), "63 tokens
+    (the model reads 64, the BOS among them)": a text of 64 tokens is cut there too."""
     if special is None:
         return f"{limit} tokens"
-    return f"the {limit} tokens the model reads ({limit - 1} and the {special})"
+    return f"{limit - 1} tokens (the model reads {limit}, the {special} among them)"
 
 
 def warn_truncated(cut: Sequence[int], limit: int, special: str | None = None) -> None:

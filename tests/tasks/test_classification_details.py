@@ -28,11 +28,12 @@ def test_training_says_how_many_texts_it_cuts_to_seq_len(
         task.setup(cfg, tmp_path, torch.device("cpu"))
     cut, total = task.train_ds.n_truncated, len(task.corpus["train"])
     assert 0 < cut <= total  # the premise: 60-word bodies, 64 tokens of a 300-token vocabulary
-    bos = " (with the BOS that cls pooling puts first)" if pooling == "cls" else ""
+    own, bos = (
+        (63, " (data.seq_len=64 with the BOS that cls pooling puts first)") if pooling == "cls" else (64, "")
+    )
     said = [str(w.message) for w in seen if "training texts" in str(w.message)]
     assert said == [
-        f"{cut} of the {total} training texts are longer than data.seq_len=64 tokens{bos} and keep only "
-        "their first 64"
+        f"{cut} of the {total} training texts are longer than {own} tokens{bos} and keep only their first {own}"
     ]
 
 
@@ -42,9 +43,7 @@ def test_a_few_cut_texts_are_not_warned_about() -> None:
         warnings.simplefilter("error")
         warn_train_truncated(0, 10, 64, False)
         warn_train_truncated(2, 200, 64, False)
-    with pytest.warns(
-        UserWarning, match="^3 of the 200 training texts are longer than data.seq_len=64 tokens and"
-    ):
+    with pytest.warns(UserWarning, match="^3 of the 200 training texts are longer than 64 tokens and"):
         warn_train_truncated(3, 200, 64, False)
     with pytest.warns(UserWarning, match="^1,234 of the 2,000 training texts"):
         warn_train_truncated(1234, 2000, 64, False)

@@ -91,12 +91,12 @@ def test_truncation_warnings_name_the_text_or_the_one_line(
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Hund " * 60]) == 0
     assert (
         capsys.readouterr().err
-        == "tformer translate: warning: the text is longer than the 32 tokens the model reads (31 and the EOS): truncated\n"
+        == "tformer translate: warning: the text is longer than 31 tokens (the model reads 32, the EOS among them): truncated\n"
     )
     monkeypatch.setattr("sys.stdin", io.StringIO("Der Hund.\n" + "Hund " * 60 + "\n"))
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3"]) == 0
     assert capsys.readouterr().err == (
-        "tformer translate: warning: stdin: line 2 is longer than the 32 tokens the model reads (31 and the EOS): truncated\n"
+        "tformer translate: warning: stdin: line 2 is longer than 31 tokens (the model reads 32, the EOS among them): truncated\n"
     )
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Der Hund."]) == 0
     assert capsys.readouterr().err == ""  # nothing cut: nothing said

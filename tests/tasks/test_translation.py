@@ -281,7 +281,9 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert main(["translate", "--run", run, "--sample", "--seed", "3", "--max-len", "5"]) == 0
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 2
-    assert "line 2 is longer than the 32 tokens the model reads (31 and the EOS): truncated" in captured.err
+    assert (
+        "line 2 is longer than 31 tokens (the model reads 32, the EOS among them): truncated" in captured.err
+    )
     sampled = {}  # --seed reaches the sampler: the same seed the same text, seeds differ somewhere
     for seed in ("3", "3", "4", "5"):
         assert (
@@ -454,7 +456,7 @@ def test_a_file_is_translated_chunk_by_chunk_as_in_one_piece(
     assert outputs[0].out == outputs[1].out and len(outputs[0].out.splitlines()) == 18
     err = outputs[1].err
     assert (
-        f"{path}: 6 lines are longer than the 32 tokens the model reads (31 and the EOS): truncated (lines 4, 6, 10, 12, 16, ...)"
+        f"{path}: 6 lines are longer than 31 tokens (the model reads 32, the EOS among them): truncated (lines 4, 6, 10, 12, 16, ...)"
         in err
     )
     assert err.count("longer than") == 1 and err.count("is empty: skipped") == 3

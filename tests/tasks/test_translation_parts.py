@@ -171,7 +171,7 @@ class Confident(nn.Module):
         super().__init__()
         self.vocab, self.w = vocab, nn.Parameter(torch.zeros(()))
 
-    def forward(self, src, tgt_in, src_mask=None, tgt_mask=None):
+    def forward(self, src, tgt_in, src_mask=None, tgt_mask=None, tgt_right_padded=False):
         logits = torch.zeros(*tgt_in.shape, self.vocab)
         logits[..., 3] = 1e4
         return logits + self.w
@@ -222,12 +222,13 @@ def test_the_bleu_tokenizer_names_a_direction_that_is_not_a_string() -> None:
         bleu_tokenizer(None)
 
 
-def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path() -> None:
+def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path(monkeypatch) -> None:
     """A batch's target padding takes no expert capacity and no share of the balance loss: the same real
-    targets with and without 24 padded slots give the same loss, routing counts, drops and aux loss."""
+    targets with and without 24 padded slots give the same loss, routing counts, drops and aux loss; the
+    decoder's self-attention still runs SDPA's causal path (the collator pads on the right)."""
     from tformer import MoEConfig
     from tformer.data.datasets import Seq2SeqBatch
-    from tformer.model.masks import causal_mask
+    from tformer.model import attention
     from tformer.model.moe import moe_layers
     from tformer.presets import tiny
     from tformer.tasks.translation import seq2seq_loss_sum
@@ -237,6 +238,13 @@ def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path() -> 
     model = build_model(tiny("encoder_decoder").replace(moe=moe, dropout=0.0, max_seq_len=64)).train()
     src = torch.randint(4, model.cfg.vocab_size, (2, 8))
     tgt = torch.randint(4, model.cfg.vocab_size, (2, 8))
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def recorded(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recorded)
 
     def routed(n_pad: int) -> tuple[float, list[int], int, float]:
         tgt_in, tgt_out = F.pad(tgt, (0, n_pad), value=0), F.pad(tgt, (0, n_pad), value=-100)
@@ -251,6 +259,6 @@ def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path() -> 
     assert padded[1] == plain[1] and sum(plain[1]) == 32  # 16 real tokens x top-2, nothing from padding
     assert padded[2] == plain[2] > 0  # the capacity drops the same real assignments
     assert padded[0] == pytest.approx(plain[0], abs=1e-4) and padded[3] == pytest.approx(plain[3], abs=1e-7)
-    right = torch.tensor([[True, True, False], [True, True, True]])
-    assert causal_mask(0, 3, right, torch.device("cpu")).is_causal  # right padding keeps SDPA's causal path
-    assert not causal_mask(0, 3, right.flip(1), torch.device("cpu")).is_causal
+    n_dec = model.cfg.n_layers  # per call: decoder self-attention causal, no mask tensor
+    causal = [c for c in calls if c == (True, True)]
+    assert calls and len(causal) == 2 * n_dec  # both calls, every decoder layer

@@ -169,7 +169,7 @@ def load_labelled(path: str | Path) -> Corpus:
                 f"label folder {str(folder)!r} has a name that is not valid UTF-8 text; rename it (the "
                 "folder's name is the label)"
             ) from None
-        control = next((c for c in folder.name if unicodedata.category(c) == "Cc"), None)
+        control = next((c for c in folder.name if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
         if control is not None:  # a label is printed on one line (classify's output, eval's per-class rows)
             raise ValueError(
                 f"label folder {str(folder)!r} has a name holding a control character ({control!r}); rename "

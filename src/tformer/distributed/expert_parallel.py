@@ -71,10 +71,7 @@ class ExpertParallelDispatch(Dispatch):
     def forward(self, experts: Experts, x: Tensor, route: Routing) -> tuple[Tensor, Tensor]:
         n, d = x.shape
         k = route.idx.shape[1]
-        flat = route.idx.flatten()  # (N*K,) expert of each assignment
-        order = flat.argsort(stable=True)  # (N*K,) by expert, token order within
-        counts = torch.bincount(flat, minlength=self.n_experts)  # (E,)
-        order, counts, dropped = self.capacity.trim(order, flat[order], counts, n)  # (S,)
+        order, counts, dropped = self.kept(route.idx, self.n_experts)  # (S,), (E,)
         token = order // k  # (S,)
         send_counts = counts.view(self.world_size, self.n_local)  # (W, El) rows for each rank's experts
         recv_counts = torch.empty_like(send_counts)  # (W, El) rows from each rank for my experts

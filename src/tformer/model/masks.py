@@ -34,10 +34,17 @@ def _finite_rows(allowed: Tensor) -> Tensor:
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
-def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torch.device) -> Mask:
+def causal_mask(
+    q_start: int, t_q: int, key_padding: Tensor | None, device: torch.device, right_padded: bool = False
+) -> Mask:
     """Causal self-attention mask for queries in slots [q_start, q_start + t_q) over keys [0, q_start + t_q).
 
     key_padding: (B, Tk) bool, True for real tokens, covering every key slot (cache included).
+    right_padded: the caller's word that every row's real tokens come first (a training batch of targets).
+    A real query then never reaches a padded key under the causal pattern, so the mask keeps the causal
+    hint (SDPA's fused causal path) and only `tokens` records the padding; padded queries see the padding
+    before them, and their outputs are ignored, as everywhere. Said by the caller, not read from the
+    tensor: reading it would be a host sync and a graph break under torch.compile.
     """
     t_k = q_start + t_q
     q_slot = torch.arange(q_start, t_k, device=device)  # (Tq,)
@@ -45,20 +52,10 @@ def causal_mask(q_start: int, t_q: int, key_padding: Tensor | None, device: torc
     allowed = (k_slot[None, :] <= q_slot[:, None])[None, None]  # (1, 1, Tq, Tk)
     if key_padding is None:
         return Mask(allowed, is_causal=q_start == 0, is_full=t_q == 1)
-    if q_start == 0 and is_right_padded(key_padding):  # the causal pattern already hides the padding
+    if right_padded and q_start == 0:  # the causal pattern already hides the padding
         return Mask(allowed, is_causal=True, is_full=t_q == 1, tokens=key_padding)
     allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
     return Mask(_finite_rows(allowed), tokens=key_padding[:, q_start:])
-
-
-def is_right_padded(key_padding: Tensor) -> bool:
-    """Every row's real tokens come first (a training batch of targets). A real query then never reaches
-    a padded key under the causal pattern, so the mask keeps the causal hint (SDPA's fused causal path)
-    and only `tokens` records the padding. Padded queries see the padding before them: their outputs are
-    ignored, as everywhere. One host sync on an accelerator, only where a padding mask is given."""
-    first_pad = key_padding.sum(dim=1, keepdim=True)  # real tokens per row
-    slots = torch.arange(key_padding.shape[1], device=key_padding.device)
-    return bool(torch.equal(slots[None, :] < first_pad, key_padding))
 
 
 def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:

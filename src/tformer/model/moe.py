@@ -338,6 +338,10 @@ class Dropless(nn.Module):
     def limit(self, n_tokens: int) -> int:
         return n_tokens
 
+    def sort(self, idx: Tensor) -> Tensor:
+        """The N*K assignments (indices into idx (N, K) flattened) by expert, token order within."""
+        return idx.flatten().argsort(stable=True)
+
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
         return order, counts, counts.new_zeros(())
 
@@ -365,15 +369,16 @@ class Capacity(nn.Module):
         num, den = factor
         return min(-(-num * n_tokens * self.top_k // (den * self.n_experts)), n_tokens)  # ceil, exact
 
+    def sort(self, idx: Tensor) -> Tensor:
+        """The N*K assignments (indices into idx (N, K) flattened) by expert, then by choice rank, then
+        token: the order in which an expert's slots are filled. One sort of a unique key."""
+        n, k = idx.shape
+        a = torch.arange(n * k, device=idx.device)  # token-major: a = token * K + rank
+        return (idx.flatten() * (n * k) + (a % k) * n + a // k).argsort()
+
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
-        """order (S,) assignments (indices into the token-major N x K choices) sorted by expert; expert (S,)
-        their experts; counts (E,). Returns the kept ones, by expert, choice rank then token within one."""
-        cap, k = self.limit(n_tokens), self.top_k
-        if cap >= n_tokens:  # no expert holds more than N: nothing to drop, no need to reorder
-            return order, counts, counts.new_zeros(())
-        rank_major = expert * order.numel() + (order % k) * n_tokens + order // k  # unique keys
-        by_priority = rank_major.argsort()
-        order, expert = order[by_priority], expert[by_priority]
+        """order (S,) assignments in `sort`'s order; expert (S,) their experts; counts (E,)."""
+        cap = self.limit(n_tokens)
         starts = counts.cumsum(0) - counts  # (E,) first sorted slot of each expert
         keep = torch.arange(order.numel(), device=order.device) - starts[expert] < cap  # (S,)
         return order[keep], counts.clamp(max=cap), (~keep).sum()
@@ -386,6 +391,14 @@ class Dispatch(nn.Module):
     def __init__(self, capacity: nn.Module) -> None:
         super().__init__()
         self.capacity = capacity
+
+    def kept(self, idx: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(the kept assignments (S,) as indices into idx (N, K) flattened, by expert; rows per expert (E,);
+        the dropped count) under the capacity's order and limit."""
+        flat = idx.flatten()  # (N*K,) expert of each assignment
+        order = self.capacity.sort(idx)  # (N*K,)
+        counts = torch.bincount(flat, minlength=n_experts)  # (E,)
+        return self.capacity.trim(order, flat[order], counts, idx.shape[0])
 
 
 class LoopDispatch(Dispatch):
@@ -410,10 +423,7 @@ class GroupedDispatch(Dispatch):
     def forward(self, experts: Experts, x: Tensor, route: Routing) -> tuple[Tensor, Tensor]:
         n, d = x.shape
         k = route.idx.shape[1]
-        flat = route.idx.flatten()  # (N*K,) expert of each assignment
-        order = flat.argsort(stable=True)  # (N*K,) assignments by expert, token order within
-        counts = torch.bincount(flat, minlength=experts.n_experts)  # (E,)
-        order, counts, dropped = self.capacity.trim(order, flat[order], counts, n)  # (S,)
+        order, counts, dropped = self.kept(route.idx, experts.n_experts)  # (S,), (E,)
         token = order // k  # (S,)
         y = experts(x.index_select(0, token), experts.grouped(counts.tolist()))  # (S, D)
         weighted = y * route.weights.flatten().index_select(0, order).unsqueeze(1)  # (S, D), >= fp32

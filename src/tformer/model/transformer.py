@@ -219,8 +219,9 @@ class Decoder(Stack):
         key_padding_mask: Tensor | None,
         cache: NoCache,
         memory: Memory,
+        right_padded: bool = False,
     ) -> Tensor:
-        mask = causal_mask(cache.seq_len, tokens.shape[1], key_padding_mask, tokens.device)
+        mask = causal_mask(cache.seq_len, tokens.shape[1], key_padding_mask, tokens.device, right_padded)
         states = autocast_input(memory.states)  # under autocast: one cast for every block's K/V products
         memory = memory if states is memory.states else replace(memory, states=states)
         x = self.embed(tokens, positions)
@@ -260,7 +261,10 @@ class EncoderDecoder(nn.Module):
         cache: NoCache = NO_CACHE,
         targets: Tensor | None = None,
         label_smoothing: float = 0.0,
+        right_padded: bool = False,
     ) -> Tensor:
+        """right_padded: key_padding_mask's real tokens come first in every row (training targets), so
+        attention keeps its causal path and the mask only keeps the padding out of MoE routing."""
         if not isinstance(memory, Memory):
             raise ValueError("the decoder needs the encoder memory: call decode(tgt, model.encode(src), ...)")
         check_tokens(tgt, self.cfg.vocab_size, "target tokens", self.lm_head.weight.device)
@@ -281,7 +285,7 @@ class EncoderDecoder(nn.Module):
         start = cache.seq_len
         key_padding_mask = check_key_padding(key_padding_mask, b, start + t, "target key_padding_mask")
         positions = self.decoder.resolve_positions(tgt, positions, start, "target")
-        h = self.decoder(tgt, positions, key_padding_mask, cache, memory)
+        h = self.decoder(tgt, positions, key_padding_mask, cache, memory, right_padded)
         return head_output(self.lm_head, h, targets, label_smoothing)  # (B, T, V) or the summed loss
 
     def forward(
@@ -292,6 +296,7 @@ class EncoderDecoder(nn.Module):
         tgt_key_padding_mask: Tensor | None = None,
         targets: Tensor | None = None,
         label_smoothing: float = 0.0,
+        tgt_right_padded: bool = False,
     ) -> Tensor:
         check_tokens(src, self.cfg.resolved_src_vocab_size, "source tokens", self.lm_head.weight.device)
         check_tokens(tgt, self.cfg.vocab_size, "target tokens", self.lm_head.weight.device)
@@ -308,6 +313,7 @@ class EncoderDecoder(nn.Module):
             key_padding_mask=tgt_key_padding_mask,
             targets=targets,
             label_smoothing=label_smoothing,
+            right_padded=tgt_right_padded,
         )
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
@@ -366,8 +372,8 @@ def check_fits(cfg: ModelConfig) -> None:
             f"and this machine has {memory / 2**30:,.1f} GiB: check its sizes: vocab_size={cfg.vocab_size}, "
             f"d_model={cfg.d_model}, n_layers={cfg.n_layers}, d_ff={cfg.d_ff}"
             + (
-                f", moe.n_experts={cfg.moe.n_experts}, moe.d_expert={cfg.moe.d_expert}, "
-                f"moe.n_shared={cfg.moe.n_shared}, moe.d_shared={cfg.moe.d_shared}"
+                f", moe.n_experts={cfg.moe.n_experts}, moe.d_expert={cfg.moe.expert_width(cfg.d_ff)}, "
+                f"moe.n_shared={cfg.moe.n_shared}, moe.d_shared={cfg.moe.shared_width(cfg.d_ff)}"
                 if cfg.moe is not None
                 else ""
             )

@@ -212,10 +212,11 @@ def warn_train_truncated(n_truncated: int, n_texts: int, seq_len: int, add_bos: 
     """Warn when more than 1% of the training texts are cut to seq_len tokens (as translation warns of the
     pairs it leaves out): recorded in data.json alone, it went unseen."""
     if n_truncated > 0.01 * n_texts:
-        bos = " (with the BOS that cls pooling puts first)" if add_bos else ""
+        own = seq_len - 1 if add_bos else seq_len  # cls pooling's BOS takes one of the seq_len slots
+        bos = f" (data.seq_len={seq_len} with the BOS that cls pooling puts first)" if add_bos else ""
         warnings.warn(
-            f"{n_truncated:,} of the {n_texts:,} training texts are longer than data.seq_len={seq_len} "
-            f"tokens{bos} and keep only their first {seq_len}",
+            f"{n_truncated:,} of the {n_texts:,} training texts are longer than {own} tokens{bos} and keep "
+            f"only their first {own}",
             UserWarning,
             stacklevel=3,
         )

@@ -140,8 +140,8 @@ def seq2seq_loss_sum(
     model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0, fused: bool = False
 ) -> tuple[Tensor, int]:
     """(summed target-token loss, target count); `fused`: the model's fused head and loss, else its logits."""
-    # The target padding mask keeps SDPA's causal path (right padding: masks.is_right_padded) and keeps
-    # the padding out of MoE routing (capacity, balance losses, statistics).
+    # The target padding mask keeps the padding out of MoE routing (capacity, balance losses, statistics);
+    # the collator pads on the right, so attention keeps SDPA's causal path (masks.causal_mask).
     if fused:
         loss = model(
             batch.src,
@@ -150,9 +150,12 @@ def seq2seq_loss_sum(
             batch.tgt_mask,
             targets=batch.tgt_out,
             label_smoothing=label_smoothing,
+            tgt_right_padded=True,
         )
         return loss, target_count(batch.tgt_out)
-    logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)  # (B, T, V)
+    logits = model(
+        batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask, tgt_right_padded=True
+    )  # (B, T, V)
     return cross_entropy_sum(logits, batch.tgt_out, label_smoothing, "target tokens")
 
 

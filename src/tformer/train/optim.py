@@ -38,7 +38,7 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
         except (RuntimeError, TypeError) as e:
             warnings.warn(
-                f"fused AdamW is not available for these parameters ({str(e).splitlines()[0]}): "
+                f"fused AdamW is not available for these parameters ({(str(e).splitlines() or [type(e).__name__])[0]}): "
                 "using the foreach kernel (the same update; set optim.fused=false to choose it quietly)",
                 stacklevel=2,
             )
