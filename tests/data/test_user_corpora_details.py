@@ -103,3 +103,39 @@ def test_a_pairs_split_error_speaks_of_sources(tmp_path):
         ValueError, match="pairs with the same source stay in one split: 1 distinct sources of 4"
     ):
         load_corpus(f"pairs:{path}")
+
+
+def test_pairs_differing_only_in_whitespace_are_one_pair_in_one_split(tmp_path):
+    """A copy of a pair with a doubled space had been a second pair, often in another split (a source
+    seen in training scored again in test)."""
+    lines = [f"quelle nummer {i}\tsource {i}" for i in range(200)]
+    lines += [f"quelle  nummer {i}\tsource {i}" for i in range(200)]  # the same pairs, one space doubled
+    lines += [f"quelle nummer {i} \tanother  source {i}" for i in range(0, 200, 7)]  # another target
+    (tmp_path / "p.tsv").write_text("\n".join(lines) + "\n")
+    corpus = load_corpus(f"pairs:{tmp_path / 'p.tsv'}")
+    assert sum(len(corpus[s]) for s in SPLITS) == 200 + len(range(0, 200, 7))
+    split_of = {}
+    for s in SPLITS:
+        for p in corpus[s]:
+            assert split_of.setdefault(" ".join(p.src.split()), s) == s  # one source, one split
+
+
+@pytest.mark.parametrize("direction", ["de-EN", "en-zh-CN", "en_zh", "german-english", "de"])
+def test_a_pairs_direction_must_be_two_language_codes(tmp_path, direction):
+    (tmp_path / "p.tsv").write_text("".join(f"quelle {i}\tsource {i}\n" for i in range(20)))
+    with pytest.raises(ValueError, match=rf"data.direction .* lower-case ISO 639 codes.*got '{direction}'"):
+        load_corpus(f"pairs:{tmp_path / 'p.tsv'}", direction=direction)
+
+
+def test_cjk_references_scored_with_13a_are_warned_about():
+    from tformer.eval.bleu import score_translations
+
+    refs = ["我们今天去公园散步。", "他喜欢读书。", "这是一个很好的例子。"]
+    with pytest.warns(
+        UserWarning, match=r"most references are Chinese, Japanese or Korean text.*'<source>-zh'"
+    ):
+        score_translations(refs, refs, "13a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert score_translations(refs, refs, "zh").bleu == pytest.approx(100)
+        score_translations(["the cat sat"], ["the cat sat"], "13a")

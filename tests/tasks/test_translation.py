@@ -315,8 +315,13 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     assert main(["eval", "--run", run, "--split", "val", "--json"]) == 0  # the default --max-batches: all
     whole = json.loads(capsys.readouterr().out)
     assert Path(whole["translations"]).name == "translations_val.txt", whole["translations"]
+    assert whole["sentences"] == whole["split_sentences"] and result["split_sentences"] > 32
     assert main(["eval", "--run", run, "--max-batches", "1"]) == 0  # the text output names the file
-    assert f"translations: {result['translations']}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"translations: {result['translations']}" in out
+    assert (
+        f"32 of the split's {result['split_sentences']} sentences, --max-batches, beam 4" in out
+    )  # a sample, said
     Path(result["translations"]).unlink()
     Path(result["translations"]).mkdir()  # a file that cannot be written: said, the scores still printed
     with pytest.warns(

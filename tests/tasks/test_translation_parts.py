@@ -84,7 +84,8 @@ def test_training_evaluation_scores_a_spread_sample_of_the_split_it_is_asked_for
     sample = spread_of(list(task.corpus["test"]), take)
     assert echo.seen == [p.src for p in sample]
     copied = sacrebleu.corpus_bleu([p.src for p in sample], [[p.tgt for p in sample]])
-    assert result["bleu"] == pytest.approx(copied.score)
+    assert result["bleu"] == pytest.approx(copied.score) and result["bleu_sentences"] == len(sample) == take
+    assert task.describe_result(result).count(f"(on {take} validation sentences)") == 1  # the summary says it
     ds = task.dataset(task.corpus["test"])
     items = spread_of([ds[i] for i in range(len(ds))], take)
     expected = loss_per_token(model, items, task.tgt_tok.bos_id, task.tgt_tok.eos_id)

@@ -13,6 +13,8 @@ from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 from tformer.model.checks import check_finite_scores
 
+LM_MAX_BATCHES = 1000  # a language model's split sampled by default (batches of windows)
+
 
 def run(args: argparse.Namespace) -> int:
     from tformer.tasks.lm import evaluate_lm
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
     cpu = torch.device("cpu")
-    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, args.max_batches, cpu, cfg.fused_loss)
+    max_batches = LM_MAX_BATCHES if args.max_batches is None else args.max_batches
+    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, max_batches, cpu, cfg.fused_loss)
     result = {
         "data": what,
         "checkpoint_step": run_.step,

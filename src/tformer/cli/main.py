@@ -186,7 +186,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         help="evaluate on this text file (- reads stdin) instead of a split",
     )
     p.add_argument(
-        "--max-batches", type=positive_int, default=1000, help="batches scored at most (default 1000)"
+        "--max-batches",
+        type=positive_int,
+        default=None,
+        help="score a sample of at most this many batches, spread over the split (default: a language "
+        "model's 1000 batches of windows; translation and classification score the whole split; a "
+        "translation batch is 32 sentences, a classification batch the run's batch_size texts)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

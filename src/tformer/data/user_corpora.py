@@ -7,6 +7,7 @@ identical texts stay in one split (labelled texts: identical up to whitespace, k
 
 from __future__ import annotations
 
+import re
 import unicodedata
 import warnings
 from pathlib import Path
@@ -96,7 +97,8 @@ def _folder_texts(path: Path) -> list[Path]:
 def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
     """The user's translation pairs: one text file, a `source<TAB>target` pair per line (empty lines
     skipped; any other line without exactly one tab is an error naming it). Identical pairs are kept once;
-    pairs with the same source stay in one split (5% val, 5% test by sha256 of the source). `direction`
+    pairs with the same source stay in one split (5% val, 5% test by sha256 of the source); both compare
+    the texts with each run of whitespace as one space. `direction`
     names the two languages (it picks sacrebleu's tokenizer for the target, e.g. "en-zh"). Read afresh on
     every call."""
     path = Path(path).expanduser()
@@ -106,6 +108,12 @@ def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
         )
     if not path.is_file():
         raise FileNotFoundError(f"pairs corpus file {str(path)!r} does not exist")
+    if not isinstance(direction, str) or not re.fullmatch(r"[a-z]{2,3}-[a-z]{2,3}", direction):
+        raise ValueError(
+            f"data.direction for a pairs corpus names its two languages as lower-case ISO 639 codes, "
+            f"source-target such as 'de-en' or 'en-zh' (the target's code picks sacrebleu's BLEU tokenizer), "
+            f"got {direction!r}"
+        )
     seen: set[tuple[str, str]] = set()
     pairs = []
     for number, line in enumerate(read_text(path, warn=True).split("\n"), 1):
@@ -118,14 +126,18 @@ def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
                 f"{path} line {number}: expected one source<TAB>target pair, found {what}: {line[:60]!r}"
             )
         src, tgt = sides[0].strip(), sides[1].strip()
-        if (src, tgt) not in seen:
-            seen.add((src, tgt))
+        key = (_normalised(src), _normalised(tgt))  # a copy with a doubled space is the same pair
+        if key not in seen:
+            seen.add(key)
             pairs.append(Pair(f"{path.name}:{number}", src, tgt))
     if len(pairs) < 3:
         raise ValueError(f"pairs corpus {str(path)!r} holds {len(pairs)} distinct pair(s); need at least 3")
     n_val, n_test = fraction_counts(len(pairs), 0.05, 0.05, 1)
-    rule = f"identical pairs once; by sha256(source): test={n_test}, val={n_val}, train=the rest"
-    splits = split_by_hash(pairs, lambda p: p.src, n_val, n_test)
+    rule = (
+        f"identical pairs once (whitespace-normalised); by sha256(whitespace-normalised source): test={n_test}, "
+        f"val={n_val}, train=the rest"
+    )
+    splits = split_by_hash(pairs, lambda p: _normalised(p.src), n_val, n_test)
     return Corpus(f"pairs:{path}", "translation", splits, rule, str(path), direction=direction)
 
 

@@ -8,6 +8,8 @@ produced a number, so scores from different runs can be compared (or not).
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -34,6 +36,26 @@ def bleu_tokenizer(direction: str) -> str:
     if not isinstance(direction, str):
         raise TypeError(f"direction must be a str such as 'de-en', got {type(direction).__name__}")
     return "zh" if direction.rpartition("-")[2] == "zh" else "13a"
+
+
+CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")  # kana, Han, Hangul
+
+
+def warn_if_cjk_without_its_tokenizer(references: Sequence[str], tokenize: str) -> None:
+    """Most references written in Chinese, Japanese or Korean script but scored with 13a, which splits on
+    spaces those scripts do not have: BLEU then counts whole clauses as words (a `pairs:` corpus whose
+    data.direction still reads the default 'de-en'). Said, with the setting that picks sacrebleu's zh."""
+    if tokenize != "13a":
+        return
+    sample = references[:: max(1, len(references) // 200)]
+    if sum(bool(CJK.search(r)) for r in sample) > len(sample) / 2:
+        warnings.warn(
+            "most references are Chinese, Japanese or Korean text, but BLEU tokenizes them with 13a (the "
+            "target language of data.direction is not 'zh'), which splits words at spaces only: for Chinese "
+            "set data.direction to '<source>-zh' to score with sacrebleu's zh tokenizer",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _metrics(tokenize: str):
@@ -66,6 +88,7 @@ def score_translations(
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not references:
         raise ValueError("nothing to score: no references")
+    warn_if_cjk_without_its_tokenizer(references, tokenize)
     bleu, chrf = _metrics(tokenize)
     hyps, refs = list(hypotheses), [list(references)]
     return TranslationScores(

@@ -261,7 +261,8 @@ class TranslationTask:
         pairs = spread(list(self.corpus[split]), take)
         hyps = self.translator(model).translate([p.src for p in pairs], EVAL_SEARCH, warn=False)
         scores = score_translations(hyps, [p.tgt for p in pairs], bleu_tokenizer(self.cfg.data.direction))
-        return {**result, "bleu": scores.bleu, "chrf": scores.chrf}
+        # the sentences BLEU scored: all of the split's, or a spread sample with eval_batches
+        return {**result, "bleu": scores.bleu, "chrf": scores.chrf, "bleu_sentences": len(pairs)}
 
     def tokenizer_json(self) -> str:
         return self.tgt_tok.to_json_str()
@@ -275,7 +276,7 @@ class TranslationTask:
             return "no evaluation recorded"
         return (
             f"validation loss {report['eval_loss']:.4f} nats/token | perplexity {report['perplexity']:.2f} | "
-            f"greedy BLEU {report['bleu']:.2f} | chrF {report['chrf']:.2f}\n"
+            f"greedy BLEU {report['bleu']:.2f} | chrF {report['chrf']:.2f}{_scored_words(report)}\n"
             f"test BLEU with beam search: tformer eval --run {self.run_dir}"
         )
 
@@ -395,6 +396,7 @@ def evaluate_run(
         "checkpoint_step": run.step,
         "averaged_steps": list(run.averaged_steps),
         "sentences": len(pairs),
+        "split_sentences": len(whole),  # more than "sentences": --max-batches took a sample
         "sources_truncated": len(cut),
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
         "seq_len": cfg.data.seq_len,
@@ -423,6 +425,18 @@ def _loss_words(result: dict) -> str:
     return f"loss {result['eval_loss']:.4f} nats/token on {result['loss_pairs']} pairs{others}"
 
 
+def _scored_words(report: dict) -> str:
+    n = report.get("bleu_sentences")
+    return "" if n is None else f" (on {n} validation sentences)"
+
+
+def _sentences_words(result: dict) -> str:
+    whole = result.get("split_sentences", result["sentences"])
+    if result["sentences"] < whole:
+        return f"{result['sentences']} of the split's {whole} sentences, --max-batches"
+    return f"{result['sentences']} sentences"
+
+
 def format_result(result: dict) -> str:
     s = result["search"]
     how = (
@@ -432,7 +446,7 @@ def format_result(result: dict) -> str:
     )
     return (
         f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
-        f"{result['sentences']} sentences, {how}): "
+        f"{_sentences_words(result)}, {how}): "
         f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
         f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}\n"
