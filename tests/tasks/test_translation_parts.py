@@ -263,3 +263,16 @@ def test_target_padding_stays_out_of_moe_routing_and_keeps_the_causal_path(monke
     n_dec = model.cfg.n_layers  # per call: decoder self-attention causal, no mask tensor
     causal = [c for c in calls if c == (True, True)]
     assert calls and len(causal) == 2 * n_dec  # both calls, every decoder layer
+
+
+def test_a_left_padded_mask_declared_right_padded_is_refused() -> None:
+    from tformer.presets import tiny
+
+    model = build_model(tiny("encoder_decoder").replace(dropout=0.0))
+    src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 4))
+    left = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    with pytest.raises(
+        ValueError, match=r"declared right-padded .* row 0 has a padded slot before a real token"
+    ):
+        model(src, tgt, None, left, tgt_right_padded=True)
+    model(src, tgt, None, left.flip(1), tgt_right_padded=True)  # right padding: accepted

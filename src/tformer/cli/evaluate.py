@@ -54,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
     cpu = torch.device("cpu")
-    max_batches = LM_MAX_BATCHES if args.max_batches is None else args.max_batches
+    if args.max_batches is not None:
+        max_batches = args.max_batches
+    else:  # a text file: every prediction; a split: a sample of LM_MAX_BATCHES batches
+        max_batches = None if args.text_file is not None else LM_MAX_BATCHES
     result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, max_batches, cpu, cfg.fused_loss)
     result = {
         "data": what,

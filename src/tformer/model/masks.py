@@ -53,9 +53,30 @@ def causal_mask(
     if key_padding is None:
         return Mask(allowed, is_causal=q_start == 0, is_full=t_q == 1)
     if right_padded and q_start == 0:  # the causal pattern already hides the padding
+        check_right_padded(key_padding)
         return Mask(allowed, is_causal=True, is_full=t_q == 1, tokens=key_padding)
     allowed = allowed & key_padding[:, None, None, :]  # (B, 1, Tq, Tk)
     return Mask(_finite_rows(allowed), tokens=key_padding[:, q_start:])
+
+
+def check_right_padded(key_padding: Tensor) -> None:
+    """ValueError unless every row's real tokens come first: a left-padded mask declared right-padded would
+    let real queries attend to padding. A host read, skipped under torch.compile as the token checks are."""
+    if torch.compiler.is_compiling():
+        return
+    real = key_padding.sum(dim=1, keepdim=True)  # (B, 1) real tokens per row
+    if not torch.equal(
+        torch.arange(key_padding.shape[1], device=key_padding.device)[None, :] < real, key_padding
+    ):
+        row = int(
+            (key_padding != (torch.arange(key_padding.shape[1], device=key_padding.device) < real))
+            .any(1)
+            .nonzero()[0]
+        )
+        raise ValueError(
+            f"the target padding mask was declared right-padded (tgt_right_padded=True), but row {row} has "
+            "a padded slot before a real token: pad on the right, or leave tgt_right_padded False"
+        )
 
 
 def padding_mask(t_q: int, key_padding: Tensor | None, t_k: int, device: torch.device) -> Mask:

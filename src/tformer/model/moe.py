@@ -379,6 +379,8 @@ class Capacity(nn.Module):
     def trim(self, order: Tensor, expert: Tensor, counts: Tensor, n_tokens: int):
         """order (S,) assignments in `sort`'s order; expert (S,) their experts; counts (E,)."""
         cap = self.limit(n_tokens)
+        if cap >= n_tokens:  # no expert holds a token twice: nothing to drop (and no data-dependent shape)
+            return order, counts, counts.new_zeros(())
         starts = counts.cumsum(0) - counts  # (E,) first sorted slot of each expert
         keep = torch.arange(order.numel(), device=order.device) - starts[expert] < cap  # (S,)
         return order[keep], counts.clamp(max=cap), (~keep).sum()

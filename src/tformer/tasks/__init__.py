@@ -4,7 +4,8 @@ A task object has `setup(cfg, run_dir, device, resume=False)` (a resumed run che
 run's data.json instead of recording it), `model_config(cfg)`, `train_loader(cfg)`,
 `loss(model, batch) -> (loss sum, targets)`, `count_targets(batch)`, `count_inputs(batch)`,
 `evaluate(model, max_batches) -> dict`, `tokenizer_json()`, `describe_result(report)` and
-`show_sample(model)`. The trainer knows nothing else about the task.
+`show_sample(model)`. The trainer knows nothing else about the task. The translation task calls its model
+as `model(src, tgt_in, src_mask, tgt_mask, tgt_right_padded=True)` (tformer's `EncoderDecoder`).
 """
 
 from __future__ import annotations

@@ -637,7 +637,7 @@ class Trainer:
         result = self.evaluate()
         self.state.best_eval = min(self.state.best_eval, result["eval_loss"])
         self.metrics.write({"kind": "eval", "step": self.state.step, **result})
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items())
+        shown = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in result.items())
         # above the bar (printed past it, a stale copy of the bar had stayed above each evaluation)
         off_the_bar = "" if self.lines or bar is not None else "\n"
         self._say(f"{off_the_bar}step {self.state.step}: {shown}", bar)
