@@ -20,9 +20,10 @@ A DCP checkpoint is `run_dir/checkpoints/step_000123/` (the same names, retentio
   COMMITTED                (rank 0, last) format "dcp", step, world size, size + sha256 of the JSON
                            and safetensors files.
 Ranks write into `.tmp-step_000123-dcp/`; rank 0 renames it once every rank's data is written.
-Nothing but DCP's own index is pickled: DCP holds tensors only, the rest is JSON + safetensors. DCP
-writes its `.metadata` index with pickle; tformer reads it with an unpickler that builds only the
-index's own classes (`SafeIndexReader`), so a tampered index cannot run code. The COMMITTED manifest
+DCP holds tensors only, the rest is JSON + safetensors. DCP writes its `.metadata` index with pickle;
+tformer reads it with an unpickler that builds only the index's own classes (`SafeIndexReader`), so a
+tampered index cannot run code. Its `.distcp` shards hold each tensor in `torch.save`'s zip format, which
+torch's reader loads with `torch.load(weights_only=True)`: tensors only. The COMMITTED manifest
 covers `.metadata` and the `.distcp` shards too.
 
 `tformer generate / eval / translate / classify --run` read a DCP checkpoint's weights directly
