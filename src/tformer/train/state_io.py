@@ -115,6 +115,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
         torch.cuda.set_rng_state_all(cuda)
     elif cuda:
-        warnings.warn(f"{len(cuda)} CUDA RNG states saved, device count differs: not restored", stacklevel=2)
+        here = (
+            f"this process sees {torch.cuda.device_count()} CUDA device(s)"
+            if torch.cuda.is_available()
+            else "CUDA is not available here"
+        )
+        warnings.warn(
+            f"the checkpoint holds {len(cuda)} CUDA RNG state(s) and {here}: they are not restored (a GPU run "
+            "resumed elsewhere draws other GPU random numbers)",
+            stacklevel=2,
+        )
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
