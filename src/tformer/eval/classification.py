@@ -6,6 +6,7 @@ true class and columns the predicted one.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -88,9 +89,11 @@ MAX_INCHES = 40.0  # the confusion plot's side at most (4,400 pixels at 110 dpi)
 MAX_ANNOTATED = 40  # labels up to which each cell shows its count
 
 
+@functools.cache
 def _drawable_chars() -> frozenset[int] | None:
     """The code points the plot's font (with matplotlib's fallback fonts) has glyphs for; None when that
-    cannot be told (labels are then drawn as written)."""
+    cannot be told (labels are then drawn as written). Read once per process: a training run plots at every
+    evaluation."""
     try:
         from matplotlib import font_manager
 

@@ -65,14 +65,9 @@ def check_right_padded(key_padding: Tensor) -> None:
     if torch.compiler.is_compiling():
         return
     real = key_padding.sum(dim=1, keepdim=True)  # (B, 1) real tokens per row
-    if not torch.equal(
-        torch.arange(key_padding.shape[1], device=key_padding.device)[None, :] < real, key_padding
-    ):
-        row = int(
-            (key_padding != (torch.arange(key_padding.shape[1], device=key_padding.device) < real))
-            .any(1)
-            .nonzero()[0]
-        )
+    right = torch.arange(key_padding.shape[1], device=key_padding.device)[None, :] < real  # (B, Tk)
+    if not torch.equal(right, key_padding):
+        row = int((right != key_padding).any(1).nonzero()[0])
         raise ValueError(
             f"the target padding mask was declared right-padded (tgt_right_padded=True), but row {row} has "
             "a padded slot before a real token: pad on the right, or leave tgt_right_padded False"

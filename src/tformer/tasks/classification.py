@@ -49,7 +49,7 @@ from tformer.tasks.corpus import (
 from tformer.tasks.losses import cross_entropy_sum, loss_unit
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
 from tformer.tasks.translation import run_dir_of
-from tformer.train.config import TrainConfig
+from tformer.train.config import TrainConfig, require_task_arch
 
 
 class Classifier:
@@ -151,8 +151,7 @@ class ClassificationTask:
         )
 
     def model_config(self, cfg: TrainConfig):
-        if cfg.model.arch != "encoder":
-            raise ConfigError(f"classification needs model.arch 'encoder', got {cfg.model.arch!r}")
+        require_task_arch(cfg)
         if cfg.model.n_classes not in (ModelConfig.n_classes, len(self.labels)):  # a value of the user's
             raise ConfigError(
                 f"model.n_classes is set from the corpus's {len(self.labels)} labels: leave it out "

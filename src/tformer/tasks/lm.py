@@ -18,7 +18,6 @@ from tformer.data.loader import make_loader
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
-from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
     JOINED,
     check_data_unchanged,
@@ -29,7 +28,7 @@ from tformer.tasks.corpus import (
 )
 from tformer.tasks.losses import cross_entropy_sum, fuses_loss, loss_unit, perplexity, target_count
 from tformer.tasks.stream import BatchStream, check_eval_args
-from tformer.train.config import TrainConfig
+from tformer.train.config import TrainConfig, require_task_arch
 
 SAMPLE_PROMPT = "ROMEO.\n"
 
@@ -94,8 +93,7 @@ class LMTask:
         return ds, sum(len(t) + 1 for t in texts)
 
     def model_config(self, cfg: TrainConfig):
-        if cfg.model.arch != "decoder":
-            raise ConfigError(f"language modelling needs model.arch 'decoder', got {cfg.model.arch!r}")
+        require_task_arch(cfg)
         return cfg.model.replace(
             vocab_size=self.tokenizer.vocab_size, max_seq_len=max(cfg.model.max_seq_len, cfg.data.seq_len)
         )

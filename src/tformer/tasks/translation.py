@@ -37,7 +37,7 @@ from tformer.tasks.corpus import (
 )
 from tformer.tasks.losses import cross_entropy_sum, fuses_loss, loss_unit, perplexity, target_count
 from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
-from tformer.train.config import DataConfig, TrainConfig
+from tformer.train.config import DataConfig, TrainConfig, require_task_arch
 
 SRC_TOKENIZER = "src_tokenizer.json"
 EVAL_SEARCH = SearchConfig(method="greedy", batch_size=64)
@@ -227,8 +227,7 @@ class TranslationTask:
         return Seq2SeqDataset.from_texts(pairs, self.src_tok, n, n, tgt_tokenizer=self.tgt_tok)
 
     def model_config(self, cfg: TrainConfig):
-        if cfg.model.arch != "encoder_decoder":
-            raise ConfigError(f"translation needs model.arch 'encoder_decoder', got {cfg.model.arch!r}")
+        require_task_arch(cfg)
         separate = cfg.data.tokenizer == "separate"
         return cfg.model.replace(
             vocab_size=self.tgt_tok.vocab_size,

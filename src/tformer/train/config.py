@@ -260,6 +260,17 @@ class TrainConfig(Config):
         )
 
 
+def require_task_arch(cfg: TrainConfig) -> None:
+    """ConfigError unless model.arch is the one cfg.task trains (TASK_ARCH): checked before a new run
+    trains its tokenizer, and by each task's model_config (a stored config, the Python API)."""
+    noun, arch = TASK_ARCH[cfg.task]
+    if cfg.model.arch != arch:
+        raise ConfigError(
+            f"{noun} needs model.arch {arch!r}, got {cfg.model.arch!r}: task {cfg.task!r} trains "
+            f"{'an' if arch[0] in 'aeiou' else 'a'} {arch} model; set model.arch={arch}"
+        )
+
+
 def refuse_ignored_settings(cfg: TrainConfig) -> None:
     """ConfigError for a setting the run would ignore: a data setting its task never reads (READ_BY),
     data.src_vocab_size without the separate tokenizer, the classifier's model.pooling / n_classes
@@ -267,12 +278,7 @@ def refuse_ignored_settings(cfg: TrainConfig) -> None:
     task lm; and a model.arch the task cannot train (named before any tokenizer is trained; the task
     says the same itself). Checked when a new run starts, not when a stored config is read (a run saved
     before this check still loads, resumes and evaluates)."""
-    noun, arch = TASK_ARCH[cfg.task]
-    if cfg.model.arch != arch:
-        raise ConfigError(
-            f"{noun} needs model.arch {arch!r}, got {cfg.model.arch!r}: task {cfg.task!r} trains "
-            f"{'an' if arch[0] in 'aeiou' else 'a'} {arch} model; set model.arch={arch}"
-        )
+    require_task_arch(cfg)
     for name, (unset, tasks) in READ_BY.items():
         value = getattr(cfg.data, name)
         if cfg.task not in tasks and value not in unset:
