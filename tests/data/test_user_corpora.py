@@ -88,17 +88,39 @@ def test_text_too_small_or_missing(tmp_path):
 
 
 def test_text_folder_names_what_it_skips_and_a_split_left_empty(tmp_path):
-    """Files it skips had gone unmentioned; identical (or empty) files, which stay together in one split,
-    could leave val or test empty, and the error came later without naming the split."""
+    """Files it skips had gone unmentioned; identical files, which stay together in one split, could leave
+    val or test empty, and the error came later without naming the split."""
     for i in range(6):
-        (tmp_path / f"copy{i}.txt").write_text("the same text\n" if i else "")
+        (tmp_path / f"copy{i}.txt").write_text("the same text\n" if i else "other text\n")
     (tmp_path / "notes.py").write_text("x = 1\n")
     (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
     with (
         pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .*: gone.txt \(a broken link\), notes.py"),
         pytest.raises(
-            ValueError, match=r"leaves its train split\(s\) empty \(train 0, val 1, test 5; .*2 distinct of 6"
+            ValueError,
+            match=r"leaves its train split\(s\) empty \(train 0, val [15], test [15]; .*2 distinct of 6",
         ),
+    ):
+        load_corpus(f"text:{tmp_path}")
+
+
+def test_text_folder_skips_empty_files_by_name(tmp_path):
+    """An empty or white-space-only file had become a document of its own: a lone end-of-text token in the
+    packed stream, and a file counted towards the three a split needs."""
+    for i in range(4):
+        (tmp_path / f"t{i}.txt").write_text(f"text number {i}\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.md").write_text("  \n\n\t\n")
+    with pytest.warns(
+        UserWarning, match=r"skipped 2 empty \(or white-space only\) file\(s\): blank.md, empty.txt$"
+    ):
+        corpus = load_corpus(f"text:{tmp_path}")
+    assert sorted(d.id for s in SPLITS for d in corpus[s]) == [f"t{i}.txt" for i in range(4)]
+    (tmp_path / "t0.txt").write_text("\n")
+    (tmp_path / "t1.txt").write_text("")
+    with (
+        pytest.warns(UserWarning, match="skipped 4 empty"),
+        pytest.raises(ValueError, match="has 2 non-empty"),
     ):
         load_corpus(f"text:{tmp_path}")
 

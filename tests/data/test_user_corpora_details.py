@@ -15,7 +15,9 @@ from tformer.data import corpora as C
 def test_a_text_folder_of_two_files_names_the_folder(tmp_path):
     for i in range(2):
         (tmp_path / f"{i}.txt").write_text(f"text {i}\n")
-    with pytest.raises(ValueError, match=r"text folder .* has 2 text file\(s\) \(.txt, .md.*need at least 3"):
+    with pytest.raises(
+        ValueError, match=r"text folder .* has 2 non-empty text file\(s\) \(.txt, .md.*need at least 3"
+    ):
         C.load_text(tmp_path)
 
 

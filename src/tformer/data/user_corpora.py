@@ -41,11 +41,11 @@ def load_text(path: str | Path) -> Corpus:
     path = Path(path).expanduser()
     if path.is_dir():
         files = _folder_texts(path)
-        docs = [Document(str(p.relative_to(path)), read_text(p, warn=True)) for p in files]
+        docs = _non_empty(path, [Document(str(p.relative_to(path)), read_text(p, warn=True)) for p in files])
         unit = "files"
         if len(docs) < 3:
             raise ValueError(
-                f"text folder {str(path)!r} has {len(docs)} text file(s) ({', '.join(TEXT_SUFFIXES)}); "
+                f"text folder {str(path)!r} has {len(docs)} non-empty text file(s) ({', '.join(TEXT_SUFFIXES)}); "
                 "need at least 3 to split into train / val / test"
             )
     elif path.is_file():
@@ -66,6 +66,19 @@ def load_text(path: str | Path) -> Corpus:
     rule = f"{unit} by sha256(text): test={n_test}, val={n_val}, train=the rest"
     splits = split_by_hash(docs, lambda d: d.text, n_val, n_test)
     return Corpus(f"text:{path}", "lm", splits, rule, str(path), pieces=path.is_file())
+
+
+def _non_empty(path: Path, docs: list[Document]) -> list[Document]:
+    """The documents holding more than white space, with a warning naming those left out (each would have
+    become a lone end-of-text token in the packed stream)."""
+    empty = [d.id for d in docs if not d.text.strip()]
+    if empty:
+        shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+        warnings.warn(
+            f"text folder {str(path)!r}: skipped {len(empty)} empty (or white-space only) file(s): {shown}",
+            stacklevel=3,
+        )
+    return [d for d in docs if d.text.strip()]
 
 
 def _folder_texts(path: Path) -> list[Path]:
