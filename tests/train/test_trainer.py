@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -101,6 +102,29 @@ def test_evaluate_keeps_the_models_mode(corpus_dir: Path, tmp_path: Path) -> Non
         assert trainer.evaluate()["eval_loss"] > 0
         assert trainer.model.training is training
     trainer.close()
+
+
+def test_tokens_per_second_leaves_out_evaluations_and_saves(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """tokens/s had divided by the time since the start, evaluations, samples and checkpoints included: a
+    run that evaluates often showed a fraction of its training speed."""
+    cfg = small_config(corpus_dir, steps=4, eval_every=1, save_every=2, log_every=1)
+    trainer = Trainer(cfg, tmp_path / "run", "lm", progress=False)
+    evaluate = trainer.evaluate
+
+    def slow_evaluate():
+        time.sleep(1.0)
+        return evaluate()
+
+    monkeypatch.setattr(trainer, "evaluate", slow_evaluate)
+    trainer.fit()
+    trainer.close()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "train"][-1]
+    assert last["step"] == 4 and [r["step"] for r in records if r["kind"] == "eval"] == [1, 2, 3, 4]
+    # three evaluations (>= 3 s) ran before step 4's record; four tiny steps take far less than 1 s
+    assert last["tokens_per_s"] > last["tokens_seen"] / 1.0, last
 
 
 def test_tiny_model_overfits_one_batch(corpus_dir: Path, tmp_path: Path) -> None:

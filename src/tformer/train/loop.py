@@ -435,11 +435,13 @@ class Trainer:
         self.model.train()
         bar = self._progress_bar()
         t0, tok0, step0 = time.perf_counter(), s.tokens_seen, s.step
+        self._off_clock = 0.0  # seconds since t0 spent evaluating, sampling and saving (not training)
         self._failed = True  # until fit returns: close() then waits for no other rank
         try:
             with StopRequests(announce=self.env.is_main) as signals:
                 self._signals = signals  # lost output asks it to stop (`_output_lost`)
-                self._evaluate_the_step_resumed_at(bar)
+                with self._off_the_clock():
+                    self._evaluate_the_step_resumed_at(bar)
                 while s.step < stop:
                     self._one_step(bar, t0, tok0, step0)
                     signum = signals.agreed(self.parallel.comm)
@@ -523,7 +525,7 @@ class Trainer:
         s.tokens_seen += int(self.parallel.comm.sum(sum(self.task.count_inputs(b) for b in micro)))
         self._guard(result)
         self._watch_spikes(result, bar)
-        rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0)
+        rate = (s.tokens_seen - tok0) / max(1e-9, time.perf_counter() - t0 - self._off_clock)
         if s.step % cfg.log_every == 0 or s.step == cfg.steps:
             self._log_train(result, rate)
             if self.lines and self.progress:
@@ -537,12 +539,23 @@ class Trainer:
                 loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False
             )
             bar.update(1)
-        if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
-            self._log_eval_or_keep_the_step(bar)
-        if cfg.sample_every and s.step % cfg.sample_every == 0 and self.env.world_size == 1:
-            self._log_sample(bar)
-        if s.step % cfg.save_every == 0:
-            self.save()
+        with self._off_the_clock():
+            if s.step % cfg.eval_every == 0 or s.step == cfg.steps:
+                self._log_eval_or_keep_the_step(bar)
+            if cfg.sample_every and s.step % cfg.sample_every == 0 and self.env.world_size == 1:
+                self._log_sample(bar)
+            if s.step % cfg.save_every == 0:
+                self.save()
+
+    @contextlib.contextmanager
+    def _off_the_clock(self):
+        """Time that tokens/s leaves out (evaluations, samples, checkpoints); the ETA keeps it, as they
+        recur until the end."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._off_clock += time.perf_counter() - start
 
     def _guard(self, result) -> None:
         s = self.state
