@@ -303,6 +303,26 @@ def test_unknown_option_lists_the_allowed_ones(capsys) -> None:
     assert "unrecognized arguments: --lr 3; allowed options: --config, --help" in capsys.readouterr().err
 
 
+def test_an_unknown_option_before_the_command_is_named_as_tformers(capsys) -> None:
+    """`tformer --bogus` had said only that a command is required; `tformer --bogus train` had listed the
+    train command's options for an option it never reached."""
+    for argv in (["--bogus"], ["--bogus", "train", "--preset", "tiny-lm"], ["-x", "generate"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"tformer: error: unknown option {argv[0]} before the command; tformer takes --help"
+        )
+        assert "train, generate, translate, classify, eval" in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        main([])
+    assert "required: command (one of train, generate, translate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("tformer ")
+
+
 def test_input_that_is_not_utf8_text_is_one_line(
     trained_run: Path, capsys, tmp_path: Path, monkeypatch
 ) -> None:

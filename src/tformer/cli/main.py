@@ -265,6 +265,8 @@ class Parser(argparse.ArgumentParser):
         if "unrecognized arguments" in message:
             options = sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")})
             message += f"; allowed options: {', '.join(options)}"
+        elif message.endswith("required: command") and getattr(self, "commands", None):
+            message += f" (one of {', '.join(self.commands)})"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -314,6 +316,19 @@ def build_parser() -> Parser:
     return parser
 
 
+def _refuse_options_before_the_command(parser: Parser, argv: list[str]) -> None:
+    """An unknown option before the command (`tformer --bogus train`) is named as tformer's own, with what
+    tformer takes there; it had been passed on to the command's error or answered "command required"."""
+    for arg in argv:
+        if not arg.startswith("-") or arg == "-":
+            return  # the command: what follows is its own
+        if arg not in ("-h", "--help", "--version"):
+            parser.error(
+                f"unknown option {arg} before the command; tformer takes --help and --version there, then "
+                f"a command ({', '.join(parser.commands)}), whose options follow it"
+            )
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so that the interpreter's last flush does not fail on the closed pipe."""
     try:
@@ -338,6 +353,8 @@ TIMED_OUT = ("Timed out waiting", "collective operation timeout")  # gloo, NCCL'
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_options_before_the_command(parser, argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
