@@ -99,6 +99,42 @@ def test_batched_search_equals_one_sentence_at_a_time(beam: int) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_encoder_and_the_cross_attention_kv_run_once_per_search(flat: bool) -> None:
+    """The source is encoded once and each layer's cross-attention K/V projected once for the whole
+    search, while the beams reorder and sentences finish at different steps (their rows leave the batch)."""
+    model = seq2seq()
+    src, mask = sources()
+    calls: dict[str, int] = {}
+
+    def count(name):
+        return lambda *_: calls.__setitem__(name, calls.get(name, 0) + 1)
+
+    hooks = [model.encoder.register_forward_hook(count("encoder"))]
+    for i, block in enumerate(model.decoder.blocks):
+        for proj in ("k_proj", "v_proj"):
+            hooks.append(getattr(block.cross_attn, proj).register_forward_hook(count(f"{i}.{proj}")))
+    try:
+        hyps = beam_search(
+            model,
+            src,
+            mask,
+            bos_id=BOS,
+            eos_id=EOS,
+            max_len=torch.tensor([9, 14, 5]),
+            beam_size=4,
+            alpha=0.6,
+            banned=(PAD, BOS),
+            flat=flat,
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len({len(h.tokens) for h in hyps}) > 1  # the sentences ended at different steps
+    layers = range(len(model.decoder.blocks))
+    assert calls == {"encoder": 1} | {f"{i}.{p}": 1 for i in layers for p in ("k_proj", "v_proj")}
+
+
 def sequence_log_prob(model, src, seq: list[int]) -> float:
     """log p(seq | src) by one full forward, banned ids masked as in the search (seq: generated tokens)."""
     tgt = torch.tensor([[BOS] + seq[:-1]])
