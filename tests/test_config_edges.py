@@ -206,3 +206,23 @@ def test_set_help_says_what_reads_as_null(capsys) -> None:
     shown = " ".join(capsys.readouterr().out.split())
     assert "~, null and an empty value mean null" in shown and "data.path=$HOME/corpus" in shown
     assert parse_overrides(["data.path=~"]) == {"data.path": None}  # the meaning stays
+
+
+def test_a_mapping_given_to_a_set_section_changes_only_the_keys_it_names() -> None:
+    """`--set 'model.moe={top_k: 4}'` on the main job's preset had replaced its MoE section: the
+    fine-grained width, the shared expert and the dense first layer fell back to the class defaults
+    without a word (full-width experts, no shared one). Named keys change, the others stay, inner sections
+    likewise; a null section is still built from its defaults; a wrong key is still named."""
+    main_job = get_train_preset("shakespeare")
+    moe = main_job.with_overrides(parse_overrides(["model.moe={top_k: 4}"])).model.moe
+    assert moe == main_job.model.moe.replace(top_k=4) and moe.d_expert == 172 and moe.n_shared == 1
+    model = main_job.with_overrides(parse_overrides(["model={d_model: 96, moe: {n_shared: 2}}"])).model
+    assert model == main_job.model.replace(d_model=96, moe=main_job.model.moe.replace(n_shared=2))
+    tiny = get_train_preset("tiny-lm")
+    assert tiny.model.moe is None
+    built = tiny.with_overrides(parse_overrides(["model.moe={n_experts: 4, top_k: 2}"])).model.moe
+    assert built == MoEConfig(n_experts=4, top_k=2)  # from the defaults, as before
+    assert tiny.with_overrides({"model.moe": None}).model.moe is None
+    assert main_job.with_overrides({"model.moe": None}).model.moe is None  # a section can still be removed
+    with pytest.raises(ConfigError, match=r"unknown key 'd_modl' in TrainConfig.model; allowed: arch"):
+        tiny.with_overrides(parse_overrides(["model={d_modl: 32}"]))

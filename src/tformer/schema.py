@@ -199,7 +199,7 @@ class Config:
                 if not isinstance(node.get(part), dict):
                     raise ConfigError(self._bad_section(dotted, parts[: i + 1], node, section))
                 node, section = node[part], inner
-            node[parts[-1]] = value
+            node[parts[-1]] = _merged(node.get(parts[-1]), value, _section_type(section, parts[-1]))
         return type(self).from_dict(data)
 
     def _bad_section(
@@ -280,6 +280,21 @@ class Config:
             return cls.from_dict(data)
         except ConfigError as e:  # an unknown key, a bad value: which file holds it
             raise ConfigError(f"{path}: {e}") from None
+
+
+def _merged(current: Any, value: Any, section: type[Config] | None) -> Any:
+    """An override's value for a field now holding `current`: a mapping given to a section that is set
+    (`model.moe={top_k: 4}` on a preset with MoE) changes the keys it names and keeps the others, inner
+    sections likewise (it had replaced the section, every key it did not name falling back to the
+    class's default); any other value replaces the field (a null section is built from its defaults)."""
+    if section is None or not isinstance(value, Mapping) or not isinstance(current, dict):
+        return value
+    out = dict(current)
+    for key, inner in value.items():
+        out[key] = (
+            _merged(current.get(key), inner, _section_type(section, key)) if isinstance(key, str) else inner
+        )
+    return out
 
 
 def _section_type(section: type[Config] | None, name: str) -> type[Config] | None:
