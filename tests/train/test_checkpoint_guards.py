@@ -207,9 +207,16 @@ def test_sizes_are_checked_without_verify_and_metadata_with_its_digest(tmp_path,
     (path / "trainer.json").write_bytes(trainer + b"\n\n")  # still valid JSON, two bytes longer
     model, opt, sched = make(seed=9)
     check = untouched(model, opt)
-    with pytest.raises(CheckpointError, match=r"trainer\.json: \d+ bytes, manifest says \d+"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"trainer\.json: \d+ bytes, manifest says \d+ \(written to since it was saved\?\)",
+    ):  # longer than recorded: it had been called truncated
         load_checkpoint(path, model, opt, sched, verify=False)
     check()
+    (path / "trainer.json").write_bytes(trainer[:-1])
+    with pytest.raises(CheckpointError, match=r"trainer\.json: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+        load_checkpoint(path, model, opt, sched, verify=False)
+    (path / "trainer.json").write_bytes(trainer)
     meta = (path / "meta.json").read_bytes()
     (path / "meta.json").write_bytes(meta.replace(b'"abc"', b'"abd"'))  # same size, other content
     with pytest.raises(CheckpointError, match=r"meta\.json: sha256 differs from the manifest"):

@@ -464,7 +464,9 @@ class _Reader:
         except OSError as e:
             raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
         if entry is not None and len(data) != entry["bytes"]:
-            raise CheckpointError(f"{file}: {len(data)} bytes, manifest says {entry['bytes']} (truncated?)")
+            raise CheckpointError(
+                f"{file}: {len(data)} bytes, manifest says {entry['bytes']} {_size_cause(len(data), entry['bytes'])}"
+            )
         if entry is not None and self.verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupted)")
         return data
@@ -480,7 +482,8 @@ class _Reader:
             raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
         if found["bytes"] != entry["bytes"]:
             raise CheckpointError(
-                f"{file}: {found['bytes']} bytes, manifest says {entry['bytes']} (truncated?)"
+                f"{file}: {found['bytes']} bytes, manifest says {entry['bytes']} "
+                f"{_size_cause(found['bytes'], entry['bytes'])}"
             )
         if digest and found["sha256"] != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupted)")
@@ -633,3 +636,8 @@ def load_checkpoint(
         unexpected_keys=unexpected,
         rng_state=rng,
     )
+
+
+def _size_cause(found: int, recorded: int) -> str:
+    """What a file's size against its manifest suggests: cut short, or written to since it was saved."""
+    return "(truncated?)" if found < recorded else "(written to since it was saved?)"
