@@ -309,6 +309,29 @@ def test_capacity_overflow_drops_an_exact_count(dispatch: str) -> None:
     assert kept.all()  # first choices before second ones: every token keeps its first choice
 
 
+@pytest.mark.parametrize("n_shared", [1, 0])
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_a_token_every_expert_dropped_passes_on_the_shared_experts_output_alone(
+    dispatch: str, n_shared: int
+) -> None:
+    """RELIABILITY E5: a token whose every assignment overflowed gets no routed output: the shared experts'
+    output alone (0 without shared experts, so the block's residual carries it on unchanged)."""
+    moe = MoE(
+        moe_cfg(d_model=8, n_experts=4, top_k=2, capacity_factor=0.25, n_shared=n_shared, dispatch=dispatch),
+        0,
+    )
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # every token onto experts 0, 1
+    x = torch.randn(1, 64, 8)
+    y = moe.train()(x).view(64, 8)
+    cap = moe.dispatch.capacity.limit(64)  # ceil(0.25 * 64 * 2 / 4) = 8 slots per expert
+    base = moe.shared(x.view(64, 8)) if n_shared else torch.zeros(64, 8)
+    served = ~torch.isclose(y, base, rtol=0, atol=1e-7).all(dim=1)
+    assert cap == 8 and int(served.sum()) == 2 * cap  # 16 tokens kept their first choice, 48 lost both
+    assert torch.equal(y[~served], base[~served])
+    assert moe_routing_stats(moe)[""]["dropped"] == 128 - 2 * cap
+
+
 @pytest.mark.parametrize("dispatch", ["grouped", "loop"])
 def test_capacity_keeps_first_choices_before_second_ones(dispatch: str) -> None:
     """GShard's priority: expert 0 is token 0's second choice and tokens 1-3's first; with 2 slots it

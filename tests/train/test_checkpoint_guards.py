@@ -266,17 +266,27 @@ def test_retention_killed_mid_delete_never_leaves_a_listed_half(tmp_path, monkey
 
 
 def test_every_file_and_both_directories_are_synced(tmp_path, trained, monkeypatch):
-    synced, real = [], os.fsync
+    """B3: every file and the temporary directory are synced before the rename that commits the step, the
+    checkpoints directory (which records the rename) after it."""
+    events, real_fsync, real_rename = [], os.fsync, os.rename
 
     def recording(fd):
-        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
-        real(fd)
+        events.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def renaming(src, dst, *args, **kwargs):
+        events.append("<rename>")
+        real_rename(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(os, "fsync", recording)
+    monkeypatch.setattr(os, "rename", renaming)
     path = save_checkpoint(tmp_path, 1, *trained)
     monkeypatch.undo()
-    assert {p.name for p in path.iterdir()} <= set(synced)
-    assert "checkpoints" in synced and any(s.startswith(".tmp-step_000001") for s in synced)
+    commit = events.index("<rename>")
+    before, after = set(events[:commit]), events[commit + 1 :]
+    assert {p.name for p in path.iterdir()} <= before  # COMMITTED among them
+    assert any(s.startswith(".tmp-step_000001") for s in before)
+    assert after == ["checkpoints"]
 
 
 def test_trainer_state_that_looks_like_a_marker_comes_back_as_stored(tmp_path):

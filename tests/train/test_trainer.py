@@ -341,6 +341,27 @@ def test_inf_gradient_with_finite_loss_is_skipped_before_the_optimizer(
     r = one_step(trainer)  # the next step trains normally
     assert not r.skipped and math.isfinite(r.grad_norm)
     assert not all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    trainer.close()
+
+    # in a run: the skip is counted and logged, and the run goes on (C5: skip counter + 1)
+    cfg = small_config(corpus_dir, steps=3, eval_every=100, save_every=100)
+    run = Trainer(cfg, tmp_path / "run", make_task("lm"), progress=False)
+    param = next(run.model.parameters())
+    task_loss, calls = run.task.loss, []
+
+    def inf_at_step_2(model, batch):
+        calls.append(1)
+        loss, n = task_loss(model, batch)
+        return (loss + Inf.apply(param), n) if len(calls) == 2 else (loss, n)
+
+    run.task.loss = inf_at_step_2
+    report = run.fit()
+    run.close()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    skips = [r for r in records if r["kind"] == "skip"]
+    assert run.state.skipped_steps == 1 and report["step"] == 3
+    assert [r["step"] for r in skips] == [2] and math.isfinite(skips[0]["loss"])
+    assert skips[0]["grad_norm"] == math.inf  # written as Infinity, read back as inf
 
 
 def test_bf16_autocast_tracks_float32(corpus_dir: Path, tmp_path: Path) -> None:

@@ -116,3 +116,37 @@ def test_trusting_a_pickle_is_warned_about(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(2)}, tmp_path / "w.pt")
     with pytest.warns(UserWarning, match="trust_pickle=True"):
         import_torch_weights(tmp_path / "w.pt", trust_pickle=True)
+
+
+def test_a_damaged_empty_or_foreign_torch_file_is_named_and_nothing_loads(tmp_path: Path) -> None:
+    """A byte flipped inside a tensor of a torch.save file had loaded as weights without a word (the zip
+    records each member's CRC-32, which is now checked); an empty file had raised IndexError from the error
+    handler itself, and zero bytes or text were called pickled objects or "(101)"."""
+    torch.manual_seed(0)
+    saved = Small(2)
+    torch.save(saved.state_dict(), tmp_path / "ok.pt")
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    at = raw.index(saved.layers[0].weight.detach().numpy().tobytes())  # the first tensor's stored bytes
+    raw[at + 5] ^= 0x40
+    (tmp_path / "flipped.pt").write_bytes(raw)
+    model = Small(2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        CheckpointError, match=r"flipped\.pt: damaged, its member '.*data/0' fails the CRC-32"
+    ):
+        load_weights(model, tmp_path / "flipped.pt")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "zeros.pt").write_bytes(bytes(100))
+    (tmp_path / "notes.pt").write_text("not a checkpoint\n")
+    for name, reason in (
+        ("empty.pt", "the file is empty, 0 bytes"),
+        ("zeros.pt", "not a torch.save file"),
+        ("notes.pt", "not a torch.save file"),
+    ):
+        with pytest.raises(CheckpointError, match=rf"{name}: cannot be read as torch weights \({reason}"):
+            import_torch_weights(tmp_path / name)
+    torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(import_torch_weights(tmp_path / "old.pt")["w"], torch.ones(2))  # the pre-1.6 format
+    load_weights(model, tmp_path / "ok.pt")
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in model.state_dict().items())

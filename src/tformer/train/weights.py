@@ -13,6 +13,7 @@ import os
 import pickle
 import uuid
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -148,6 +149,37 @@ def _check_digest(data: bytes, path: Path) -> None:
         )
 
 
+def _first_line(error: Exception) -> str:
+    """An exception's first line, or its type where it has no message (torch.load of an empty file)."""
+    lines = str(error).strip().splitlines()
+    return lines[0].strip() if lines else f"{type(error).__name__}, no message"
+
+
+def _check_torch_file(path: Path) -> None:
+    """An empty file, or a torch.save zip whose stored CRC-32 of a member no longer matches its bytes, is
+    named before torch.load (which read a damaged tensor's bytes as weights, without a word)."""
+    try:
+        if path.stat().st_size == 0:
+            raise CheckpointError(f"{path}: cannot be read as torch weights (the file is empty, 0 bytes)")
+        if not zipfile.is_zipfile(path):
+            with path.open("rb") as f:
+                if f.read(1) == b"\x80":  # a pickle's protocol opcode: the format before torch 1.6
+                    return
+            raise CheckpointError(
+                f"{path}: cannot be read as torch weights (not a torch.save file: neither its zip format "
+                "nor the older pickle one)"
+            )
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise CheckpointError(f"{path}: cannot be read as torch weights ({_first_line(e)})") from None
+    if bad is not None:
+        raise CheckpointError(
+            f"{path}: damaged, its member {bad!r} fails the CRC-32 check torch.save recorded "
+            "(changed or corrupted since it was saved); nothing was loaded"
+        )
+
+
 def import_torch_weights(
     path: str | Path, *, key: str | None = None, trust_pickle: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -164,16 +196,19 @@ def import_torch_weights(
         warnings.warn(
             f"{path}: unpickling with trust_pickle=True (runs code the file contains)", stacklevel=2
         )
+    _check_torch_file(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as e:
-        lines = [ln for ln in str(e).splitlines() if "Unsupported global" in ln] or [str(e).splitlines()[0]]
+        objects = [ln for ln in str(e).splitlines() if "Unsupported global" in ln]
+        if not objects:  # not a pickle at all (zero bytes, text): no object was refused
+            raise CheckpointError(f"{path}: cannot be read as torch weights ({_first_line(e)})") from None
         raise CheckpointError(
-            f"{path}: refused, the file holds pickled objects, not only tensors ({lines[0].strip()}); for a "
+            f"{path}: refused, the file holds pickled objects, not only tensors ({objects[0].strip()}); for a "
             "legacy file from a source you trust, pass trust_pickle=True"
         ) from None
     except Exception as e:  # truncated zip, missing file, not a torch file: all one clean error
-        raise CheckpointError(f"{path}: cannot be read as torch weights ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: cannot be read as torch weights ({_first_line(e)})") from None
     if key is not None:
         if not isinstance(obj, dict) or key not in obj:
             raise CheckpointError(f"{path}: no entry {key!r} at the top level")
