@@ -152,3 +152,34 @@ def test_classify_batch_size_reaches_the_classifier(classification_run: Path, mo
     monkeypatch.setattr("sys.stdin", io.StringIO("software\nminister\nmatch\n"))
     assert main(["classify", "--run", str(classification_run), "--batch-size", "2"]) == 0
     assert sizes == [2] and len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_labels_of_a_run_trained_before_names_were_checked_print_on_one_line(
+    classification_run: Path, monkeypatch, capsys
+) -> None:
+    """Label names with a line break or an escape character (refused since, but a run trained before keeps
+    them) had broken classify's one line per text and eval's per-class rows: escaped in text output, kept
+    as they are in JSON."""
+    import tformer.tasks.classification as TC
+
+    real = TC.load_classifier
+
+    def old_run(*args, **kwargs):
+        classifier = real(*args, **kwargs)
+        classifier.labels = ("bad\nname", "esc\x1b[31m", *classifier.labels[2:])
+        return classifier
+
+    monkeypatch.setattr(TC, "load_classifier", old_run)
+    monkeypatch.setattr("sys.stdin", io.StringIO("software\nminister\n"))
+    assert main(["classify", "--run", str(classification_run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        len(out.splitlines()) == 2 and "bad\\nname=" in out and "esc\\x1b[31m=" in out and "\x1b" not in out
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("software\n"))
+    assert main(["classify", "--run", str(classification_run), "--json"]) == 0
+    assert "bad\nname" in json.loads(capsys.readouterr().out)["probabilities"]
+    per_class = {"bad\nname": {"precision": 1.0, "recall": 1.0, "f1": 1.0, "support": 3}}
+    result = {"data": "x", "checkpoint_step": 1, "n": 3, "accuracy": 1.0, "macro_f1": 1.0, "eval_loss": 0.1,
+              "texts_truncated": 0, "per_class": per_class, "confusion_png": None}  # fmt: skip
+    assert len(TC.format_result(result).splitlines()) == 2 and "  bad\\nname " in TC.format_result(result)

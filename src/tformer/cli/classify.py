@@ -18,7 +18,7 @@ from tformer.cli.translate import AlignedOutput, read_texts
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.tasks.classification import load_classifier
+    from tformer.tasks.classification import load_classifier, one_line_label
 
     given = read_texts(args, "classify")
     classifier = load_classifier(load_run_arg(args, "classify"))
@@ -34,7 +34,12 @@ def run(args: argparse.Namespace) -> int:
                     {"line": number, "label": label, "probabilities": dict(zip(classifier.labels, row))}
                 )
             else:
-                text = label + "\t" + " ".join(f"{name}={p:.4f}" for name, p in zip(classifier.labels, row))
+                shown = [
+                    one_line_label(name) for name in classifier.labels
+                ]  # (a run trained before names were checked)
+                text = (
+                    one_line_label(label) + "\t" + " ".join(f"{name}={p:.4f}" for name, p in zip(shown, row))
+                )
             yield text, number
 
     if args.json:  # JSON lines carry their input line's number instead of blank lines

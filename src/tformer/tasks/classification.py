@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -334,6 +335,16 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     }
 
 
+def one_line_label(label: str) -> str:
+    """A label as text output prints it: control characters and line or paragraph separators escaped
+    (`\\n`, `\\x1b`), so that one line answers one text. Labels holding them are refused since 2026-12-04;
+    a run trained before keeps its names, and its JSON output keeps them as they are."""
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp") else c
+        for c in label
+    )
+
+
 def format_result(result: dict) -> str:
     n, texts = result["n"], result.get("texts", result["n"])  # a sample of the split (--max-batches): said
     scored = f"{n} of the split's {texts} texts, --max-batches" if n < texts else f"{n} texts"
@@ -345,7 +356,7 @@ def format_result(result: dict) -> str:
     ]
     for name, s in result["per_class"].items():
         lines.append(
-            f"  {name:<14} precision {s['precision']:.3f}  recall {s['recall']:.3f}  f1 {s['f1']:.3f}  n {s['support']}"
+            f"  {one_line_label(name):<14} precision {s['precision']:.3f}  recall {s['recall']:.3f}  f1 {s['f1']:.3f}  n {s['support']}"
         )
     if result["confusion_png"]:
         lines.append(f"confusion matrix: {result['confusion_png']}")
