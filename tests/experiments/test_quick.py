@@ -122,14 +122,43 @@ def test_report_only_of_an_interrupted_study_names_what_is_missing(quick_run, tm
     assert f"is incomplete: {len(arms) - 1} of {len(arms)} arms finished" in err and arms[1].name in err, err
 
 
-def test_report_only_names_a_damaged_setting_and_skips_a_half_written_record(quick_run, tmp_path, capsys):
+def cut_in_its_last_record(log: Path) -> str:
+    """`log` cut in the middle of its last line (an audit cut a finished arm's file by 50 bytes, which
+    left its final eval whole and took half an analysis record); the file as it was."""
+    whole = log.read_text()
+    log.write_text(whole[: len(whole) - 1 - len(whole.splitlines()[-1]) // 2])
+    return whole
+
+
+def untimed(log: Path) -> list[dict]:
+    """A metrics.jsonl's records without their wall-clock times."""
+    return [{k: v for k, v in r.items() if k != "time_s"} for r in read_records(log)]
+
+
+def claims(run: Path) -> list[str]:
+    """The claims table of a quick run's report.md: each claim, its rule, verdict and evidence."""
+    return [
+        line for line in (run / "report.md").read_text().splitlines() if "(quick run: not evidence)" in line
+    ]
+
+
+def test_report_only_names_a_damaged_setting_and_a_finished_arms_half_written_record(
+    quick_run, tmp_path, capsys
+):
+    """A finished arm's metrics.jsonl whose last record was cut in half after the arm finished (a killed
+    arm leaves such a line, a finished one never does): --report-only names the file and says to train
+    the arm again, instead of a report from part of its records (the line had been skipped without a
+    word, and the moe study's verdict on expert specialisation flipped)."""
     study, out, _ = quick_run
     copy = tmp_path / "damaged"
     shutil.copytree(out, copy)
     log = sorted((copy / "arms").iterdir())[0] / "metrics.jsonl"
-    with log.open("a") as f:
-        f.write('{"kind": "tra')  # a killed arm's last line
-    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 0
+    lines = cut_in_its_last_record(log).count("\n")
+    assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tformer experiment: error: {log} is damaged: line {lines} is not a whole record")
+    assert "train it again with --resume" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (copy / "report.md").read_text() == (out / "report.md").read_text()  # left as it was
     (copy / "setting.json").write_text("[]")
     assert main(["experiment", study, "--report-only", "--out", str(copy)]) == 2
     err = capsys.readouterr().err
@@ -172,6 +201,31 @@ def test_resume_trains_only_the_arms_that_did_not_finish(quick_run, tmp_path, ca
         "--resume goes on with the run's own settings; --steps would change nothing"
         in capsys.readouterr().err
     )
+
+
+def test_resume_trains_again_a_finished_arm_whose_last_record_was_cut(quick_run, tmp_path):
+    """A finished arm whose metrics.jsonl lost half its last record is not kept by --resume: it is trained
+    again, with a warning naming the file, to the records and report of the undamaged study. An arm killed
+    while training (no DONE marker) whose last line is half written is what a kill leaves: trained again
+    without a warning."""
+    study, out, _ = quick_run
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    (copy / "report.md").unlink()
+    arms = sorted((copy / "arms").iterdir())
+    cut, killed = arms[0] / "metrics.jsonl", arms[1] / "metrics.jsonl"
+    cut_in_its_last_record(cut)
+    lines = killed.read_text().splitlines(keepends=True)
+    killed.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    (arms[1] / "DONE").unlink()
+    with pytest.warns(UserWarning, match=re.escape(f"{cut} is damaged: line")) as caught:
+        assert main(["experiment", study, "--resume", "--out", str(copy), "--threads", "1"]) == 0
+    named = [str(w.message) for w in caught if "metrics.jsonl" in str(w.message)]
+    assert len(named) == 1 and named[0].endswith("the arm is trained again")  # none for the killed arm
+    for arm in arms[:2]:
+        assert untimed(arm / "metrics.jsonl") == untimed(out / "arms" / arm.name / "metrics.jsonl")
+    assert all((arm / "DONE").is_file() for arm in arms)
+    assert claims(copy) == claims(out) and claims(out)
 
 
 def test_existing_run_is_not_overwritten(quick_run, capsys):

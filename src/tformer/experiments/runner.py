@@ -30,6 +30,7 @@ import math
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,6 +318,41 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return read_json_lines(path)  # a line a killed arm left half-written is skipped
 
 
+class DamagedArmError(ValueError):
+    """A finished arm's metrics.jsonl (its DONE marker is written after its last record) holds a line that
+    is not a whole record: the file was cut short or edited since, and a report would read part of it."""
+
+
+def damaged_line(path: Path) -> int | None:
+    """The number (from 1) of the first line of a metrics.jsonl that is not a whole JSON object; None where
+    every line is. A killed arm may leave its last line half-written; a finished arm's file has none."""
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return n
+        if not isinstance(record, dict):
+            return n
+    return None
+
+
+def damaged_arms(run_dir: Path) -> dict[str, str]:
+    """The arms of a run with their DONE marker whose metrics.jsonl holds a line that is not a whole
+    record (read_records would skip it, and a report would not say so): {arm: what is wrong, with the
+    file}. A half-written line in an arm without its marker is what a killed arm leaves: not damage."""
+    arms_dir = Path(run_dir) / "arms"
+    damaged = {}
+    for arm_dir in sorted(arms_dir.iterdir()) if arms_dir.is_dir() else []:
+        metrics = arm_dir / METRICS
+        line = damaged_line(metrics) if (arm_dir / DONE).is_file() and metrics.is_file() else None
+        if line is not None:
+            damaged[arm_dir.name] = (
+                f"{metrics} is damaged: line {line} is not a whole record (cut short or edited after the arm "
+                "finished)"
+            )
+    return damaged
+
+
 # ----------------------------------------------------------------------------- the loop
 class LoadWindow:
     """Sums each MoE layer's per-step expert loads between two evaluations (empty without MoE)."""
@@ -471,9 +507,11 @@ def scored_windows(arms: list[ArmLog], asked: int) -> int:
 def finished_arms(run_dir: Path, steps: int) -> set[str]:
     """The arms of a run that trained to the end (or were stopped by the non-finite rule) and ran their
     analyses (their DONE marker). An arm with its marker but a metrics file that does not show the end
-    (damaged, cut short) is not finished: --resume trains it again."""
+    (damaged, cut short) or holds a line that is not a whole record is not finished: --resume trains it
+    again."""
     arms_dir = Path(run_dir) / "arms"
     analysed = {d.name for d in arms_dir.iterdir() if (d / DONE).is_file()} if arms_dir.is_dir() else set()
+    analysed -= damaged_arms(run_dir).keys()
     done = set()
     for log in read_arms(run_dir) if analysed else []:
         last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
@@ -485,7 +523,14 @@ def finished_arms(run_dir: Path, steps: int) -> set[str]:
 def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
     """Every arm of the study trained to the end (or stopped by the non-finite rule) and ran its
     analyses (its DONE marker): a report of an interrupted study would compare arms that are not there,
-    or drop an arm whose analyses were cut short from its tables."""
+    or drop an arm whose analyses were cut short from its tables. A finished arm whose metrics.jsonl was
+    damaged since (a line that is not a whole record) is a DamagedArmError naming the file."""
+    damaged = list(damaged_arms(run_dir).values())
+    if damaged:
+        more = f" (and {len(damaged) - 1} more arms' metrics.jsonl)" if len(damaged) > 1 else ""
+        raise DamagedArmError(
+            f"{damaged[0]}{more}; a report would read part of the arm: train it again with --resume"
+        )
     done = finished_arms(run_dir, steps)
     missing = [a.name for a in arms if a.name not in done]
     if missing:
@@ -500,13 +545,19 @@ def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, 
     """Train every arm in order, one progress line each; `after(arm, model)` runs a study's extra
     measurements on the trained model (its records go to the same metrics.jsonl). Arms that finished in
     an earlier attempt at this run (--resume) are kept: each arm is seeded on its own, so training only
-    the others gives what one uninterrupted run gives."""
-    done = finished_arms(run_dir, setting.steps)
+    the others gives what one uninterrupted run gives; an arm with its DONE marker whose metrics are
+    damaged or cut short is trained again, with a warning naming the file."""
+    done, damaged = finished_arms(run_dir, setting.steps), damaged_arms(run_dir)
     for i, arm in enumerate(arms, 1):
         metrics = Path(run_dir) / "arms" / arm.name / METRICS
         t0 = time.perf_counter()
         if arm.name not in done:
-            (metrics.parent / DONE).unlink(missing_ok=True)  # a marker over damaged metrics: trained again
+            if (metrics.parent / DONE).is_file():  # a marker over damaged metrics: trained again
+                wrong = damaged.get(
+                    arm.name, f"{metrics} does not show the arm's end (cut short, or missing)"
+                )
+                warnings.warn(f"{wrong}; the arm is trained again", UserWarning, stacklevel=2)
+                (metrics.parent / DONE).unlink()
             model = train_arm(arm, data, setting, run_dir, index=i - 1)
             if after is not None:
                 with metrics.open("a") as f:
