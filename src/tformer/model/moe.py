@@ -199,17 +199,20 @@ CPU_DECODE_KERNEL = "grouped_mm" if hasattr(F, "grouped_mm") else "loop"
 
 
 def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
-    """grouped_mm on CUDA (SM80+, bf16, aligned); on the CPU `CPU_DECODE_KERNEL` for at most
-    DECODE_MAX_ROWS rows without a graph or row-blocked products (grouped_mm needs rows of a multiple of
-    16 bytes), `CPU_KERNEL` otherwise."""
+    """grouped_mm on CUDA (SM80+, rows of a multiple of 16 bytes; bf16 runs its grouped GEMM, other
+    dtypes torch's own fallback, which loops over the experts in C++: on an H200 the Python loop kernel had made a DeepSeekMoE fp32
+    training step 0.68x HF's, whose experts call grouped_mm in fp32 too); on the CPU `CPU_DECODE_KERNEL`
+    for at most DECODE_MAX_ROWS rows without a graph or row-blocked products, `CPU_KERNEL` otherwise."""
     if x.device.type == "cpu":
         few = x.shape[0] <= DECODE_MAX_ROWS and (x.shape[1] * x.element_size()) % 16 == 0
         if few and not records_graph(x, w) and decoding_row_blocks(w[0], x.shape[0]) is None:
             return CPU_DECODE_KERNEL
         return CPU_KERNEL
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")):
+    if not (x.is_cuda and hasattr(F, "grouped_mm")):
         return CPU_KERNEL
-    aligned = x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():  # inductor lowers bf16 grouped_mm only
+        return CPU_KERNEL
+    aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (w.shape[1] * w.element_size()) % 16 == 0
     return "grouped_mm" if aligned and torch.cuda.get_device_capability(x.device) >= (8, 0) else CPU_KERNEL
 
 
