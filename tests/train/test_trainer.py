@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 import warnings
@@ -802,3 +803,35 @@ def test_with_a_progress_bar_evaluations_are_written_above_it(
     Trainer(cfg, tmp_path / "r", make_task("lm"), progress=True).fit()
     evals = [line for line in written if ": eval_loss" in line]
     assert [line.split(":")[0] for line in evals] == ["step 2", "step 4"]
+
+
+def test_deterministic_kernels_are_on_while_a_run_trains_and_put_back(
+    corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """deterministic=true: every step and evaluation runs under torch.use_deterministic_algorithms (what
+    exact resume needs on a GPU, tests/cuda), and the process's own setting is back after fit; false
+    leaves it off."""
+    import tformer.train.loop as loop_module
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # set by the run where unset
+    seen: list[tuple[str, bool]] = []
+    step, evaluate = loop_module.train_step, Trainer.evaluate
+
+    def spy_step(*args, **kwargs):
+        seen.append(("step", torch.are_deterministic_algorithms_enabled()))
+        return step(*args, **kwargs)
+
+    def spy_eval(self):
+        seen.append(("eval", torch.are_deterministic_algorithms_enabled()))
+        return evaluate(self)
+
+    monkeypatch.setattr(loop_module, "train_step", spy_step)
+    monkeypatch.setattr(Trainer, "evaluate", spy_eval)
+    for on in (True, False):
+        seen.clear()
+        cfg = small_config(corpus_dir, steps=2, eval_every=2, save_every=2, deterministic=on)
+        Trainer(cfg, tmp_path / str(on), make_task("lm"), progress=False).fit()
+        assert [kind for kind, _ in seen] == ["step", "step", "eval"]
+        assert all(flag == on for _, flag in seen)
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

@@ -208,6 +208,12 @@ class TrainConfig(Config):
     # run starts and recorded in its config.json (a resume computes as the run began)
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     compile: bool = False
+    # torch.use_deterministic_algorithms while the run trains and evaluates (put back after): on a GPU,
+    # kernels that add in a varying order (atomics) are replaced by deterministic ones, which exact resume
+    # needs there (an fp32 DeepSeekMoE run on an H200 had differed in a gradient norm's last bit between
+    # two identical runs); slower, and an operation without a deterministic kernel raises naming itself.
+    # On the CPU tformer's kernels are deterministic already
+    deterministic: bool = False
     # recompute activations in the backward to save memory (tformer.model.recompute): "full" (each block
     # keeps its input only) or "selective" (each keeps its products' and attention's outputs); true and
     # false, which runs saved before "selective" hold, read as "full" and "none" (__post_init__)

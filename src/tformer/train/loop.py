@@ -72,7 +72,13 @@ from tformer.train.run_dir import (
     take_over,
     writing,
 )
-from tformer.train.step import NonFiniteError, autocast_context, resolve_dtype, train_step
+from tformer.train.step import (
+    NonFiniteError,
+    autocast_context,
+    deterministic_kernels,
+    resolve_dtype,
+    train_step,
+)
 
 __all__ = ["TrainState", "Trainer", "resolve_device"]
 
@@ -438,7 +444,10 @@ class Trainer:
         self._off_clock = 0.0  # seconds since t0 spent evaluating, sampling and saving (not training)
         self._failed = True  # until fit returns: close() then waits for no other rank
         try:
-            with StopRequests(announce=self.env.is_main) as signals:
+            with (
+                StopRequests(announce=self.env.is_main) as signals,
+                deterministic_kernels(self.cfg.deterministic),
+            ):
                 self._signals = signals  # lost output asks it to stop (`_output_lost`)
                 with self._off_the_clock():
                     self._evaluate_the_step_resumed_at(bar)

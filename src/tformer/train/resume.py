@@ -26,8 +26,8 @@ __all__ = [
 # what a resumed run may change: cadence, retention, guards, where and how it runs; never what the steps
 # so far computed (model, data, optimizer, batch, seed), or the resumed losses would not continue the run
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "max_nonfinite",
-             "spike_factor", "sample_every", "sample_tokens", "device", "compile", "activation_checkpointing",
-             "fused_loss", "parallel"}  # fmt: skip
+             "spike_factor", "sample_every", "sample_tokens", "device", "compile", "deterministic",
+             "activation_checkpointing", "fused_loss", "parallel"}  # fmt: skip
 
 
 def absolute_data_paths(cfg: TrainConfig, base: str | os.PathLike | None = None) -> TrainConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import platform
 import warnings
 from dataclasses import dataclass
@@ -119,6 +120,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     else:
         native = device.type == "cpu" and bool(cpu_has_native_bf16())
     return "bfloat16" if native else "float32"
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool):
+    """TrainConfig.deterministic: torch's deterministic algorithms inside the block, the process's own
+    setting put back after it. cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it (set where unset)."""
+    if not on:
+        yield
+        return
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def autocast_context(device: torch.device, dtype: str):
