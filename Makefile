@@ -4,7 +4,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install python data data-pypi data-debian data-npm demo test test-slow lint bench
+.PHONY: install python data data-pypi data-debian data-npm demo test test-slow test-cuda lint bench
 .NOTPARALLEL:  # the installs share one site-packages
 
 install: python data
@@ -45,6 +45,11 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -m "slow or distributed" || [ $$? -eq 5 ]
+
+# the GPU tests (tests/cuda): on a machine with a CUDA GPU and a CUDA build of torch, installed by you
+# (`make install` would pin the CPU wheel); CI has no GPU
+test-cuda:
+	$(PY) -m pytest -m cuda tests/cuda
 
 lint:
 	ruff check . && ruff format --check .

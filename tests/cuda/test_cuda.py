@@ -1,0 +1,284 @@
+"""The GPU path: the same models, kernels, decoding and training on CUDA as on the CPU.
+
+Marked `cuda` and left out of the default run and CI (no GPU there): `pytest -m cuda` on a machine with
+one. What each test compares against: the CPU (fp32 logits, decoded tokens), Hugging Face's classes on
+the GPU (Llama, DeepSeek-V3's MoE block), tformer's slow twins (the split expert kernel, uncached
+decoding), an uninterrupted run (exact resume) and eager mode (torch.compile).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model.helpers import run, tiny_llama_pair
+from tests.train.helpers import losses, small_config
+from tformer import MoEConfig, build_model
+from tformer.generate.beam import beam_search, sample_search
+from tformer.generate.engine import generate
+from tformer.generate.sampling import SamplingConfig
+from tformer.model import moe as moe_module
+from tformer.presets import tiny
+from tformer.tasks import make_task
+from tformer.train.loop import Trainer
+
+pytestmark = pytest.mark.cuda
+
+DEEPSEEK = MoEConfig(n_experts=8, top_k=3, d_expert=32, n_shared=1, score_func="sigmoid", aux_loss_coef=0.0)
+CONFIGS = {
+    "paper (Post-Norm, sinusoidal, ReLU)": tiny().replace(
+        norm_placement="post", positions="sinusoidal", ffn="relu", norm="layernorm", bias=True
+    ),
+    "Pre-Norm RoPE SwiGLU": tiny(),
+    "DeepSeekMoE": tiny().replace(moe=DEEPSEEK),
+    "encoder-decoder, MoE": tiny("encoder_decoder").replace(moe=MoEConfig(n_experts=4, top_k=2)),
+    "encoder classifier": tiny("encoder").replace(n_classes=5),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_fp32_logits_on_the_gpu_equal_the_cpus(name: str, device: torch.device) -> None:
+    torch.manual_seed(0)
+    cpu = build_model(CONFIGS[name]).eval()
+    gpu = copy.deepcopy(cpu).to(device)
+    tokens = torch.randint(0, cpu.cfg.vocab_size, (3, 19))
+    expected = run(cpu, tokens)
+    got = run(gpu, tokens.to(device))
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_decoder_equals_hf_llama_on_the_gpu(device: torch.device) -> None:
+    ours, hf = tiny_llama_pair(rope_theta=10000.0, attention_bias=False, mlp_bias=False)
+    ours, hf = ours.to(device), hf.to(device)
+    tokens = torch.randint(0, 96, (2, 17), device=device)
+    torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_block_equals_hf_deepseek_v3_on_the_gpu(device: torch.device) -> None:
+    """fp32 against HF's eager experts; bf16 against HF's grouped_mm experts (both sides multiply in bf16:
+    bf16 tolerances)."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from tests.model.helpers import moe_cfg
+    from tests.model.test_moe import copy_from_hf
+    from tformer.model.moe import MoE
+
+    hf_cfg = transformers.DeepseekV3Config(
+        hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    moe = MoEConfig(n_experts=8, top_k=3, n_shared=2, score_func="sigmoid", n_group=4, topk_group=2,
+                    group_score="top2", routed_scaling=2.5, aux_loss_coef=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    hf = DeepseekV3MoE(hf_cfg).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = MoE(moe_cfg(d_model=64, d_ff=32, **moe.to_dict()), 0).eval()
+    copy_from_hf(ours, hf)
+    hf, ours = hf.to(device), ours.to(device)
+    x = torch.randn(2, 24, 64, device=device)
+    with torch.no_grad():
+        hf.config._experts_implementation = "eager"
+        torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-5)
+        hf.config._experts_implementation = "grouped_mm"
+        hf_bf16, ours_bf16 = copy.deepcopy(hf).bfloat16(), copy.deepcopy(ours).bfloat16()
+        ref = hf(x)
+        for got in (ours_bf16(x.bfloat16()), hf_bf16(x.bfloat16())):  # both within bf16 of fp32 alike
+            assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_grouped_mm_kernel_equals_the_split_kernel_with_gradients(dtype, device: torch.device) -> None:
+    """The grouped_mm kernel tformer picks on CUDA (SM80+), an expert with no rows included, against the
+    per-expert F.linear twin: outputs and the gradients of x, W and b."""
+    torch.manual_seed(0)
+    counts = [5, 0, 17, 1, 9, 32]
+    x = torch.randn(sum(counts), 64, device=device, dtype=dtype)
+    w = torch.randn(len(counts), 48, 64, device=device, dtype=dtype) / 8
+    b = torch.randn(len(counts), 48, device=device, dtype=dtype)
+    if device.type == "cuda":
+        assert moe_module.pick_grouped_kernel(x, w) == "grouped_mm"
+    results = []
+    for kernel in ("grouped_mm" if device.type == "cuda" else "loop", "split"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = moe_module.GROUPED_LINEAR_KERNELS[kernel](*leaves, counts)
+        y.float().square().sum().backward()
+        results.append([y.float(), *(t.grad.float() for t in leaves)])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_moe_model_trains_under_bf16_autocast_with_grouped_mm(device: torch.device, monkeypatch) -> None:
+    """A DeepSeekMoE LM's loss and gradients under bf16 autocast with the kernel tformer picks (grouped_mm
+    on CUDA, counted) equal those with every expert product as the split twin, to bf16 precision."""
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(moe=DEEPSEEK, vocab_size=128)).to(device)
+    twin = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (4, 33), device=device)
+    grouped_calls = []
+    real = moe_module.GROUPED_LINEAR_KERNELS["grouped_mm"]
+    monkeypatch.setitem(
+        moe_module.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: grouped_calls.append(1) or real(*a)
+    )
+
+    def loss_and_grads(m: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = m(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), [p.grad.float() for p in m.parameters()]
+
+    loss, grads = loss_and_grads(model)
+    if device.type == "cuda":
+        assert grouped_calls, "grouped_mm was not used for bf16 on CUDA"
+    monkeypatch.setattr(moe_module, "pick_grouped_kernel", lambda x, w: "split")
+    twin_loss, twin_grads = loss_and_grads(twin)
+    torch.testing.assert_close(loss, twin_loss, rtol=1e-2, atol=1e-2)
+    for g, t in zip(grads, twin_grads):
+        torch.testing.assert_close(g, t, rtol=5e-2, atol=5e-2 * t.abs().max().item() + 1e-6)
+
+
+@pytest.mark.parametrize("moe", [None, DEEPSEEK], ids=["dense", "deepseek_moe"])
+def test_cached_greedy_decoding_equals_uncached_and_the_cpu(moe, device: torch.device) -> None:
+    """The KV-cached greedy tokens on the GPU equal a full forward over the growing sequence at every step,
+    and the CPU's tokens."""
+    torch.manual_seed(0)
+    cpu = build_model(tiny().replace(moe=moe)).eval()
+    with torch.no_grad():  # sharper next-token distributions: no near-ties between the devices
+        for p in cpu.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    gpu = copy.deepcopy(cpu).to(device)
+    prompts = [[5, 17, 33, 2, 9], [60, 3]]
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    got = generate(gpu, prompts, cfg)
+    assert got == generate(cpu, prompts, cfg)
+    with torch.no_grad():
+        for prompt, new in zip(prompts, got):
+            seq = list(prompt)
+            for token in new:
+                logits = gpu(torch.tensor([seq], device=device))[0, -1]
+                assert int(logits.argmax()) == token
+                seq.append(token)
+
+
+@pytest.mark.parametrize("moe", [None, DEEPSEEK], ids=["dense", "deepseek_moe"])
+def test_compiled_decoding_on_the_gpu_equals_eager(moe, device: torch.device) -> None:
+    """generate(compile=True): each step after the prompt as the compiled decoding program (Triton on
+    CUDA), without a fallback warning, gives the eager greedy tokens."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(moe=moe)).eval().to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    prompts = [[5, 17, 33, 2, 9], [60, 3]]
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    with warnings.catch_warnings():
+        # a model the compiled step refuses, or a compile that fails, decodes eagerly with this warning
+        warnings.filterwarnings("error", message=".*decoding without it")
+        compiled = generate(model, prompts, cfg, compile=True)
+    assert compiled == generate(model, prompts, cfg)
+
+
+def test_beam_search_on_the_gpu_equals_the_cpu_and_uncached(device: torch.device) -> None:
+    torch.manual_seed(0)
+    cfg = tiny("encoder_decoder").replace(vocab_size=24, max_seq_len=32)
+    cpu = build_model(cfg).eval()
+    gpu = copy.deepcopy(cpu).to(device)
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(3, 24, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    src = src.masked_fill(~mask, 0)
+    common = dict(bos_id=1, eos_id=2, max_len=12, beam_size=4, alpha=0.6, banned=(0, 1))
+    on_gpu = beam_search(gpu, src.to(device), mask.to(device), **common)
+    uncached = beam_search(gpu, src.to(device), mask.to(device), cached=False, **common)
+    on_cpu = beam_search(cpu, src, mask, **common)
+    assert [h.tokens for h in on_gpu] == [h.tokens for h in uncached] == [h.tokens for h in on_cpu]
+    for g, c in zip(on_gpu, on_cpu):
+        assert g.score == pytest.approx(c.score, abs=1e-4)
+    greedy = sample_search(
+        gpu, src.to(device), mask.to(device), bos_id=1, eos_id=2, max_len=12, banned=(0, 1)
+    )
+    assert [h.tokens for h in greedy] == [h.tokens for h in sample_search(cpu, src, mask, bos_id=1, eos_id=2,
+                                                                       max_len=12, banned=(0, 1))]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"dtype": "float32"},
+        {"dtype": "bfloat16"},
+        {"dtype": "float32", "moe": DEEPSEEK, "deterministic": True},
+        {"dtype": "bfloat16", "moe": DEEPSEEK},
+    ],
+    ids=["fp32", "bf16", "fp32_deepseek_moe", "bf16_deepseek_moe"],
+)
+def test_exact_resume_on_the_gpu_with_dropout(
+    changes: dict, corpus_dir: Path, tmp_path: Path, device
+) -> None:
+    """A run stopped at step 4 and resumed gives the losses and gradient norms, bit for bit, of one that ran
+    through (dropout on: the CUDA generator's state is saved and restored). The fp32 DeepSeekMoE run takes
+    deterministic=true: without it two identical runs on an H200 differed in a gradient norm's last bit at
+    step 2 (2026-12-04), before any resume."""
+    changes = dict(changes)
+    moe = changes.pop("moe", None)
+    base = small_config(corpus_dir, device=str(device), **changes)
+    cfg = base.replace(model=base.model.replace(moe=moe)) if moe else base
+    Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
+    Trainer(cfg, tmp_path / "b", make_task("lm"), progress=False).fit(until=4)
+    Trainer(cfg, tmp_path / "b", make_task("lm"), resume=True, progress=False).fit()
+    assert len(losses(tmp_path / "a")) == cfg.steps
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+@pytest.mark.parametrize("moe", [None, DEEPSEEK], ids=["dense", "deepseek_moe"])
+def test_compiled_training_on_the_gpu_follows_eager(moe, corpus_dir: Path, tmp_path: Path, device) -> None:
+    """compile=true trains under torch.compile (Triton kernels on CUDA): its losses follow eager's (fp32;
+    the MoE's experts run the loop kernel under the compiler, grouped_mm eagerly)."""
+    cfg = small_config(corpus_dir, device=str(device), steps=4, eval_every=4, save_every=4)
+    cfg = cfg.replace(model=cfg.model.replace(dropout=0.0, moe=moe))
+    Trainer(cfg, tmp_path / "eager", make_task("lm"), progress=False).fit()
+    Trainer(cfg.replace(compile=True), tmp_path / "compiled", make_task("lm"), progress=False).fit()
+
+    def values(run: Path) -> list[float]:
+        return [float.fromhex(x.split()[0]) for x in losses(run)]
+
+    assert values(tmp_path / "compiled") == pytest.approx(values(tmp_path / "eager"), rel=1e-3)
+
+
+def test_train_generate_and_eval_commands_on_the_gpu(
+    tmp_path: Path, corpus_dir: Path, device, capsys
+) -> None:
+    """`tformer train` with device=cuda and dtype=auto (bf16 on a GPU that has it) end to end; the saved run
+    generates and evaluates (loaded on the CPU, as those commands do)."""
+    import json
+
+    from tformer.cli.main import main
+
+    out = tmp_path / "run"
+    sets = [f"data.corpus=text:{corpus_dir}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=32",
+            "steps=6", "batch_size=4", "eval_every=3", "eval_batches=1", "save_every=3",
+            f"device={device}", "dtype=auto"]  # fmt: skip
+    argv = ["train", "--preset", "tiny-lm", "--out", str(out), "--no-progress"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        assert config["dtype"] == "bfloat16"
+    assert (
+        main(["generate", "--run", str(out), "--prompt", "the king", "--max-new-tokens", "8", "--seed", "0"])
+        == 0
+    )
+    assert main(["eval", "--run", str(out), "--split", "val"]) == 0
+    assert "perplexity" in capsys.readouterr().out
