@@ -57,6 +57,7 @@ from peers import (  # noqa: E402
 from tformer.generate.engine import generate  # noqa: E402
 from tformer.generate.sampling import SamplingConfig  # noqa: E402
 
+DEVICE = torch.device("cpu")  # main() sets --device
 FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, prompt=32, new=256, rounds=6)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, prompt=8, new=16, rounds=2)
 XT = "x-transformers generate"
@@ -76,7 +77,7 @@ def build_pair(s: dict) -> tuple[nn.Module, nn.Module]:
     hf = hf_llama(s, 512, bos_token_id=None, eos_token_id=None, pad_token_id=0).eval()
     ours = tformer_llama(s, 512).eval()
     ours.load_state_dict(hf_llama_state_for_tformer(hf), strict=True)
-    return ours, hf
+    return ours.to(DEVICE), hf.to(DEVICE)
 
 
 def hf_generate(hf: nn.Module, prompts: torch.Tensor, new: int, compiled: bool = False) -> list[list[int]]:
@@ -108,7 +109,7 @@ def x_transformers_peer(s: dict, ours: nn.Module) -> nn.Module:
 
     xt = x_transformers_decoder(s["vocab"], s["d_model"], s["layers"], s["heads"], s["d_ff"], 512)
     xt.load_state_dict({**xt.state_dict(), **tformer_state_for_x_transformers(ours)}, strict=True)
-    return AutoregressiveWrapper(xt).eval()
+    return AutoregressiveWrapper(xt).eval().to(DEVICE)
 
 
 @torch.no_grad()
@@ -142,11 +143,11 @@ def first_difference(a: list[list[int]], b: list[list[int]], name: str = "tforme
 
 def read_bandwidth_gbs(mb: int = 256, reps: int = 3) -> float:
     """GB/s of one pass summing a buffer much larger than the caches (best of `reps`)."""
-    a = torch.ones(mb * 2**20 // 4)
+    a = torch.ones(mb * 2**20 // 4, device=DEVICE)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        a.sum()
+        a.sum().item()  # (waits for a GPU)
         best = min(best, time.perf_counter() - t)
     return a.numel() * 4 / best / 1e9
 
@@ -219,6 +220,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both models and the prompts on the GPU")
     ap.add_argument(
         "--no-compile",
         dest="compile",
@@ -237,6 +239,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args()
     setup(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 decoding multiplies in fp32 on a GPU too
     s = dict(QUICK if args.quick else FULL)
     s["layers"] = args.layers or s["layers"]
     s["new"] = args.new or s["new"]
@@ -251,7 +256,7 @@ def main() -> None:
     sections = {}
     for batch in args.batch:
         torch.manual_seed(batch)
-        prompts = torch.randint(1, s["vocab"], (batch, s["prompt"]))
+        prompts = torch.randint(1, s["vocab"], (batch, s["prompt"])).to(DEVICE)
         variants = {
             "HF generate": lambda p=prompts: hf_generate(hf, p, s["new"]),
             "tformer generate": lambda p=prompts: ours_generate(ours, p, s["new"]),

@@ -29,7 +29,11 @@ order (harness.round_robin).
 
     python benchmarks/bench_lm.py            # ~10 minutes on a 2-core CPU, writes results/lm.json
     python benchmarks/bench_lm.py --quick    # < 1 minute smoke check (tiny shapes)
-"""
+    python benchmarks/bench_lm.py --device cuda --no-x-transformers --batch 32 --seq 1024  # on a GPU
+
+`--device cuda` puts every model, batch and matmul-peak operand on the GPU (autocast on CUDA, fp32
+without TF32, a synchronize around each timed product of the peak; every step ends in loss.item(),
+which waits for the GPU)."""
 
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ from tformer.presets import llama_like  # noqa: E402
 
 FULL = dict(vocab=8192, d_model=512, layers=8, heads=8, d_ff=1376, batch=8, seq=256, rounds=8)
 QUICK = dict(vocab=1024, d_model=128, layers=2, heads=4, d_ff=344, batch=2, seq=64, rounds=2)
+DEVICE = torch.device("cpu")  # main() sets --device: every model and batch moves there in make_step
 MOE = dict(n_experts=64, top_k=6, d_expert=344, n_shared=2, first_dense=1)
 MOE_QUICK = dict(n_experts=8, top_k=2, d_expert=96, n_shared=1, first_dense=1)
 COLUMNS = [
@@ -190,7 +195,9 @@ def dense_gemm_shapes(s: dict, tokens: int) -> list[MatmulShape]:
 def make_step(model: nn.Module, call: Callable, tokens: torch.Tensor, autocast) -> Callable[[], float]:
     """Closure doing forward and loss (`call(model, inputs, targets)`), backward and one fused AdamW step;
     returns the loss."""
+    model.to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = tokens.to(DEVICE)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     model.train()
 
@@ -228,7 +235,7 @@ def call_hf(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def bf16_autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast(DEVICE.type, dtype=torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -314,8 +321,8 @@ def dense_pair(s: dict) -> tuple[nn.Module, nn.Module]:
 def dense_peaks(s: dict, dtype: str) -> dict[str, MatmulPeak]:
     """The matmul peak on the dense model's GEMM shapes: fp32, and bf16 first for a bf16 section."""
     shapes = dense_gemm_shapes(s, s["batch"] * s["seq"])
-    peaks = {"fp32": MatmulPeak(shapes, torch.float32)}
-    return {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks} if dtype == "bf16" else peaks
+    peaks = {"fp32": MatmulPeak(shapes, torch.float32, DEVICE)}
+    return {"bf16": MatmulPeak(shapes, torch.bfloat16, DEVICE), **peaks} if dtype == "bf16" else peaks
 
 
 def autocast_for(dtype: str) -> Callable:
@@ -417,9 +424,9 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32", eager_peer: 
         f"DeepSeekMoE LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} "
         f"x {s['seq']}, {m['n_experts']} experts x {m['d_expert']} top-{m['top_k']} + {m['n_shared']} shared"
     )
-    peaks = {"fp32": MatmulPeak(shapes)}
+    peaks = {"fp32": MatmulPeak(shapes, torch.float32, DEVICE)}
     if dtype == "bf16":
-        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16), **peaks}
+        peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16, DEVICE), **peaks}
     result = run_section(title, steps, flops, peaks, s, rounds, notes, warmup)
     if dtype == "bf16" and eager_peer:
         result["hf_eager_experts"] = eager_experts_pass(hf, s, m, tokens, autocast, result)
@@ -511,11 +518,19 @@ def main() -> None:
         "--no-x-transformers", action="store_true", help="dense sections: HF Llama as the only peer"
     )
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: every model on the GPU (default cpu)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; --quick 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 256; --quick 64)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args()
     setup(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 sections multiply in fp32, as on the CPU
     s = dict(QUICK if args.quick else FULL)
+    s.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
     rounds = args.rounds or s["rounds"]
     sections = list(args.only) + (["compile"] if args.compile and "compile" not in args.only else [])
     results = {}
@@ -524,7 +539,7 @@ def main() -> None:
             results["dense_fp32"] = dense_section(s, rounds, "fp32", args.loss_ab, not args.no_x_transformers)
         elif name == "bf16":
             sb = dict(s)
-            if not cpu_info()["native_bf16_matmul"] and not args.quick:
+            if DEVICE.type == "cpu" and not cpu_info()["native_bf16_matmul"] and not args.quick:
                 sb["batch"] = 1  # a bf16 GEMM without bf16 instructions runs ~15-20x below fp32 here
             results["dense_bf16"] = dense_section(
                 sb, rounds, "bf16", args.loss_ab, not args.no_x_transformers
@@ -540,7 +555,7 @@ def main() -> None:
             results["moe_fp32"] = moe_section(s, MOE_QUICK if args.quick else MOE, rounds)
         elif name == "moe-bf16":
             sb = dict(s)
-            if not cpu_info()["native_bf16_matmul"] and not args.quick:
+            if DEVICE.type == "cpu" and not cpu_info()["native_bf16_matmul"] and not args.quick:
                 sb["batch"] = 1  # as the dense bf16 section
             results["moe_bf16"] = moe_section(sb, MOE_QUICK if args.quick else MOE, rounds, "bf16")
         elif name == "compile":

@@ -65,6 +65,7 @@ from tformer import ModelConfig, build_model  # noqa: E402
 from tformer.generate.beam import beam_search  # noqa: E402
 from tformer.model.positions import sinusoidal_table  # noqa: E402
 
+DEVICE = torch.device("cpu")  # main() sets --device
 FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=6)
 QUICK = dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128, batch=4, src=16, tgt=16, rounds=2)
 SLOW_BF16 = dict(batch=1, src=32, tgt=32, rounds=2)
@@ -165,7 +166,7 @@ class TorchSeq2Seq(nn.Module):
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         x = self.embed(src) * self.scale + self.pe[: src.shape[1]]
         y = self.embed(tgt) * self.scale + self.pe[: tgt.shape[1]]
-        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
         return self.head(self.core(x, y, tgt_mask=mask, tgt_is_causal=True))  # (B, T, V)
 
 
@@ -177,23 +178,29 @@ def train_step(model: nn.Module, batch, optimizer, autocast) -> None:
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # the step's time is the GPU's, not the time to queue it
+
+
+def autocast_for(dtype: str):
+    if dtype == "bf16":
+        return lambda: torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def train_variants(s: dict, dtype: str) -> tuple[dict, dict, tuple]:
     g = torch.Generator().manual_seed(0)
-    batch = (
-        torch.randint(4, s["vocab"], (s["batch"], s["src"]), generator=g),
-        torch.randint(4, s["vocab"], (s["batch"], s["tgt"]), generator=g),
-        torch.randint(4, s["vocab"], (s["batch"], s["tgt"]), generator=g),
+    batch = tuple(
+        torch.randint(4, s["vocab"], (s["batch"], n), generator=g).to(DEVICE)
+        for n in (s["src"], s["tgt"], s["tgt"])
     )
-    autocast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
-    )
+    autocast = autocast_for(dtype)
     variants, models = {}, {}
     for placement in ("post", "pre"):
         peer, ours = TorchSeq2Seq(s, placement), tformer_model(s, placement)
         copy_peer_weights(peer, ours)
         for name, model in ((f"torch nn.Transformer {placement}", peer), (f"tformer {placement}", ours)):
+            model.to(DEVICE)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             models[name] = model
             variants[name] = lambda m=model, o=opt: train_step(m, batch, o, autocast)
@@ -234,11 +241,9 @@ def peak_shapes(s: dict) -> list:
 
 def train_section(s: dict, dtype: str, note: str) -> dict:
     variants, models, batch = train_variants(s, dtype)
-    autocast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
-    )
+    autocast = autocast_for(dtype)
     losses = {name: first_loss(model, batch, autocast) for name, model in models.items()}
-    peak = MatmulPeak(peak_shapes(s), torch.bfloat16 if dtype == "bf16" else torch.float32)
+    peak = MatmulPeak(peak_shapes(s), torch.bfloat16 if dtype == "bf16" else torch.float32, DEVICE)
     variants["matmul peak"] = peak
     print(f"\n[{dtype}] {note}", file=sys.stderr)
     with LoadMeter() as meter:
@@ -268,9 +273,9 @@ def train_section(s: dict, dtype: str, note: str) -> dict:
 
 # ----------------------------------------------------------------------------- beam search
 def beam_section(s: dict, run: str | None) -> dict:
-    model = tformer_model(s, "pre").eval()
+    model = tformer_model(s, "pre").eval().to(DEVICE)
     g = torch.Generator().manual_seed(1)
-    src = torch.randint(4, s["vocab"], (BEAM["sentences"], BEAM["src"]), generator=g)
+    src = torch.randint(4, s["vocab"], (BEAM["sentences"], BEAM["src"]), generator=g).to(DEVICE)
     common = dict(bos_id=1, eos_id=2, max_len=BEAM["max_len"], beam_size=BEAM["beam"], alpha=BEAM["alpha"])
     banned = (0, 1, 2)  # EOS banned: every hypothesis runs to max_len, the same work every round
     variants = {
@@ -326,15 +331,19 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
     p.add_argument("--run", default=None, help="a trained translation run: also time beam search on it")
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: both models and the batches on the GPU")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, the machine's cores)")
     p.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
     args = p.parse_args()
     setup(threads=args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 multiplies in fp32 on a GPU too
     s = QUICK if args.quick else FULL
     info = cpu_info()
     results = {"cpu": info, "fp32": train_section(s, "fp32", "full shape" if not args.quick else "quick")}
     if not args.skip_bf16:
-        slow = not info["native_bf16_matmul"] and not args.quick
+        slow = DEVICE.type == "cpu" and not info["native_bf16_matmul"] and not args.quick
         shape = {**s, **SLOW_BF16} if slow else s
         note = "batch 1 x 32: this CPU has no native bf16 matmul" if slow else "same shape as fp32"
         results["bf16"] = train_section(shape, "bf16", note)
