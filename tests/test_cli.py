@@ -196,6 +196,11 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         ),
         (["train", "--preset", "tiny-lm", "--out", "afile/run"], "afile/run: Not a directory"),
         (
+            ["bench", "--preset", "nope"],
+            "unknown training preset 'nope'; tformer bench measures decoder LMs: shakespeare, "
+            "shakespeare-dense, tiny-lm (or --config FILE.yaml)",
+        ),
+        (
             ["bench", "--preset", "tiny-translation"],
             "tformer bench measures decoder LMs (shakespeare, shakespeare-dense, tiny-lm); this config's",
         ),
@@ -219,7 +224,10 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
         (["translate", "--run", "adir", "--file", " "], "argument --file: is empty: give a path"),
         (["train", "--config", ""], "argument --config: is empty: give a path"),
         (["train", "--preset", "", "--out", "fresh"], "unknown training preset ''; available: shakespeare"),
-        (["bench", "--preset", ""], "unknown training preset ''; available: shakespeare"),
+        (
+            ["bench", "--preset", ""],
+            "unknown training preset ''; tformer bench measures decoder LMs: shakespeare",
+        ),
         # OpenMP had crashed (segfault) at some 100,000 threads
         (["bench", "--threads", "100000"], "argument --threads: expected at most 1,024 threads, got 100,000"),
         (["experiment", "norm", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),

@@ -68,10 +68,16 @@ def _setting(args: argparse.Namespace):
     token count, each checked before anything is built."""
     from tformer.cli.options import resolve_train_config, warn
     from tformer.distributed.env import resolve_device
+    from tformer.schema import ConfigError
     from tformer.train.config import ParallelConfig, refuse_ignored_settings
-    from tformer.train.presets import LM_PRESETS
+    from tformer.train.presets import LM_PRESETS, TRAIN_PRESETS
     from tformer.train.step import resolve_dtype
 
+    if args.preset is not None and args.preset not in TRAIN_PRESETS:  # the presets bench takes, not all
+        raise ConfigError(
+            f"unknown training preset {args.preset!r}; tformer bench measures decoder LMs: "
+            f"{', '.join(LM_PRESETS)} (or --config FILE.yaml)"
+        )
     cfg = resolve_train_config(args, default_preset="shakespeare")
     if cfg.model.arch != "decoder":
         raise ValueError(
