@@ -218,4 +218,15 @@ def load_run_arg(args, command: str):
     if run.averaged_steps:
         steps = ", ".join(map(str, run.averaged_steps))
         print(f"tformer {command}: weights: the mean of the checkpoints of steps {steps}", file=sys.stderr)
+    planned = run.train_config.steps
+    if run.step < planned:  # a run stopped early (Ctrl-C, a kill), or a checkpoint asked for by name
+        if Path(args.run).resolve() == run.checkpoint.resolve():
+            note = f"the weights of step {run.step} of the run's {planned}"
+        else:
+            run_dir = run.checkpoint.parent.parent
+            note = (
+                f"the run's newest checkpoint is of step {run.step} of its {planned} (a run stopped early: "
+                f"`tformer train --out {run_dir} --resume` continues it)"
+            )
+        print(f"tformer {command}: note: {note}", file=sys.stderr)
     return run
