@@ -13,6 +13,7 @@ import pytest
 
 from tformer.cli.main import main
 from tformer.experiments.runner import read_records
+from tformer.experiments.study_dir import read_setting
 
 PNGS = {
     "norm": ["norm_init_grads.png", "norm_loss.png", "norm_grad_norm.png", "norm_layer_grads.png"],
@@ -196,6 +197,19 @@ def test_resume_trains_only_the_arms_that_did_not_finish(quick_run, tmp_path, ca
     for arm in (arms[0].name, arms[-1].name):
         assert losses(copy, arm) == losses(out, arm) and losses(out, arm)
     assert (copy / "report.md").is_file()
+    # a finished study: nothing trains, the report is made again
+    assert main(["experiment", study, "--resume", "--out", str(copy)]) == 0
+    printed = capsys.readouterr().out
+    assert "every arm had finished: nothing to train" in printed and "trained in" not in printed
+    # setting.json records the threads the arms trained with; a resume with others says so
+    assert read_setting(copy)["threads"] == 1
+    shutil.rmtree(copy / "arms" / arms[-1].name)
+    assert main(["experiment", study, "--resume", "--out", str(copy), "--threads", "2"]) == 0
+    assert capsys.readouterr().err == (
+        "tformer experiment: warning: this --resume computes otherwise than the study's finished arms did "
+        "(threads 1 -> 2): the 1 arm left can differ from an uninterrupted study's in the last digits; "
+        "--threads 1 trains them as the first ones\n"
+    )
     assert main(["experiment", study, "--resume", "--out", str(copy), "--steps", "3"]) == 2
     assert (
         "--resume goes on with the run's own settings; --steps would change nothing"

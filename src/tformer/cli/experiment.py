@@ -24,6 +24,7 @@ from tformer.cli.options import (
     positive_int,
     refuse_torchrun,
     thread_count,
+    warn,
     warn_oversubscribed,
 )
 from tformer.experiments import STUDIES
@@ -178,11 +179,29 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def warn_if_computed_otherwise(saved: dict, threads: int | None, left: int) -> None:
+    """A --resume whose torch version or CPU thread count differs from the one setting.json recorded (a
+    study written before it recorded threads is not compared) says so: the arms left sum floats in another
+    order, so their numbers can differ in the last digits from an uninterrupted study's."""
+    import torch
+
+    now = {"torch": torch.__version__, "threads": threads or torch.get_num_threads()}
+    changed = {key: (saved[key], value) for key, value in now.items() if key in saved and saved[key] != value}
+    if changed:
+        what = ", ".join(f"{key} {was} -> {value}" for key, (was, value) in changed.items())
+        hint = f"; --threads {saved['threads']} trains them as the first ones" if "threads" in changed else ""
+        warn(
+            "experiment",
+            f"this --resume computes otherwise than the study's finished arms did ({what}): the {left} "
+            f"arm{'s' if left != 1 else ''} left can differ from an uninterrupted study's in the last digits{hint}",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     refuse_torchrun("experiment", "every rank would train the same study into the same directory")
     # here, not at the top: `tformer --help` builds this command's options without importing torch
     from tformer.distributed.env import resolve_device
-    from tformer.experiments.runner import DONE, check_complete
+    from tformer.experiments.runner import DONE, check_complete, finished_arms
     from tformer.experiments.study_dir import (
         PREVIOUS,
         _study_files,
@@ -229,10 +248,16 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.resume:
         setting = setting_of(out, type(module.FULL))
-        t0 = time.perf_counter()
-        with torch_threads(args.threads):
-            module.run(setting, out)
-        print(f"trained in {time.perf_counter() - t0:.1f} s")
+        done = finished_arms(out, setting.steps)
+        left = [arm.name for arm in module.make_arms(setting) if arm.name not in done]
+        if left:
+            warn_if_computed_otherwise(saved, args.threads, len(left))
+            t0 = time.perf_counter()
+            with torch_threads(args.threads):
+                module.run(setting, out)
+            print(f"trained in {time.perf_counter() - t0:.1f} s")
+        else:  # a finished study: its report is made again from the logs, as --report-only would
+            print("every arm had finished: nothing to train")
     elif not args.report_only:
         with flags_named(args):
             setting = resolved_device(resolve_setting(args, module))
@@ -241,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 check_fits(arm.model)  # a model larger than the machine (the arms before it would train)
         created = outermost_missing(out)
         out = prepare_run_dir(out, args.overwrite)
-        write_setting(out, args.study, "quick" if args.quick else "full", setting)
+        write_setting(out, args.study, "quick" if args.quick else "full", setting, args.threads)
         t0 = time.perf_counter()
         try:
             with torch_threads(args.threads), flags_named(args):

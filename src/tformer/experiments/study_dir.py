@@ -94,8 +94,16 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path:
     return run_dir
 
 
-def write_setting(run_dir: Path, study: str, mode: str, setting: Setting) -> None:
-    payload = {"study": study, "mode": mode, "setting": setting.to_dict(), "torch": torch.__version__}
+def write_setting(run_dir: Path, study: str, mode: str, setting: Setting, threads: int | None = None) -> None:
+    """setting.json, with the torch version and the CPU threads the arms train with (default: torch's
+    count now), which a --resume compares with its own: either changes the order of float sums."""
+    payload = {
+        "study": study,
+        "mode": mode,
+        "setting": setting.to_dict(),
+        "torch": torch.__version__,
+        "threads": threads or torch.get_num_threads(),
+    }
     (run_dir / SETTING).write_text(json.dumps(payload, indent=2))
 
 
