@@ -217,3 +217,25 @@ def test_a_decoding_sized_moe_forward_through_grouped_mm_equals_the_loop(monkeyp
             moe_module.CPU_DECODE_KERNEL = default
     assert len(calls) == 3
     torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+
+
+def test_a_float64_moe_model_takes_the_loop_kernel_and_decodes() -> None:
+    """grouped_mm takes bf16, fp16 and fp32 only: float64 rows take the loop kernel (few decoding rows
+    on the CPU had been sent to grouped_mm, which raised), and a float64 MoE model's greedy tokens equal
+    its full forward's argmax."""
+    from tformer import build_model
+    from tformer.generate.engine import generate
+    from tformer.generate.sampling import SamplingConfig
+    from tformer.presets import tiny
+
+    x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(3, 8, 16, dtype=torch.float64)
+    assert moe_module.pick_grouped_kernel(x, w) == moe_module.CPU_KERNEL
+    assert moe_module.pick_grouped_kernel(x.float(), w.float()) == moe_module.CPU_DECODE_KERNEL
+    torch.manual_seed(0)
+    model = build_model(tiny().replace(moe=moe_module.MoEConfig(n_experts=4, top_k=2))).double().eval()
+    new = generate(model, [[5, 17, 33]], SamplingConfig(temperature=0.0, max_new_tokens=6))[0]
+    seq = [5, 17, 33]
+    with torch.no_grad():
+        for token in new:
+            assert int(model(torch.tensor([seq]))[0, -1].argmax()) == token
+            seq.append(token)

@@ -198,11 +198,18 @@ CPU_KERNEL = "loop"
 CPU_DECODE_KERNEL = "grouped_mm" if hasattr(F, "grouped_mm") else "loop"
 
 
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what F.grouped_mm takes (not float64)
+
+
 def pick_grouped_kernel(x: Tensor, w: Tensor) -> str:
-    """grouped_mm on CUDA (SM80+, rows of a multiple of 16 bytes; bf16 runs its grouped GEMM, other
-    dtypes torch's own fallback, which loops over the experts in C++: on an H200 the Python loop kernel had made a DeepSeekMoE fp32
-    training step 0.68x HF's, whose experts call grouped_mm in fp32 too); on the CPU `CPU_DECODE_KERNEL`
-    for at most DECODE_MAX_ROWS rows without a graph or row-blocked products, `CPU_KERNEL` otherwise."""
+    """grouped_mm on CUDA (SM80+, bf16 / fp16 / fp32 rows of a multiple of 16 bytes): a grouped GEMM where
+    torch has one for the GPU and dtype (bf16 on Hopper and newer in torch 2.10-2.11), else torch's own
+    loop over the experts in C++; on an H200 the Python loop kernel had made a DeepSeekMoE fp32 training
+    step 0.68x HF's, whose experts call grouped_mm in fp32 too. On the CPU `CPU_DECODE_KERNEL` for at
+    most DECODE_MAX_ROWS rows without a graph or row-blocked products, `CPU_KERNEL` otherwise. float64
+    takes `CPU_KERNEL` everywhere."""
+    if x.dtype not in GROUPED_MM_DTYPES:
+        return CPU_KERNEL
     if x.device.type == "cpu":
         few = x.shape[0] <= DECODE_MAX_ROWS and (x.shape[1] * x.element_size()) % 16 == 0
         if few and not records_graph(x, w) and decoding_row_blocks(w[0], x.shape[0]) is None:
