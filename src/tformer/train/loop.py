@@ -54,6 +54,7 @@ from tformer.train.resume import (
     absolute_data_paths,
     check_resume_config,
     warn_compile_switch,
+    warn_deterministic_switch,
     warn_precision_switch,
     warn_rank_count_change,
 )
@@ -205,6 +206,7 @@ class Trainer:
             check_resumable(resume_from, self.env.world_size)
             if self.env.is_main:
                 warn_compile_switch(cfg, meta)
+                warn_deterministic_switch(cfg, meta, self.device.type)
                 warn_precision_switch(cfg, meta)
             at = step_of(resume_from)
             if cfg.steps < at:

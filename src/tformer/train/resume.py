@@ -18,6 +18,7 @@ __all__ = [
     "absolute_data_paths",
     "check_resume_config",
     "warn_compile_switch",
+    "warn_deterministic_switch",
     "warn_precision_switch",
     "warn_rank_count_change",
 ]
@@ -119,6 +120,24 @@ def check_resume_config(cfg: TrainConfig, meta: dict[str, Any], path: Path, mode
             "--preset or an edited config.json in the run directory). A resumed run keeps its model, data, "
             f"optimizer, batch and seed (it may change {', '.join(sorted(RESUMABLE))}); undo those changes or "
             "start a new run with another --out"
+        )
+
+
+def warn_deterministic_switch(cfg: TrainConfig, meta: dict[str, Any], device_type: str) -> None:
+    """`deterministic` may change on resume; on a GPU the switch changes the kernels of some operations
+    (scatter-adds among them), so the run goes on, not bit-identically. Said, not silent. On the CPU
+    tformer's kernels are the same either way."""
+    saved = meta.get("train_config")
+    if not isinstance(saved, dict) or device_type != "cuda":
+        return
+    before = bool(saved.get("deterministic", False))  # a run saved before the setting: False
+    if before != cfg.deterministic:
+        warnings.warn(
+            f"deterministic={cfg.deterministic} on resume of a run with deterministic={before}: on a GPU "
+            "the two run some operations with other kernels, so the losses from here can differ in the last "
+            "bits from a run that kept its setting",
+            UserWarning,
+            stacklevel=3,
         )
 
 

@@ -125,7 +125,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 @contextlib.contextmanager
 def deterministic_kernels(on: bool):
     """TrainConfig.deterministic: torch's deterministic algorithms inside the block, the process's own
-    setting put back after it. cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it (set where unset)."""
+    setting put back after it (also after an error). cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it: set
+    inside the block where the environment has none."""
     if not on:
         yield
         return
@@ -133,12 +134,16 @@ def deterministic_kernels(on: bool):
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    ours = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    if ours:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if ours:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def autocast_context(device: torch.device, dtype: str):
