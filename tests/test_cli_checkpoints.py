@@ -191,21 +191,25 @@ def test_async_save_in_one_process_is_said_to_wait_for_dcp(trained_run: Path, tm
 def test_a_run_stopped_early_is_said_when_its_weights_are_used(
     trained_run: Path, capsys, tmp_path: Path
 ) -> None:
-    """generate / eval / export of a run whose newest checkpoint is short of its steps say so on stderr (a
-    run stopped by Ctrl-C had been used as if finished), with the command that continues it; a checkpoint
+    """generate and eval of a run whose newest checkpoint is short of its steps say so on stderr (a run
+    stopped by Ctrl-C had been used as if finished), with the command that continues it, its path quoted
+    for the shell (translate, classify and export load runs through the same `load_run_arg`); a checkpoint
     named by its folder says which step of the run it is; a finished run says nothing."""
-    run = tmp_path / "run"
+    import shlex
+
+    run = tmp_path / "a run"
     shutil.copytree(trained_run, run)
     shutil.rmtree(run / "checkpoints" / "step_000004")  # as a run stopped after step 2 of 4 leaves it
     argv = ["--prompt", "to", "--max-new-tokens", "2", "--greedy", "--no-stream"]
     assert main(["generate", "--run", str(run), *argv]) == 0
     err = capsys.readouterr().err
     assert err == (
-        f"tformer generate: note: the run's newest checkpoint is of step 2 of its 4 (a run stopped early: "
-        f"`tformer train --out {run.resolve()} --resume` continues it)\n"
+        f"tformer generate: note: the checkpoint used is of step 2 of the run's 4 (if the run stopped early, "
+        f"`tformer train --out {shlex.quote(str(run.resolve()))} --resume` continues it)\n"
     )
+    assert "'" in err  # the space in the path is quoted
     assert main(["eval", "--run", str(run)]) == 0
-    assert "tformer eval: note: the run's newest checkpoint is of step 2 of its 4" in capsys.readouterr().err
+    assert "tformer eval: note: the checkpoint used is of step 2 of the run's 4" in capsys.readouterr().err
     assert main(["generate", "--run", str(trained_run / "checkpoints" / "step_000002"), *argv]) == 0
     assert capsys.readouterr().err == "tformer generate: note: the weights of step 2 of the run's 4\n"
     assert main(["generate", "--run", str(trained_run), *argv]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -219,14 +220,16 @@ def load_run_arg(args, command: str):
         steps = ", ".join(map(str, run.averaged_steps))
         print(f"tformer {command}: weights: the mean of the checkpoints of steps {steps}", file=sys.stderr)
     planned = run.train_config.steps
-    if run.step < planned:  # a run stopped early (Ctrl-C, a kill), or a checkpoint asked for by name
+    # a run stopped early (Ctrl-C, a kill), still training, or a checkpoint asked for by name; every
+    # command that loads a run (generate, eval, translate, classify, export) comes here
+    if run.step < planned:
         if Path(args.run).resolve() == run.checkpoint.resolve():
             note = f"the weights of step {run.step} of the run's {planned}"
         else:
             run_dir = run.checkpoint.parent.parent
             note = (
-                f"the run's newest checkpoint is of step {run.step} of its {planned} (a run stopped early: "
-                f"`tformer train --out {run_dir} --resume` continues it)"
+                f"the checkpoint used is of step {run.step} of the run's {planned} (if the run stopped early, "
+                f"`tformer train --out {shlex.quote(str(run_dir))} --resume` continues it)"
             )
         print(f"tformer {command}: note: {note}", file=sys.stderr)
     return run
