@@ -142,7 +142,8 @@ def first_difference(a: list[list[int]], b: list[list[int]], name: str = "tforme
 
 
 def read_bandwidth_gbs(mb: int = 256, reps: int = 3) -> float:
-    """GB/s of one pass summing a buffer much larger than the caches (best of `reps`)."""
+    """GB/s of one pass summing a buffer much larger than the caches (best of `reps`; on a GPU the time
+    includes the wait for the sum, a few microseconds)."""
     a = torch.ones(mb * 2**20 // 4, device=DEVICE)
     best = float("inf")
     for _ in range(reps):
@@ -174,7 +175,7 @@ def moe_models(quick: bool) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     main_job = build_model(get_train_preset("shakespeare").model).eval()
     deepseek = tformer_moe(LM_QUICK if quick else LM, MOE_QUICK if quick else MOE).eval()
-    return {"main job (shakespeare preset)": main_job, "bench_lm DeepSeekMoE": deepseek}
+    return {"main job (shakespeare preset)": main_job.to(DEVICE), "bench_lm DeepSeekMoE": deepseek.to(DEVICE)}
 
 
 def moe_sections(args, s: dict, rounds: int) -> dict:
@@ -182,7 +183,7 @@ def moe_sections(args, s: dict, rounds: int) -> dict:
     1: HF has no peer holding the same weights (DeepseekV3 attends with MLA)."""
     sections = {}
     for title, model in moe_models(args.quick).items():
-        prompts = torch.randint(1, model.cfg.vocab_size, (1, s["prompt"]))
+        prompts = torch.randint(1, model.cfg.vocab_size, (1, s["prompt"])).to(DEVICE)
         new = min(s["new"], model.cfg.max_seq_len - s["prompt"])  # the main job's context is 256
         variants = {
             "tformer generate": lambda m=model, p=prompts, n=new: ours_generate(m, p, n),
@@ -307,7 +308,7 @@ def main() -> None:
             )
         lines += [
             f"memory read bandwidth {bandwidth:.1f} GB/s: reading the {weight_bytes / 1e6:.0f} MB of matmul weights "
-            f"takes {floor_ms:.1f} ms per decoding step",
+            f"takes {floor_ms:.2f} ms per decoding step",
             load.line(),
         ]
         for line in lines:

@@ -419,7 +419,9 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32", eager_peer: 
     warmup = WARMUP_CALLS
     if dtype == "bf16":  # oneDNN compiles a kernel per new GEMM shape, and expert row counts vary
         warmup = 5
-        notes.append("5 untimed steps of each model first: bf16 GEMMs compile a kernel per new shape")
+        notes.append(
+            "5 untimed steps of each model first (on the CPU, oneDNN compiles a bf16 kernel per new GEMM shape)"
+        )
     title = (
         f"DeepSeekMoE LM training step, {dtype}{' autocast' if dtype == 'bf16' else ''}, batch {s['batch']} "
         f"x {s['seq']}, {m['n_experts']} experts x {m['d_expert']} top-{m['top_k']} + {m['n_shared']} shared"
@@ -531,7 +533,7 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 sections multiply in fp32, as on the CPU
     s = dict(QUICK if args.quick else FULL)
     s.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
-    rounds = args.rounds or s["rounds"]
+    rounds = s["rounds"] = args.rounds or s["rounds"]  # (the JSON's config says the rounds run)
     sections = list(args.only) + (["compile"] if args.compile and "compile" not in args.only else [])
     results = {}
     for name in sections:

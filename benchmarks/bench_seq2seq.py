@@ -308,7 +308,7 @@ def trained_beam(run: str) -> dict:
     from tformer.runs import load_run
     from tformer.tasks.translation import load_translator
 
-    loaded = load_run(run)
+    loaded = load_run(run, device=DEVICE)
     translator, cfg = load_translator(loaded), loaded.train_config
     texts = [p.src for p in load_corpus(cfg.data.corpus, direction=cfg.data.direction)["test"][:200]]
     sources, _ = translator.encode(texts)
