@@ -354,3 +354,29 @@ def test_every_sampling_option_reaches_the_sampling_config() -> None:
     cfg = sampling_from_args(parser.parse_args(argv))
     assert (cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed) == (1.3, 7, 0.6, 11)
     assert (cfg.repetition_penalty, cfg.max_new_tokens, cfg.min_new_tokens) == (1.4, 9, 2)
+
+
+def test_device_option_of_the_commands_that_run_a_model(trained_run: Path, capsys) -> None:
+    """generate, eval, translate and classify take --device (cpu by default; auto picks a GPU where there is
+    one and gives the same tokens here); a device torch does not know is one line; export has none."""
+    argv = ["--prompt", "to be", "--max-new-tokens", "6", "--greedy", "--no-stream"]
+    assert main(["generate", "--run", str(trained_run), *argv]) == 0
+    default = capsys.readouterr().out
+    assert main(["generate", "--run", str(trained_run), "--device", "auto", *argv]) == 0
+    if not __import__("torch").cuda.is_available():
+        assert capsys.readouterr().out == default
+    assert main(["eval", "--run", str(trained_run), "--device", "cpu", "--max-batches", "1"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["generate", "--run", str(trained_run), "--device", "tpu0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("tformer generate: error: device 'tpu0' is not one torch knows")
+        and err.count("\n") == 1
+    )
+    for command in ("translate", "classify"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--device DEVICE" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    assert "--device" not in capsys.readouterr().out

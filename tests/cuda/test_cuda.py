@@ -288,7 +288,8 @@ def test_train_generate_and_eval_commands_on_the_gpu(
     tmp_path: Path, corpus_dir: Path, device, capsys
 ) -> None:
     """`tformer train` with device=cuda and dtype=auto (bf16 on a GPU that has it) end to end; the saved run
-    generates and evaluates (loaded on the CPU, as those commands do)."""
+    generates and evaluates on the CPU (the commands' default) and with --device on the GPU: the same
+    greedy tokens."""
     import json
 
     from tformer.cli.main import main
@@ -302,9 +303,12 @@ def test_train_generate_and_eval_commands_on_the_gpu(
     config = json.loads((out / "config.json").read_text())
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         assert config["dtype"] == "bfloat16"
-    assert (
-        main(["generate", "--run", str(out), "--prompt", "the king", "--max-new-tokens", "8", "--seed", "0"])
-        == 0
-    )
-    assert main(["eval", "--run", str(out), "--split", "val"]) == 0
-    assert "perplexity" in capsys.readouterr().out
+    capsys.readouterr()
+    argv = ["generate", "--run", str(out), "--prompt", "the king", "--max-new-tokens", "8", "--greedy"]
+    assert main([*argv, "--no-stream"]) == 0
+    on_cpu = capsys.readouterr().out
+    assert main([*argv, "--no-stream", "--device", str(device)]) == 0
+    assert capsys.readouterr().out == on_cpu
+    for where in ("cpu", str(device)):
+        assert main(["eval", "--run", str(out), "--split", "val", "--device", where]) == 0
+        assert "perplexity" in capsys.readouterr().out

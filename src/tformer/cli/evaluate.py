@@ -7,8 +7,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 from tformer.model.checks import check_finite_scores
@@ -53,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
         name = f"the {args.split} split of {cfg.data.corpus!r}"
         ds = PackedLMDataset.from_texts(run_.tokenizer, texts, cfg.data.seq_len, name)
         chars, what = sum(len(t) + 1 for t in texts), f"{cfg.data.corpus} {args.split} split"
-    cpu = torch.device("cpu")
+    device = next(run_.model.parameters()).device  # --device
     if args.max_batches is not None:
         max_batches = args.max_batches
     else:  # a text file: every prediction; a split: a sample of LM_MAX_BATCHES batches
         max_batches = None if args.text_file is not None else LM_MAX_BATCHES
-    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, max_batches, cpu, cfg.fused_loss)
+    result = evaluate_lm(run_.model, ds, chars, cfg.batch_size, max_batches, device, cfg.fused_loss)
     result = {
         "data": what,
         "checkpoint_step": run_.step,

@@ -28,8 +28,8 @@ def register(name: str, help: str, target: str) -> Callable:
     return wrap
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """--run and --average: the commands that load a trained run."""
+def add_run_arguments(p: argparse.ArgumentParser, device: bool = True) -> None:
+    """--run and --average: the commands that load a trained run; --device where the command computes."""
     p.add_argument("--run", required=True, type=nonempty_text, help="run directory or checkpoint directory")
     p.add_argument(
         "--average",
@@ -39,6 +39,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="use the mean of the weights of the run directory's newest N checkpoints (checkpoint "
         "averaging; default 1: the newest alone). A run keeps keep_last of them, saved every save_every steps",
     )
+    if device:
+        p.add_argument(
+            "--device",
+            default="cpu",
+            type=nonempty_text,
+            help="where the model runs: cpu (default), cuda, cuda:N, or auto (a GPU where there is one)",
+        )
 
 
 @register(
@@ -227,7 +234,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     "export:run",
 )
 def _export_args(p: argparse.ArgumentParser) -> None:
-    add_run_arguments(p)
+    add_run_arguments(p, device=False)  # the directory holds the weights, wherever they were computed
     p.add_argument("--out", required=True, type=nonempty_text, help="the new directory to write")
     p.add_argument(
         "--dtype",

@@ -215,7 +215,7 @@ def load_run_arg(args, command: str):
     which (stdout stays the command's output)."""
     from tformer.runs import load_run
 
-    run = load_run(args.run, average=args.average)
+    run = load_run(args.run, device=getattr(args, "device", "cpu"), average=args.average)
     if run.averaged_steps:
         steps = ", ".join(map(str, run.averaged_steps))
         print(f"tformer {command}: weights: the mean of the checkpoints of steps {steps}", file=sys.stderr)
