@@ -303,6 +303,9 @@ def test_train_generate_and_eval_commands_on_the_gpu(
     config = json.loads((out / "config.json").read_text())
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         assert config["dtype"] == "bfloat16"
+    peak = json.loads((out / "report.json").read_text())["peak_memory_mib"]
+    if device.type == "cuda":  # torch's peak allocation on the GPU, this process's since it began
+        assert 0 < peak <= torch.cuda.max_memory_allocated(device) / 2**20 + 0.1
     capsys.readouterr()
     argv = ["generate", "--run", str(out), "--prompt", "the king", "--max-new-tokens", "8", "--greedy"]
     assert main([*argv, "--no-stream"]) == 0

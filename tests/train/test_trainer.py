@@ -871,3 +871,20 @@ def test_switching_deterministic_on_resume_is_said_on_a_gpu_only() -> None:
         warn_deterministic_switch(cfg, saved, "cpu")  # the same kernels on the CPU
         warn_deterministic_switch(cfg, {"train_config": {"deterministic": True}}, "cuda")
         warn_deterministic_switch(cfg.replace(deterministic=False), {"train_config": {}}, "cuda")
+
+
+def test_train_records_and_the_report_hold_the_peak_memory(corpus_dir: Path, tmp_path: Path) -> None:
+    """Each train record and the report carry the run's peak memory so far in MiB (on the CPU the process's
+    peak resident set, which only grows; on a GPU torch's peak allocation, tests/cuda)."""
+    import resource
+
+    cfg = small_config(corpus_dir, steps=3, eval_every=3, save_every=3)
+    report = Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
+    peaks = [r["peak_memory_mib"] for r in _records(tmp_path / "r") if r["kind"] == "train"]
+    assert len(peaks) == 3 and peaks == sorted(peaks) and peaks[0] > 10  # a process with torch: > 10 MiB
+    now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert peaks[-1] <= report["peak_memory_mib"] <= now + 0.1
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
         if trainer.env.is_main:
             print(f"\nrun directory: {out}")
             print(task.describe_result(report))
+            where = (
+                "GPU memory allocated" if trainer.device.type == "cuda" else "the process's resident memory"
+            )
+            print(f"peak memory: {report['peak_memory_mib']:,.0f} MiB ({where})")
         if not args.no_sample and trainer.env.world_size == 1:
             print(trainer.sample())
     finally:

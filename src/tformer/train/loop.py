@@ -631,6 +631,7 @@ class Trainer:
             "tokens_per_s": rate,
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,
+            "peak_memory_mib": peak_memory_mib(self.device),
         }
         stats = global_routing_stats(self.model, self.env)
         if stats:
@@ -734,9 +735,22 @@ class Trainer:
             "step": self.state.step,
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,
+            "peak_memory_mib": peak_memory_mib(self.device),
             **({"eval_step": evals[-1]["step"]} if evals else {}),
             **latest,
         }
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The most memory the run has held so far, in MiB: on a GPU the peak of the tensors torch allocated
+    there (`torch.cuda.max_memory_allocated`), on the CPU the process's peak resident set (the model,
+    optimizer, activations, data and Python together; whatever the process held before the run too)."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
+    return round(kib / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def nonfinite_stop(step: int, in_a_row: int, world_size: int, result: Any) -> str:
