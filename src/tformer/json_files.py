@@ -5,11 +5,11 @@ it. JSON lines files skip what a killed writer left half-written."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_json", "read_json_lines"]
+__all__ = ["first_bad_line", "read_json", "read_json_lines"]
 
 JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "true / false", type(None): "null"}
 
@@ -41,12 +41,21 @@ def read_json_lines(path: str | Path, valid: Callable[[dict], bool] = lambda rec
     path = Path(path)
     if not path.exists():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    return [record for _, record in _json_lines(path) if record is not None and valid(record)]
+
+
+def first_bad_line(path: str | Path) -> int | None:
+    """The number (from 1) of the first line of a JSON lines file that is not a JSON object (the lines
+    `read_json_lines` skips); None where every line is one."""
+    return next((n for n, record in _json_lines(Path(path)) if record is None), None)
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict | None]]:
+    """(line number from 1, the line's JSON object, or None where the line is not one)."""
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
             record = json.loads(line)
         except ValueError:
+            yield n, None
             continue
-        if isinstance(record, dict) and valid(record):
-            records.append(record)
-    return records
+        yield n, record if isinstance(record, dict) else None

@@ -41,7 +41,7 @@ from torch import nn
 
 from tformer.config import MAX_BPE_VOCAB, ModelConfig
 from tformer.distributed.env import resolve_device
-from tformer.json_files import read_json, read_json_lines
+from tformer.json_files import first_bad_line, read_json, read_json_lines
 from tformer.model import build_model
 from tformer.model.moe import (
     discard_expert_counts,
@@ -323,19 +323,6 @@ class DamagedArmError(ValueError):
     is not a whole record: the file was cut short or edited since, and a report would read part of it."""
 
 
-def damaged_line(path: Path) -> int | None:
-    """The number (from 1) of the first line of a metrics.jsonl that is not a whole JSON object; None where
-    every line is. A killed arm may leave its last line half-written; a finished arm's file has none."""
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return n
-        if not isinstance(record, dict):
-            return n
-    return None
-
-
 def damaged_arms(run_dir: Path) -> dict[str, str]:
     """The arms of a run with their DONE marker whose metrics.jsonl holds a line that is not a whole
     record (read_records would skip it, and a report would not say so): {arm: what is wrong, with the
@@ -344,7 +331,7 @@ def damaged_arms(run_dir: Path) -> dict[str, str]:
     damaged = {}
     for arm_dir in sorted(arms_dir.iterdir()) if arms_dir.is_dir() else []:
         metrics = arm_dir / METRICS
-        line = damaged_line(metrics) if (arm_dir / DONE).is_file() and metrics.is_file() else None
+        line = first_bad_line(metrics) if (arm_dir / DONE).is_file() and metrics.is_file() else None
         if line is not None:
             damaged[arm_dir.name] = (
                 f"{metrics} is damaged: line {line} is not a whole record (cut short or edited after the arm "
@@ -504,14 +491,14 @@ def scored_windows(arms: list[ArmLog], asked: int) -> int:
     return next((r["windows_scored"] for a in arms for r in a.kind("eval") if "windows_scored" in r), asked)
 
 
-def finished_arms(run_dir: Path, steps: int) -> set[str]:
+def finished_arms(run_dir: Path, steps: int, damaged: dict[str, str] | None = None) -> set[str]:
     """The arms of a run that trained to the end (or were stopped by the non-finite rule) and ran their
     analyses (their DONE marker). An arm with its marker but a metrics file that does not show the end
     (damaged, cut short) or holds a line that is not a whole record is not finished: --resume trains it
-    again."""
+    again. `damaged`: `damaged_arms(run_dir)` where the caller has it already."""
     arms_dir = Path(run_dir) / "arms"
     analysed = {d.name for d in arms_dir.iterdir() if (d / DONE).is_file()} if arms_dir.is_dir() else set()
-    analysed -= damaged_arms(run_dir).keys()
+    analysed -= (damaged_arms(run_dir) if damaged is None else damaged).keys()
     done = set()
     for log in read_arms(run_dir) if analysed else []:
         last = max((r["step"] for r in log.records if r.get("kind") in ("eval", "stopped")), default=0)
@@ -531,7 +518,7 @@ def check_complete(run_dir: Path, arms: list[Arm], steps: int) -> None:
         raise DamagedArmError(
             f"{damaged[0]}{more}; a report would read part of the arm: train it again with --resume"
         )
-    done = finished_arms(run_dir, steps)
+    done = finished_arms(run_dir, steps, damaged={})  # (none damaged: checked above)
     missing = [a.name for a in arms if a.name not in done]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -547,7 +534,8 @@ def run_arms(arms: list[Arm], data: StudyData, setting: Setting, run_dir: Path, 
     an earlier attempt at this run (--resume) are kept: each arm is seeded on its own, so training only
     the others gives what one uninterrupted run gives; an arm with its DONE marker whose metrics are
     damaged or cut short is trained again, with a warning naming the file."""
-    done, damaged = finished_arms(run_dir, setting.steps), damaged_arms(run_dir)
+    damaged = damaged_arms(run_dir)
+    done = finished_arms(run_dir, setting.steps, damaged)
     for i, arm in enumerate(arms, 1):
         metrics = Path(run_dir) / "arms" / arm.name / METRICS
         t0 = time.perf_counter()
