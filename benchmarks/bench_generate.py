@@ -44,6 +44,7 @@ from harness import (  # noqa: E402
     round_robin,
     setup,
     summarize,
+    use_device,
     write_json,
 )
 from peers import (  # noqa: E402
@@ -241,8 +242,7 @@ def main() -> None:
     args = ap.parse_args()
     setup(args.threads)
     global DEVICE
-    DEVICE = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 decoding multiplies in fp32 on a GPU too
+    DEVICE = use_device(args.device)
     s = dict(QUICK if args.quick else FULL)
     s["layers"] = args.layers or s["layers"]
     s["new"] = args.new or s["new"]

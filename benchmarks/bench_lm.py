@@ -65,6 +65,7 @@ from harness import (  # noqa: E402
     round_robin,
     setup,
     summarize,
+    use_device,
     write_json,
 )
 from peers import (  # noqa: E402
@@ -528,9 +529,7 @@ def main() -> None:
     args = ap.parse_args()
     setup(args.threads)
     global DEVICE
-    DEVICE = torch.device(args.device)
-    if DEVICE.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 sections multiply in fp32, as on the CPU
+    DEVICE = use_device(args.device)
     s = dict(QUICK if args.quick else FULL)
     s.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
     rounds = s["rounds"] = args.rounds or s["rounds"]  # (the JSON's config says the rounds run)

@@ -58,6 +58,7 @@ from harness import (  # noqa: E402
     round_robin,
     setup,
     summarize,
+    use_device,
     write_json,
 )
 
@@ -337,8 +338,7 @@ def main() -> None:
     args = p.parse_args()
     setup(threads=args.threads)
     global DEVICE
-    DEVICE = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 multiplies in fp32 on a GPU too
+    DEVICE = use_device(args.device)
     s = QUICK if args.quick else FULL
     info = cpu_info()
     results = {"cpu": info, "fp32": train_section(s, "fp32", "full shape" if not args.quick else "quick")}

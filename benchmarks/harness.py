@@ -43,6 +43,13 @@ def setup(threads: int = 2, seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
+def use_device(name: str) -> torch.device:
+    """The device a script's models run on (`--device`); on a GPU its fp32 products stay fp32 (no TF32),
+    as on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch.device(name)
+
+
 def cpu_info() -> dict:
     """CPU model and the instruction-set flags that decide fp32/bf16 matmul speed."""
     name, flags = platform.processor(), set()
