@@ -48,7 +48,7 @@ from tformer.train.checkpoint import (
 )
 from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_settings
 from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
-from tformer.train.metrics import MetricsLog, plot_loss_curve
+from tformer.train.metrics import MetricsLog, peak_memory_mib, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
 from tformer.train.resume import (
     absolute_data_paths,
@@ -739,18 +739,6 @@ class Trainer:
             **({"eval_step": evals[-1]["step"]} if evals else {}),
             **latest,
         }
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """The most memory the run has held so far, in MiB: on a GPU the peak of the tensors torch allocated
-    there (`torch.cuda.max_memory_allocated`), on the CPU the process's peak resident set (the model,
-    optimizer, activations, data and Python together; whatever the process held before the run too)."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    import resource
-
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
-    return round(kib / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def nonfinite_stop(step: int, in_a_row: int, world_size: int, result: Any) -> str:

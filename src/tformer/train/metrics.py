@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +156,17 @@ def plot_loss_curve(run_dir: Path, title: str = "", unit: str = "nats / token") 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def peak_memory_mib(device) -> float:
+    """The most memory the run has held so far, in MiB: on a GPU the peak of the tensors torch allocated
+    there (`torch.cuda.max_memory_allocated`), on the CPU the process's peak resident set (the model,
+    optimizer, activations, data and Python together; whatever the process held before the run too)."""
+    if device.type == "cuda":
+        import torch
+
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
+    return round(kib / (2**20 if sys.platform == "darwin" else 2**10), 1)
