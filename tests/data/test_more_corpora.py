@@ -180,3 +180,40 @@ def test_the_tasks_read_both_corpora_and_their_data_path(tmp_path):
     assert len(wordnet.labels) == 45
     with pytest.raises(ConfigError, match="'wordnet' is a classification corpus, not a translation one"):
         load_translation_corpus(DataConfig(corpus="wordnet"))
+
+
+def test_both_corpora_train_and_answer_end_to_end(tmp_path, capsys):
+    """`tformer train` on the real corpora (the wordnet preset, the tiny translation preset on the Bible),
+    a few steps, then `classify` and `translate` answer."""
+    from tformer.cli.main import main
+
+    short = ["--set", "steps=2", "--set", "eval_every=2", "--set", "save_every=2", "--set", "eval_batches=1"]
+    small = ["--set", "data.vocab_size=300", "--set", "model.d_model=32", "--set", "model.d_ff=64"]
+    run = str(tmp_path / "wordnet")
+    assert main(["train", "--preset", "wordnet", "--out", run, "--no-progress", *short, *small]) == 0
+    assert json_labels(tmp_path / "wordnet") == sorted(W.LEXNAMES)
+    capsys.readouterr()
+    assert main(["classify", "--run", run, "--text", "a large wild cat of Africa"]) == 0
+    assert capsys.readouterr().out.split("\t")[0] in W.LEXNAMES
+    run = str(tmp_path / "bible")
+    argv = [
+        "train",
+        "--preset",
+        "tiny-translation",
+        "--set",
+        "data.corpus=bible",
+        "--set",
+        "data.direction=fr-en",
+    ]
+    assert main([*argv, "--out", run, "--no-progress", *short]) == 0
+    capsys.readouterr()
+    assert (
+        main(["translate", "--run", run, "--greedy", "--text", "Au commencement, Dieu créa les cieux."]) == 0
+    )
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def json_labels(run) -> list[str]:
+    import json
+
+    return json.loads((run / "data.json").read_text())["labels"]

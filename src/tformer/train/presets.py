@@ -215,6 +215,24 @@ def bbc() -> TrainConfig:
     )
 
 
+def wordnet() -> TrainConfig:
+    """WordNet glosses -> their 45 lexicographer classes, with the `bbc` preset's encoder over the first 64
+    tokens of each gloss (the median is 11 words) and batches of 64: about 3.6 epochs of the 105,324
+    training glosses, ~3 minutes on 2 cores in bf16 with AMX. A model twice as wide and deep (d_model
+    256, 4 layers) reached the same validation accuracy in 3x the time."""
+    base = bbc()
+    return base.replace(
+        model=base.model.replace(max_seq_len=64),
+        data=base.data.replace(corpus="wordnet", seq_len=64),
+        steps=6000,
+        batch_size=64,
+        eval_every=1500,
+        eval_batches=100,
+        save_every=3000,
+        log_every=100,
+    )
+
+
 def tiny_classification() -> TrainConfig:
     """Seconds-long smoke run of the classification task (tests point data.path at small text folders)."""
     base = bbc()
@@ -241,6 +259,7 @@ TRAIN_PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "translation": translation,
     "tiny-translation": tiny_translation,
     "bbc": bbc,
+    "wordnet": wordnet,
     "tiny-classification": tiny_classification,
 }
 # the decoder-LM presets (what `tformer bench` measures), named here so that the command line's start-up
