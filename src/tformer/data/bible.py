@@ -20,7 +20,10 @@ left out whole. A verse empty on either side after that is left out.
 
 The split holds out whole chapters (a verse's neighbours share names and wording), ordered by
 sha256 of "book:chapter": test takes chapters until it has `n_test` verses, val the next until `n_val`.
-Every direction and version of the corpus uses the same chapters.
+Every direction and version of the corpus uses the same chapters. Formulas recur across chapters
+("Yahweh spoke to Moses, saying,"): a test verse whose text on either side (up to case and punctuation)
+is also in train is left out of test, and a validation verse that train or test holds is left out of val,
+so no source or reference is in two splits.
 
     corpus = load_corpus("bible", direction="en-fr")                   # WEB -> Segond
     corpus = load_corpus("bible", direction="de-en", english="kjv")    # Elberfelder -> KJV
@@ -68,6 +71,11 @@ _STANZA = re.compile(
 )
 _SPEAKER = re.compile(r"\s+(?:Beloved|Lover|Friends)$")
 _TITLE = re.compile(r"^\([^()]*\)\s*")  # "(Dem Vorsänger. Ein Psalm von David.) ...": Elberfelder's titles
+
+
+def _words(text: str) -> str:
+    """Text up to case and punctuation: what must not recur in two splits."""
+    return " ".join(re.findall(r"\w+", text.casefold())) or text
 
 
 def clean_verse(text: str, book: int = 0, chapter: int = 0, verse: int = 0) -> str:
@@ -159,9 +167,17 @@ def _load(direction: str, source: str, target: str, n_val: int, n_test: int, pat
         if src[b, c, v] and tgt[b, c, v]
     ]
     splits = split_by_hash(verses, lambda p: p[0].rpartition(":")[0], n_val, n_test)
+    # formulas recur across chapters ("Yahweh spoke to Moses, saying,"): a held-out verse whose text, on
+    # either side, an earlier split holds is left out of it, so no source or reference is in two splits
+    seen = {_words(text) for item in splits["train"] for text in item[1:]}
+    for name in ("test", "val"):
+        splits[name] = tuple(item for item in splits[name] if not {_words(t) for t in item[1:]} & seen)
+        seen |= {_words(text) for item in splits[name] for text in item[1:]}
     rule = (
         f"{source} -> {target}, verses joined on book:chapter:verse, empty ones left out; whole chapters "
-        f"ordered by sha256(book:chapter): test={n_test} verses, val={n_val}, train=the rest"
+        f"ordered by sha256(book:chapter): test={n_test} verses, val={n_val}, train=the rest; a test verse "
+        "whose text (either side, up to case and punctuation) train holds, and a val verse that train or "
+        "test holds, left out"
     )
     pairs = {s: tuple(Pair(*p) for p in items) for s, items in splits.items()}
     return Corpus("bible", "translation", pairs, rule, str(path), direction=direction)
