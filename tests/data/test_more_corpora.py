@@ -34,7 +34,7 @@ def test_bible_counts_and_whole_chapters_held_out():
     assert len(ids) == B.VERSES - 6 - 57 - 37 and not any(i.startswith("19:13:") for i in ids)
     assert_disjoint(corpus)
     for side in ("src", "tgt"):  # no source and no reference in two splits, up to case and punctuation
-        seen = {s: {B._words(getattr(p, side)) for p in corpus[s]} for s in SPLITS}
+        seen = {s: {B.normalized(getattr(p, side)) for p in corpus[s]} for s in SPLITS}
         assert not (seen["train"] & seen["test"]) and not (seen["train"] & seen["val"])
         assert not (seen["val"] & seen["test"])
     assert "Yahweh spoke to Moses, saying," in {p.src for p in corpus["train"]}

@@ -40,6 +40,7 @@ from tformer.data.corpus_base import (
     MissingDataError,
     Pair,
     cached_by_files,
+    normalized,
     package_dir,
     split_by_hash,
 )
@@ -71,11 +72,6 @@ _STANZA = re.compile(
 )
 _SPEAKER = re.compile(r"\s+(?:Beloved|Lover|Friends)$")
 _TITLE = re.compile(r"^\([^()]*\)\s*")  # "(Dem Vorsänger. Ein Psalm von David.) ...": Elberfelder's titles
-
-
-def _words(text: str) -> str:
-    """Text up to case and punctuation: what must not recur in two splits."""
-    return " ".join(re.findall(r"\w+", text.casefold())) or text
 
 
 def clean_verse(text: str, book: int = 0, chapter: int = 0, verse: int = 0) -> str:
@@ -169,10 +165,10 @@ def _load(direction: str, source: str, target: str, n_val: int, n_test: int, pat
     splits = split_by_hash(verses, lambda p: p[0].rpartition(":")[0], n_val, n_test)
     # formulas recur across chapters ("Yahweh spoke to Moses, saying,"): a held-out verse whose text, on
     # either side, an earlier split holds is left out of it, so no source or reference is in two splits
-    seen = {_words(text) for item in splits["train"] for text in item[1:]}
+    seen = {normalized(text) for item in splits["train"] for text in item[1:]}
     for name in ("test", "val"):
-        splits[name] = tuple(item for item in splits[name] if not {_words(t) for t in item[1:]} & seen)
-        seen |= {_words(text) for item in splits[name] for text in item[1:]}
+        splits[name] = tuple(item for item in splits[name] if not {normalized(t) for t in item[1:]} & seen)
+        seen |= {normalized(text) for item in splits[name] for text in item[1:]}
     rule = (
         f"{source} -> {target}, verses joined on book:chapter:verse, empty ones left out; whole chapters "
         f"ordered by sha256(book:chapter): test={n_test} verses, val={n_val}, train=the rest; a test verse "

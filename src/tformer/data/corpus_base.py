@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -193,6 +194,15 @@ def _stamp(value: object) -> tuple | None:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+_WORDS = re.compile(r"\w+")
+
+
+def normalized(text: str) -> str:
+    """Text up to case and punctuation ("Seed:" = "seed"): the unit that must not recur in two splits of a
+    translation corpus."""
+    return " ".join(_WORDS.findall(text.casefold())) or text
 
 
 def sha256_hex(key: str) -> str:

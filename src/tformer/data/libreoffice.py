@@ -38,6 +38,7 @@ from tformer.data.corpus_base import (
     Pair,
     cached_by_files,
     linked_groups,
+    normalized,
     split_by_hash,
 )
 
@@ -58,7 +59,6 @@ _PLACEHOLDER = re.compile(
 )
 _ACCELERATOR = re.compile(r"\s*\([_~][A-Za-z0-9]\)")  # "添加(_A)": a mnemonic in brackets (CJK UIs)
 _MNEMONIC = re.compile(r"[~_](?=[^\W_])")  # "_Open", "Sa~ve": the mark before the mnemonic letter
-_WORDS = re.compile(r"\w+")
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
 
@@ -163,11 +163,6 @@ def parse_ui(lang: str, root: Path = UI_ROOT) -> tuple[tuple[str, str, str], ...
                 digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # a context can hold several strings
                 pairs.append((f"ui/{catalog.stem}/{context}#{digest}", en, xx))
     return tuple(pairs)
-
-
-def normalized(text: str) -> str:
-    """Text up to case and punctuation: the unit that must not straddle splits ("Seed:" = "seed")."""
-    return " ".join(_WORDS.findall(text.casefold())) or text
 
 
 def groups(pairs: list[tuple[str, str, str]]) -> list[str]:
