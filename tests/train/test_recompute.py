@@ -212,7 +212,8 @@ def test_selective_under_bf16_autocast_gives_the_same_step(arch: str) -> None:
 
 def test_selective_keeps_attention_kernels_only_without_dropout() -> None:
     """A fused attention kernel that draws dropout is recomputed: kept, it would skip its random draws in
-    the recomputation and shift every later random op's masks (the dropout argument found by name)."""
+    the recomputation and shift every later random op's masks (the dropout argument found by name). The
+    linear layers' products are kept, oneDNN's (tformer.model.linear.OneDnnLinear) as MKL's."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from tformer.model.recompute import _keep_products_and_attention as policy
@@ -228,5 +229,7 @@ def test_selective_keeps_attention_kernels_only_without_dropout() -> None:
     assert policy(None, efficient, q, q, q, None, False, 0.2) == CheckpointPolicy.PREFER_RECOMPUTE
     assert policy(None, efficient, q, q, q, None, False) == CheckpointPolicy.MUST_SAVE
     assert policy(None, aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    onednn = torch.ops.mkldnn._linear_pointwise.default  # fp32 training products on AVX512 CPUs
+    assert policy(None, onednn, q, q, None, "none", [], "") == CheckpointPolicy.MUST_SAVE
     assert policy(None, aten.bmm.default, q, q) == CheckpointPolicy.PREFER_RECOMPUTE  # attention's scores
     assert policy(None, aten.mul.Tensor, q, q) == CheckpointPolicy.PREFER_RECOMPUTE

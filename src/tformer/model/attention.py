@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tformer.config import ModelConfig
 from tformer.model.cache import NoCache
-from tformer.model.linear import stacked_linear
+from tformer.model.linear import apply_linear, stacked_linear
 from tformer.model.masks import Mask
 from tformer.model.score_attention import applies as score_attention_applies
 from tformer.model.score_attention import score_attention
@@ -132,7 +132,7 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
         y = self.kernel(q, k, v, mask)  # (B, H, T, E)
         b, h, t, e = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))  # (B, T, D)
+        return apply_linear(self.o_proj, y.transpose(1, 2).reshape(b, t, h * e))  # (B, T, D)
 
 
 class SelfAttention(Attention):
@@ -152,10 +152,12 @@ class CrossAttention(Attention):
     """Attention of the decoder states x over the encoder memory; memory K/V computed once per source."""
 
     def memory_kv(self, memory: Memory) -> tuple[Tensor, Tensor]:
-        k = self.rotary(self.split_heads(self.k_proj(memory.states), self.n_kv_heads), memory.positions)
-        return k, self.split_heads(self.v_proj(memory.states), self.n_kv_heads)
+        k = self.rotary(
+            self.split_heads(apply_linear(self.k_proj, memory.states), self.n_kv_heads), memory.positions
+        )
+        return k, self.split_heads(apply_linear(self.v_proj, memory.states), self.n_kv_heads)
 
     def forward(self, x: Tensor, positions: Tensor, memory: Memory, cache: NoCache) -> Tensor:
-        q = self.rotary(self.split_heads(self.q_proj(x), self.n_heads), positions)
+        q = self.rotary(self.split_heads(apply_linear(self.q_proj, x), self.n_heads), positions)
         k, v = cache.cross(self.layer_idx, lambda: self.memory_kv(memory))
         return self.attend(q, k, v, memory.mask)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import ModelConfig
-from tformer.model.linear import stacked_linear
+from tformer.model.linear import apply_linear, stacked_linear
 
 
 class ReluFFN(nn.Module):
@@ -28,7 +28,7 @@ class ReluFFN(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:  # position-wise: tokens unused
-        return self.down_proj(self.activation(self.up_proj(x)))
+        return apply_linear(self.down_proj, self.activation(apply_linear(self.up_proj, x)))
 
 
 class GeluFFN(ReluFFN):
@@ -48,7 +48,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:  # position-wise: tokens unused
         gate, up = stacked_linear(x, (self.gate_proj, self.up_proj))  # 2 x (..., F)
-        return self.down_proj(F.silu(gate) * up)
+        return apply_linear(self.down_proj, F.silu(gate) * up)
 
 
 FFNS: dict[str, type[nn.Module]] = {"relu": ReluFFN, "gelu": GeluFFN, "swiglu": SwiGLU}

@@ -19,6 +19,11 @@ rate of `F.linear` for one row. Layers that read the same input (q/k/v, gate/up)
 `stacked_linear`, which then runs one such product over their weights stacked once per context (a
 copy of those weights for the length of the context; 32 products per step instead of 56 in the blocks
 of an 8-layer SwiGLU model).
+
+Training in fp32 on the CPU (`apply_linear`, how the blocks call their linear layers): where `onednn_linear_pays` says so,
+the forward and input-gradient products go through oneDNN (`OneDnnLinear`) instead of `F.linear`'s
+MKL GEMM, which on some CPUs runs the same shapes 5-25% slower (an AMD EPYC with AVX512-BF16, measured);
+the weight gradient stays an MKL product. `F.linear` is the slow twin.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def stacked_linear(
             if stacked is not None:
                 return row_blocked_linear(x, *stacked).split(sizes, dim=-1)
         x = autocast_input(x) if len(linears) > 1 else x  # cast once, not once per layer
-        return tuple(linear(x) for linear in linears)  # few rows: the separate layers
+        return tuple(apply_linear(linear, x) for linear in linears)  # the separate layers
     weight = torch.cat([linear.weight for linear in linears])  # (sum D_out_i, D_in)
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
     return F.linear(x, weight, bias).split(sizes, dim=-1)
@@ -360,3 +365,113 @@ def row_blocked_linears(
         for m, ours in patched:
             if m.__dict__.get("forward") is ours:  # only what this context set
                 del m.forward
+
+
+# ----------------------------------------------------------------------------- training products
+ONEDNN_MIN_ROWS = 256  # rows (B * T) from which a training product may take oneDNN (measured from 2,048)
+# Whether fp32 training products on the CPU take oneDNN: None decides by the CPU (`onednn_linear_pays`)
+# unless the environment variable TFORMER_ONEDNN_LINEAR says 1 / 0 (auto: by the CPU); True / False here.
+ONEDNN_LINEAR: bool | None = None
+ENV_ONEDNN_LINEAR = "TFORMER_ONEDNN_LINEAR"
+
+
+def _onednn_op() -> Callable | None:
+    op = (
+        getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    )
+    return op if op is not None and torch.backends.mkldnn.enabled else None
+
+
+def onednn_linear_pays() -> bool:
+    """Whether fp32 training products on the CPU go through oneDNN (`OneDnnLinear`): ONEDNN_LINEAR or the
+    environment variable TFORMER_ONEDNN_LINEAR where set, else on CPUs whose torch kernels use AVX512
+    (`torch.backends.cpu.get_cpu_capability()`), and only where torch has oneDNN enabled.
+
+    Why by the CPU and not timed as `row_blocking_pays` times the decoding layout: the choice sets the
+    summation order of every training product, so a run resumed in another process must make the same
+    choice to continue bit for bit, which a timing on a noisy machine would not guarantee. Measured
+    (docs/performance.md): on an AMD EPYC with AVX512-BF16, MKL's fp32 GEMMs of the benchmark models'
+    forward and input-gradient shapes ran at 157-198 GFLOP/s and oneDNN's at 204-215 (its weight
+    gradients ran slower there, so those stay MKL products); the encoder-decoder's fp32 training step
+    1.17x faster. On an AVX2-only AMD EPYC oneDNN was not consistently faster, so it stays off there.
+    """
+    if _onednn_op() is None:
+        return False
+    if ONEDNN_LINEAR is not None:
+        return ONEDNN_LINEAR
+    value = os.environ.get(ENV_ONEDNN_LINEAR, "auto").strip().lower()
+    if value in ("1", "0"):
+        return value == "1"
+    if value != "auto":
+        raise ValueError(f"{ENV_ONEDNN_LINEAR}={value!r}: use 1 (oneDNN), 0 (F.linear) or auto (by the CPU)")
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+class OneDnnLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) with the forward and x's gradient as oneDNN products
+    (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's own compiler emits for CPU linear layers)
+    and the weight's gradient as an MKL product (dY^T x), for fp32 CPU tensors. x (..., D_in), weight
+    (D_out, D_in), bias (D_out) or None. Same sums as F.linear up to their order (rounding only);
+    saves x and weight for backward, as F.linear's graph does."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        op = _onednn_op()
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = op(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), bias, "none", [], "")
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _onednn_op()(dy2, weight.t(), None, "none", [], "").view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db
+
+
+def takes_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether `linear` computes this product with `OneDnnLinear`: a graph is recorded, every tensor is a
+    plain fp32 CPU tensor (no DTensor shard, no autocast, not under torch.compile, whose own CPU
+    lowering picks kernels), x has at least ONEDNN_MIN_ROWS rows, and `onednn_linear_pays()`."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if x.dim() < 2 or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1] or not records_graph(x, weight, bias):
+        return False
+    if any(t is not None and type(t) not in (Tensor, nn.Parameter) for t in (x, weight, bias)):
+        return False
+    if autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    return onednn_linear_pays()
+
+
+def _plain_call(layer: nn.Module) -> bool:
+    """Whether calling `layer` runs nn.Linear.forward and nothing else: an `nn.Linear` (not a subclass,
+    such as a quantized layer), no forward set on the instance (the decoding contexts patch one), no
+    hooks of its own or global ones."""
+    if type(layer) is not nn.Linear or "forward" in layer.__dict__:
+        return False
+    if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+        return False
+    hooks = torch.nn.modules.module
+    return not (
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
+
+
+def apply_linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """layer(x); for a plain `nn.Linear` whose product `takes_onednn`, that product through `OneDnnLinear`
+    (the layers stay `nn.Linear` modules: quantization, tensor parallelism, hooks and the decoding
+    contexts see them as before and take the module call)."""
+    if _plain_call(layer) and takes_onednn(x, layer.weight, layer.bias):
+        return OneDnnLinear.apply(x, layer.weight, layer.bias)
+    return layer(x)

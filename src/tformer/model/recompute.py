@@ -39,13 +39,16 @@ from tformer.model.cache import NO_CACHE
 MODES = ("full", "selective")  # what checkpoint_blocks takes; a run's config adds "none"
 
 _aten = torch.ops.aten
-# the ops whose outputs "selective" keeps: the products of the linear layers, the fused attention kernels
+# the ops whose outputs "selective" keeps: the products of the linear layers (oneDNN's too, which fp32
+# training takes on AVX512 CPUs: tformer.model.linear.OneDnnLinear), the fused attention kernels
 # and the MoE loop kernel's products. Not bmm / baddbmm (the attention of `score_attention` and SDPA's
 # math path, recomputed whole: keeping their score matrices would cost as much memory as not
 # checkpointing them), not out= overloads (a kept output would not be written into the caller's buffer)
 SAVED_OPS = frozenset(
     getattr(_aten, name).default for name in ("mm", "addmm", "_grouped_mm") if hasattr(_aten, name)
 ) | {torch.ops.tformer.expert_products.default}
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    SAVED_OPS |= {torch.ops.mkldnn._linear_pointwise.default}
 ATTENTION_OPS = frozenset(
     getattr(_aten, name).default
     for name in (

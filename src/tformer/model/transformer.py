@@ -26,7 +26,7 @@ from tformer.model.buffers import compute_tables_after_load
 from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
 from tformer.model.checks import check_key_padding, check_positions, check_targets, check_tokens, is_dtensor
 from tformer.model.init import init_weights
-from tformer.model.linear import autocast_input
+from tformer.model.linear import apply_linear, autocast_input
 from tformer.model.loss import IGNORE_INDEX, linear_cross_entropy
 from tformer.model.masks import causal_mask, padding_mask
 from tformer.model.norms import make_norm
@@ -78,7 +78,7 @@ def head_output(
     """The logits head(h) (B, T, V); given targets (B, T) (checked by check_loss_targets), the sum of
     their cross-entropy (fp32 scalar; IGNORE_INDEX positions add nothing) from the fused head and loss."""
     if targets is None:
-        return head(h)
+        return apply_linear(head, h)
     return linear_cross_entropy(h, head.weight, targets, label_smoothing)
 
 
