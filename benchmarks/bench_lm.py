@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -432,6 +433,10 @@ def moe_section(s: dict, m: dict, rounds: int, dtype: str = "fp32", eager_peer: 
         peaks = {"bf16": MatmulPeak(shapes, torch.bfloat16, DEVICE), **peaks}
     result = run_section(title, steps, flops, peaks, s, rounds, notes, warmup)
     if dtype == "bf16" and eager_peer:
+        # free tformer's model and both optimizers' states first: with a third 263M-parameter model and its
+        # own AdamW beside them the process reached 23.6 GB and was killed on a 24 GB machine (2026-12-04)
+        del steps, models, ours
+        gc.collect()
         result["hf_eager_experts"] = eager_experts_pass(hf, s, m, tokens, autocast, result)
     return result
 
