@@ -45,6 +45,25 @@ def test_exact_resume_with_dropout(corpus_dir: Path, tmp_path: Path) -> None:
     assert records(tmp_path / "a") == records(tmp_path / "b")  # lr, tokens_seen, evaluations
 
 
+def test_exact_resume_with_onednn_training_products(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """With the fp32 training products on oneDNN (tformer.model.linear.OneDnnLinear, on for AVX512 CPUs;
+    forced here, at 8 x 32 = 256 rows a step, its threshold), a run stopped at step 4 and resumed gives
+    the uninterrupted run's losses and gradient norms bit for bit, and the products did take oneDNN."""
+    import tformer.model.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "ONEDNN_LINEAR", True)
+    taken = []
+    apply = linear_module.OneDnnLinear.apply
+    monkeypatch.setattr(linear_module.OneDnnLinear, "apply", lambda *a: taken.append(1) or apply(*a))
+    cfg = small_config(corpus_dir, batch_size=8)
+    Trainer(cfg, tmp_path / "a", make_task("lm"), progress=False).fit()
+    assert taken
+    Trainer(cfg, tmp_path / "b", make_task("lm"), progress=False).fit(until=4)
+    Trainer(cfg, tmp_path / "b", make_task("lm"), resume=True, progress=False).fit()
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert len(losses(tmp_path / "a")) == 8
+
+
 def test_rerun_without_resume_refuses_to_overwrite(corpus_dir: Path, tmp_path: Path) -> None:
     cfg = small_config(corpus_dir, steps=2, save_every=1)
     report = Trainer(cfg, tmp_path / "r", make_task("lm"), progress=False).fit()
