@@ -20,10 +20,10 @@ rate of `F.linear` for one row. Layers that read the same input (q/k/v, gate/up)
 copy of those weights for the length of the context; 32 products per step instead of 56 in the blocks
 of an 8-layer SwiGLU model).
 
-Training in fp32 on the CPU (`apply_linear`, how the blocks call their linear layers): where `onednn_linear_pays` says so,
-the forward and input-gradient products go through oneDNN (`OneDnnLinear`) instead of `F.linear`'s
-MKL GEMM, which on some CPUs runs the same shapes 5-25% slower (an AMD EPYC with AVX512-BF16, measured);
-the weight gradient stays an MKL product. `F.linear` is the slow twin.
+Training in fp32 on the CPU (`apply_linear`, how the blocks call their linear layers): where
+`onednn_linear_pays` says so, the forward and input-gradient products go through oneDNN (`OneDnnLinear`)
+instead of `F.linear`'s MKL GEMM, which on some CPUs runs the same shapes 5-25% slower (an AMD EPYC with
+AVX512-BF16, measured); the weight gradient stays an MKL product. `F.linear` is the slow twin.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -404,6 +404,12 @@ def onednn_linear_pays() -> bool:
         return value == "1"
     if value != "auto":
         raise ValueError(f"{ENV_ONEDNN_LINEAR}={value!r}: use 1 (oneDNN), 0 (F.linear) or auto (by the CPU)")
+    return _avx512_kernels()
+
+
+@cache
+def _avx512_kernels() -> bool:
+    """Whether torch's CPU kernels use AVX512 here (read once: `onednn_linear_pays` asks at every product)."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -437,7 +443,7 @@ class OneDnnLinear(torch.autograd.Function):
 
 
 def takes_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether `linear` computes this product with `OneDnnLinear`: a graph is recorded, every tensor is a
+    """Whether `apply_linear` computes this product with `OneDnnLinear`: a graph is recorded, every tensor is a
     plain fp32 CPU tensor (no DTensor shard, no autocast, not under torch.compile, whose own CPU
     lowering picks kernels), x has at least ONEDNN_MIN_ROWS rows, and `onednn_linear_pays()`."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
