@@ -118,6 +118,44 @@ def test_grouped_mm_kernel_equals_the_split_kernel_with_gradients(dtype, device:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_moe_layer_on_the_gpu_waits_for_it_nowhere_with_the_counts_on_the_device(
+    device: torch.device, monkeypatch
+) -> None:
+    """A DeepSeekMoE layer's training forward and backward under bf16 autocast (grouped_mm) count and
+    dispatch their rows on the device: torch's sync debug mode raises at no operation with the rows per
+    expert kept there (`DEVICE_COUNTS`), and does raise with them read on the host, so it sees such a
+    wait. The counts equal torch.bincount's on the CPU, an empty index included."""
+    from tests.model.helpers import moe_cfg
+    from tformer.model.moe import MoE
+    from tformer.model.router import count_per_expert
+
+    idx = torch.randint(0, 8, (50, 3))
+    for ids in (idx, idx[:0]):
+        expected = torch.bincount(ids.flatten(), minlength=8)
+        torch.testing.assert_close(count_per_expert(ids.to(device), 8).cpu(), expected)
+    torch.manual_seed(0)
+    moe = MoE(moe_cfg(d_model=64, d_ff=32, **DEEPSEEK.to_dict()), 0).to(device).train()
+    x = torch.randn(2, 24, 64, device=device, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = moe(x)
+        y.float().square().sum().backward()
+
+    step()  # the first calls initialise cuBLAS and load kernels, which may wait
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        monkeypatch.setattr(moe_module, "DEVICE_COUNTS", False)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_moe_model_trains_under_bf16_autocast_with_grouped_mm(device: torch.device, monkeypatch) -> None:
     """A DeepSeekMoE LM's loss and gradients under bf16 autocast with the kernel tformer picks (grouped_mm
     on CUDA, counted) equal those with every expert product as the split twin, to bf16 precision."""

@@ -239,3 +239,30 @@ def test_a_float64_moe_model_takes_the_loop_kernel_and_decodes() -> None:
         for token in new:
             assert int(model(torch.tensor([seq]))[0, -1].argmax()) == token
             seq.append(token)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_per_expert_as_a_device_tensor_give_the_products_of_the_list(bias: bool) -> None:
+    """The GPU dispatch keeps the rows per expert as a tensor (`DEVICE_COUNTS`): grouped_mm makes its
+    offsets from it, `grouped_linear` reads it as a list for the other kernels (the loop kernel here);
+    outputs and gradients equal those of the list. On the CPU the dispatch hands the kernels a list."""
+    counts = [3, 0, 5, 1, 0, 7]
+    torch.manual_seed(0)
+    w = torch.randn(6, 8, 16, requires_grad=True)
+    b = torch.randn(6, 8, requires_grad=True) if bias else None
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    g = torch.randn(sum(counts), 8)
+    leaves = [t for t in (x, w, b) if t is not None]
+    results = []
+    kernels = [torch_grouped_linear] if hasattr(F, "grouped_mm") else []
+    for kernel in [*kernels, moe_module.grouped_linear]:
+        for given in (counts, torch.tensor(counts)):
+            for t in leaves:
+                t.grad = None
+            y = kernel(x, w, b, given)
+            (y * g).sum().backward()
+            results.append([y.detach()] + [t.grad.clone() for t in leaves])
+    for got in results[1:]:
+        for a, ref in zip(got, results[0]):
+            torch.testing.assert_close(a, ref)
+    assert moe_module.host_or_device(torch.tensor(counts)) == counts  # a CPU tensor: a list

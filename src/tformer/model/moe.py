@@ -32,7 +32,7 @@ from tformer.model.linear import (
     records_graph,
     row_blocked_linear,
 )
-from tformer.model.router import BalanceLoss, Routing, Segments, TopKRouter, probabilities
+from tformer.model.router import BalanceLoss, Routing, Segments, TopKRouter, count_per_expert, probabilities
 
 # ----------------------------------------------------------------------------- grouped matmul kernels
 # torch multiplies bf16 and fp16 on the CPU with oneDNN, which compiles a kernel for every distinct shape
@@ -165,9 +165,10 @@ def loop_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int
     return loop_products(x, w, b, counts, x.new_empty(x.shape[0], w.shape[1]))  # no graph to record
 
 
-def torch_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
-    """PyTorch's grouped GEMM (`torch.nn.functional.grouped_mm`); needs 16-byte aligned rows."""
-    sizes = torch.tensor(counts, device=x.device)  # (E,)
+def torch_grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int] | Tensor) -> Tensor:
+    """PyTorch's grouped GEMM (`torch.nn.functional.grouped_mm`); needs 16-byte aligned rows. counts: a
+    list, or an (E,) integer tensor on x's device (no copy from the host: `DEVICE_COUNTS`)."""
+    sizes = counts if isinstance(counts, Tensor) else torch.tensor(counts, device=x.device)  # (E,)
     y = F.grouped_mm(x, w.transpose(1, 2), offs=sizes.cumsum(0).to(torch.int32))  # (S, out)
     if b is None:
         return y
@@ -242,8 +243,9 @@ def few_rows_in_weights_dtype(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
     )
 
 
-def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) -> Tensor:
-    """x (S, in) rows sorted by expert, counts[e] of them for expert e; W (E, out, in) -> (S, out).
+def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int] | Tensor) -> Tensor:
+    """x (S, in) rows sorted by expert, counts[e] of them for expert e (a list, or an (E,) tensor on x's
+    device, which the kernels other than grouped_mm read as a list); W (E, out, in) -> (S, out).
     Honours autocast like F.linear: inputs are cast to the autocast dtype, the kernel runs without it;
     except on the CPU for at most DECODE_MAX_ROWS rows without a graph (decoding), which multiply in the
     weights' own dtype: casting all E experts' weights at every step cost more than the products of the
@@ -251,8 +253,11 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int]) ->
     experts are not cast)."""
     dtype = w.dtype if few_rows_in_weights_dtype(x, w, b) else grouped_dtype(x)
     x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
+    kernel = pick_grouped_kernel(x, w)
+    if isinstance(counts, Tensor) and kernel != "grouped_mm":
+        counts = counts.tolist()
     with torch.autocast(x.device.type, enabled=False):
-        return GROUPED_LINEAR_KERNELS[pick_grouped_kernel(x, w)](x, w, b, counts)
+        return GROUPED_LINEAR_KERNELS[kernel](x, w, b, counts)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -280,8 +285,8 @@ class Experts(nn.Module):
             b = nn.Parameter(torch.empty(n_experts, d_out).uniform_(-bound, bound)) if bias else None
             self.register_parameter(f"{name}_bias", b)
 
-    def grouped(self, counts: list[int]) -> SimpleNamespace:
-        """Projections over rows sorted by expert, counts[e] rows for expert e."""
+    def grouped(self, counts: list[int] | Tensor) -> SimpleNamespace:
+        """Projections over rows sorted by expert, counts[e] rows for expert e (`grouped_linear`)."""
         return SimpleNamespace(
             **{
                 n: partial(
@@ -409,7 +414,7 @@ class Dispatch(nn.Module):
         the dropped count) under the capacity's order and limit."""
         flat = idx.flatten()  # (N*K,) expert of each assignment
         order = self.capacity.sort(idx)  # (N*K,)
-        counts = torch.bincount(flat, minlength=n_experts)  # (E,)
+        counts = count_per_expert(flat, n_experts)  # (E,)
         return self.capacity.trim(order, flat[order], counts, idx.shape[0])
 
 
@@ -429,6 +434,20 @@ class LoopDispatch(Dispatch):
         return out, torch.tensor(dropped, device=x.device)
 
 
+# Whether the rows per expert stay a tensor on the GPU for the grouped_mm kernel. Read as a list, they cost
+# one wait for the GPU per MoE layer (`tolist`) and one more per expert product (`torch.tensor(counts,
+# device=...)` copies from the host and waits for the stream), where the CPU could have queued the
+# layer's remaining kernels; made into offsets on the device, they cost none (torch's grouped_mm still
+# reads them on the host where it has no grouped GEMM for the dtype and loops over the experts).
+DEVICE_COUNTS = True
+
+
+def host_or_device(counts: Tensor) -> list[int] | Tensor:
+    """counts (E,) as `Experts.grouped` should get them: the tensor itself on CUDA (`DEVICE_COUNTS`), where
+    `grouped_linear` reads it as a list only for a kernel that needs one; a list elsewhere."""
+    return counts if counts.is_cuda and DEVICE_COUNTS else counts.tolist()
+
+
 class GroupedDispatch(Dispatch):
     """Fast path: sort the N*K assignments by expert, one gather, grouped matmuls, one scatter-add."""
 
@@ -437,7 +456,7 @@ class GroupedDispatch(Dispatch):
         k = route.idx.shape[1]
         order, counts, dropped = self.kept(route.idx, experts.n_experts)  # (S,), (E,)
         token = order // k  # (S,)
-        y = experts(x.index_select(0, token), experts.grouped(counts.tolist()))  # (S, D)
+        y = experts(x.index_select(0, token), experts.grouped(host_or_device(counts)))  # (S, D)
         weighted = y * route.weights.flatten().index_select(0, order).unsqueeze(1)  # (S, D), >= fp32
         return torch.zeros(n, d, device=x.device, dtype=weighted.dtype).index_add(0, token, weighted), dropped
 

@@ -36,6 +36,16 @@ class Routing(NamedTuple):
     weights: Tensor  # (N, K) combination weights
 
 
+def count_per_expert(idx: Tensor, n_experts: int) -> Tensor:
+    """(E,) int64: how many entries of idx (any shape, values in [0, E)) name each expert. torch.bincount,
+    except on CUDA, where bincount reads idx's largest and smallest values on the host (a wait for the
+    GPU at every MoE layer); there, a comparison with each expert id summed, in the same order always."""
+    flat = idx.flatten()
+    if not flat.is_cuda:
+        return torch.bincount(flat, minlength=n_experts)
+    return (flat.unsqueeze(1) == torch.arange(n_experts, device=flat.device)).sum(0)
+
+
 SCORE_FUNCS: dict[str, Callable[[Tensor], Tensor]] = {
     "softmax": partial(torch.softmax, dim=-1),
     "sigmoid": torch.sigmoid,
@@ -132,7 +142,7 @@ class TopKRouter(Float32Buffers):
 
     def count(self, idx: Tensor, add: bool = True) -> Tensor:
         """One training forward's assignments per expert, (E,), added to the counters where `add`."""
-        counts = torch.bincount(idx.flatten(), minlength=self.weight.shape[0])  # (E,)
+        counts = count_per_expert(idx, self.weight.shape[0])  # (E,)
         if add:
             self.tokens_per_expert += counts
             self.window_tokens += counts
