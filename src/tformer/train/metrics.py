@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,30 @@ class MetricsLog:
 
             _quiet_writer_threads()
             with self._named():
-                self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
+                self.tb = self._last_writer(SummaryWriter, purge_step)
         return self.tb
+
+    def _last_writer(self, make, purge_step: int | None):
+        """A TensorBoard writer whose event file sorts after those already in the folder. TensorBoard reads
+        a folder's files in name order, and a resume's purge (`truncate_after`) hides only the events read
+        before it. A name holds the second, the process id and a count of the process's writers without
+        padding, so a writer opened in the same process and second as an earlier one can sort first (its
+        count 10 before 9): its file is then removed and the writer opened again in the next second, once
+        (files from another machine whose clock ran ahead would still sort after it: that is not waited
+        out)."""
+        before = set(self._event_files())
+        for attempt in range(2):
+            tb = make(log_dir=str(self.tb_dir), purge_step=purge_step)
+            new = set(self._event_files()) - before
+            if attempt or all(n > old for n in new for old in before):
+                return tb
+            tb.close()
+            for name in new:
+                (self.tb_dir / name).unlink(missing_ok=True)
+            time.sleep(1.0 - time.time() % 1.0 + 0.01)
+
+    def _event_files(self) -> list[str]:
+        return [p.name for p in self.tb_dir.glob("events.out.tfevents.*")] if self.tb_dir.is_dir() else []
 
     @contextlib.contextmanager
     def _named(self):
