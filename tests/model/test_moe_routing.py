@@ -558,3 +558,16 @@ def test_the_sequence_wise_loss_of_padded_rows_is_taken_row_by_row() -> None:
     rows = [slice(0, 5), slice(5, 6)]
     expected = sum(load_balance_loss(probs[r], route.idx[r]) for r in rows) / 2
     torch.testing.assert_close(moe.last_aux, expected)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 2**24], ids=["one-row-per-pass", "uneven-passes", "one-pass"])
+def test_counting_by_comparison_equals_bincount(chunk: int) -> None:
+    """The count CUDA takes (no value read on the host) equals torch.bincount on the CPU, whatever its
+    passes, for an index with idle experts and for an empty one."""
+    from tformer.model.router import count_by_comparison
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 5, (23, 3))  # experts 5..7 idle
+    for flat in (idx.flatten(), idx.flatten()[:0]):
+        got = count_by_comparison(flat, 8, chunk=chunk)
+        assert got.dtype == torch.long and torch.equal(got, torch.bincount(flat, minlength=8))

@@ -36,14 +36,27 @@ class Routing(NamedTuple):
     weights: Tensor  # (N, K) combination weights
 
 
+COUNT_CHUNK = 2**24  # comparisons (entries x experts) per pass of `count_by_comparison`: 16 MB of bools
+
+
 def count_per_expert(idx: Tensor, n_experts: int) -> Tensor:
     """(E,) int64: how many entries of idx (any shape, values in [0, E)) name each expert. torch.bincount,
     except on CUDA, where bincount reads idx's largest and smallest values on the host (a wait for the
-    GPU at every MoE layer); there, a comparison with each expert id summed, in the same order always."""
+    GPU at every MoE layer); there `count_by_comparison`."""
     flat = idx.flatten()
     if not flat.is_cuda:
         return torch.bincount(flat, minlength=n_experts)
-    return (flat.unsqueeze(1) == torch.arange(n_experts, device=flat.device)).sum(0)
+    return count_by_comparison(flat, n_experts)
+
+
+def count_by_comparison(flat: Tensor, n_experts: int, chunk: int = COUNT_CHUNK) -> Tensor:
+    """bincount of flat (S,) as a comparison of each entry with each expert id, summed: no value read on
+    the host, the same sums in the same order at every call; in passes of at most `chunk` comparisons."""
+    ids = torch.arange(n_experts, device=flat.device)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device)
+    for part in flat.split(max(1, chunk // max(n_experts, 1))):
+        counts += (part.unsqueeze(1) == ids).sum(0)
+    return counts
 
 
 SCORE_FUNCS: dict[str, Callable[[Tensor], Tensor]] = {
