@@ -8,6 +8,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,19 +38,29 @@ class MetricsLog:
         a folder's files in name order, and a resume's purge (`truncate_after`) hides only the events read
         before it. A name holds the second, the process id and a count of the process's writers without
         padding, so a writer opened in the same process and second as an earlier one can sort first (its
-        count 10 before 9): its file is then removed and the writer opened again in the next second, once
-        (files from another machine whose clock ran ahead would still sort after it: that is not waited
-        out)."""
+        count 10 before 9): its file is then removed and the writer opened again in the next second, once.
+        Files that still sort after it (from a machine whose clock ran ahead) are warned of."""
         before = set(self._event_files())
-        for attempt in range(2):
-            tb = make(log_dir=str(self.tb_dir), purge_step=purge_step)
-            new = set(self._event_files()) - before
-            if attempt or all(n > old for n in new for old in before):
-                return tb
-            tb.close()
-            for name in new:
-                (self.tb_dir / name).unlink(missing_ok=True)
-            time.sleep(1.0 - time.time() % 1.0 + 0.01)
+        tb = make(log_dir=str(self.tb_dir), purge_step=purge_step)
+        if self._sorts_last(before):
+            return tb
+        tb.close()
+        for name in set(self._event_files()) - before:
+            (self.tb_dir / name).unlink(missing_ok=True)
+        time.sleep(1.0 - time.time() % 1.0 + 0.01)
+        tb = make(log_dir=str(self.tb_dir), purge_step=purge_step)
+        if not self._sorts_last(before):
+            warnings.warn(
+                f"{self.tb_dir}: an earlier event file sorts after this run's (a clock ahead of this "
+                "machine's?); TensorBoard may show the steps this run writes again twice",
+                stacklevel=3,
+            )
+        return tb
+
+    def _sorts_last(self, before: set[str]) -> bool:
+        """Whether the files added to the folder since `before` sort after every file in it."""
+        new = set(self._event_files()) - before
+        return all(n > old for n in new for old in before)
 
     def _event_files(self) -> list[str]:
         return [p.name for p in self.tb_dir.glob("events.out.tfevents.*")] if self.tb_dir.is_dir() else []
