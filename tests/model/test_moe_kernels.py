@@ -244,8 +244,9 @@ def test_a_float64_moe_model_takes_the_loop_kernel_and_decodes() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_per_expert_as_a_device_tensor_give_the_products_of_the_list(bias: bool) -> None:
     """The GPU dispatch keeps the rows per expert as a tensor (`DEVICE_COUNTS`): grouped_mm makes its
-    offsets from it, `grouped_linear` reads it as a list for the other kernels (the loop kernel here);
-    outputs and gradients equal those of the list. On the CPU the dispatch hands the kernels a list."""
+    offsets from it, `grouped_linear` reads `DeviceCounts`' list, once, for the other kernels (the loop
+    kernel here); outputs and gradients equal those of the list. On the CPU the dispatch hands the kernels
+    a list."""
     counts = [3, 0, 5, 1, 0, 7]
     torch.manual_seed(0)
     w = torch.randn(6, 8, 16, requires_grad=True)
@@ -254,9 +255,10 @@ def test_rows_per_expert_as_a_device_tensor_give_the_products_of_the_list(bias: 
     g = torch.randn(sum(counts), 8)
     leaves = [t for t in (x, w, b) if t is not None]
     results = []
-    kernels = [torch_grouped_linear] if hasattr(F, "grouped_mm") else []
-    for kernel in [*kernels, moe_module.grouped_linear]:
-        for given in (counts, torch.tensor(counts)):
+    kernels = [(torch_grouped_linear, torch.tensor)] if hasattr(F, "grouped_mm") else []
+    held = moe_module.DeviceCounts(torch.tensor(counts))
+    for kernel, on_device in [*kernels, (moe_module.grouped_linear, lambda _: held)]:
+        for given in (counts, on_device(counts)):
             for t in leaves:
                 t.grad = None
             y = kernel(x, w, b, given)
@@ -265,4 +267,5 @@ def test_rows_per_expert_as_a_device_tensor_give_the_products_of_the_list(bias: 
     for got in results[1:]:
         for a, ref in zip(got, results[0]):
             torch.testing.assert_close(a, ref)
+    assert held.as_list() == counts and held.as_list() is held.as_list()  # read from the tensor once
     assert moe_module.host_or_device(torch.tensor(counts)) == counts  # a CPU tensor: a list

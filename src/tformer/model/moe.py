@@ -243,9 +243,25 @@ def few_rows_in_weights_dtype(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
     )
 
 
-def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int] | Tensor) -> Tensor:
-    """x (S, in) rows sorted by expert, counts[e] of them for expert e (a list, or an (E,) tensor on x's
-    device, which the kernels other than grouped_mm read as a list); W (E, out, in) -> (S, out).
+class DeviceCounts:
+    """The rows per expert as an (E,) tensor on the GPU (`DEVICE_COUNTS`), read on the host at most once:
+    grouped_mm takes the tensor; where a layer's products take another kernel (float64, widths not a
+    multiple of 16 bytes, fp32 while compiling, GPUs before SM80) the first reads the list, the others
+    reuse it."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        self._list: list[int] | None = None
+
+    def as_list(self) -> list[int]:
+        if self._list is None:
+            self._list = self.tensor.tolist()
+        return self._list
+
+
+def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int] | DeviceCounts) -> Tensor:
+    """x (S, in) rows sorted by expert, counts[e] of them for expert e (a list, or `DeviceCounts`, whose
+    tensor grouped_mm takes and whose list the other kernels); W (E, out, in) -> (S, out).
     Honours autocast like F.linear: inputs are cast to the autocast dtype, the kernel runs without it;
     except on the CPU for at most DECODE_MAX_ROWS rows without a graph (decoding), which multiply in the
     weights' own dtype: casting all E experts' weights at every step cost more than the products of the
@@ -254,8 +270,8 @@ def grouped_linear(x: Tensor, w: Tensor, b: Tensor | None, counts: list[int] | T
     dtype = w.dtype if few_rows_in_weights_dtype(x, w, b) else grouped_dtype(x)
     x, w, b = x.to(dtype), w.to(dtype), b if b is None else b.to(dtype)
     kernel = pick_grouped_kernel(x, w)
-    if isinstance(counts, Tensor) and kernel != "grouped_mm":
-        counts = counts.tolist()
+    if isinstance(counts, DeviceCounts):
+        counts = counts.tensor if kernel == "grouped_mm" else counts.as_list()
     with torch.autocast(x.device.type, enabled=False):
         return GROUPED_LINEAR_KERNELS[kernel](x, w, b, counts)
 
@@ -285,7 +301,7 @@ class Experts(nn.Module):
             b = nn.Parameter(torch.empty(n_experts, d_out).uniform_(-bound, bound)) if bias else None
             self.register_parameter(f"{name}_bias", b)
 
-    def grouped(self, counts: list[int] | Tensor) -> SimpleNamespace:
+    def grouped(self, counts: list[int] | DeviceCounts) -> SimpleNamespace:
         """Projections over rows sorted by expert, counts[e] rows for expert e (`grouped_linear`)."""
         return SimpleNamespace(
             **{
@@ -435,17 +451,17 @@ class LoopDispatch(Dispatch):
 
 
 # Whether the rows per expert stay a tensor on the GPU for the grouped_mm kernel. Read as a list, they cost
-# one wait for the GPU per MoE layer (`tolist`) and one more per expert product (`torch.tensor(counts,
+# one wait for the GPU per MoE layer (`tolist`) and one more per projection (`torch.tensor(counts,
 # device=...)` copies from the host and waits for the stream), where the CPU could have queued the
 # layer's remaining kernels; made into offsets on the device, they cost none (torch's grouped_mm still
 # reads them on the host where it has no grouped GEMM for the dtype and loops over the experts).
 DEVICE_COUNTS = True
 
 
-def host_or_device(counts: Tensor) -> list[int] | Tensor:
-    """counts (E,) as `Experts.grouped` should get them: the tensor itself on CUDA (`DEVICE_COUNTS`), where
-    `grouped_linear` reads it as a list only for a kernel that needs one; a list elsewhere."""
-    return counts if counts.is_cuda and DEVICE_COUNTS else counts.tolist()
+def host_or_device(counts: Tensor) -> list[int] | DeviceCounts:
+    """counts (E,) as `Experts.grouped` should get them: `DeviceCounts` on CUDA (`DEVICE_COUNTS`), a list
+    elsewhere."""
+    return DeviceCounts(counts) if counts.is_cuda and DEVICE_COUNTS else counts.tolist()
 
 
 class GroupedDispatch(Dispatch):
