@@ -190,15 +190,17 @@ def _balance(probs: Tensor, idx: Tensor, groups: Segments) -> Tensor:
     """E * sum_i f_i P_i within each group of tokens, averaged over the groups that hold a token.
     probs (N, E), idx (N, K); f_i: the group's share of assignments to i, P_i: its mean probability."""
     (seg, g), e, k = groups, probs.shape[-1], idx.shape[-1]
-    tokens = torch.bincount(seg, minlength=g).to(probs.dtype)  # (G,)
+    tokens = count_per_expert(seg, g).to(probs.dtype)  # (G,) tokens per group (ids counted as experts' are)
     ones = torch.ones(idx.numel(), dtype=probs.dtype, device=probs.device)
     counts = torch.zeros(g * e, dtype=probs.dtype, device=probs.device)
     counts.index_add_(0, (seg[:, None] * e + idx).flatten(), ones)  # (G * E,) assignments per group, expert
     p_sum = torch.zeros(g, e, dtype=probs.dtype, device=probs.device).index_add_(0, seg, probs)
-    present = tokens > 0
-    f = counts.view(g, e)[present] / (tokens[present, None] * k)  # (G', E) share of the group's assignments
-    p = p_sum[present] / tokens[present, None]  # (G', E) mean router probability
-    return e * (f * p).sum(-1).mean()
+    # the groups that hold a token, by weight rather than by indexing (which would read them on the host)
+    present = (tokens > 0).to(probs.dtype)  # (G,)
+    held = tokens.clamp_min(1)[:, None]  # an empty group's sums are 0: any divisor leaves them 0
+    f = counts.view(g, e) / (held * k)  # (G, E) share of the group's assignments
+    p = p_sum / held  # (G, E) mean router probability
+    return e * ((f * p).sum(-1) * present).sum() / present.sum()
 
 
 def load_balance_loss(probs: Tensor, idx: Tensor) -> Tensor:
@@ -225,7 +227,7 @@ def device_balance_loss(probs: Tensor, idx: Tensor, n_devices: int) -> Tensor:
     """DeepSeekMoE's device-level balance loss: sum_d f'_d P'_d over n_devices equal groups of experts,
     f'_d = mean of f_i = E * share_i over the group, P'_d = sum of P_i over the group."""
     e = probs.shape[-1]
-    counts = torch.bincount(idx.flatten(), minlength=e).to(probs.dtype)  # (E,)
+    counts = count_per_expert(idx, e).to(probs.dtype)  # (E,)
     f = counts * e / idx.numel()  # (E,) 1 for every expert at uniform load
     p = probs.mean(0)  # (E,)
     return (f.view(n_devices, -1).mean(-1) * p.view(n_devices, -1).sum(-1)).sum()
