@@ -118,13 +118,19 @@ def test_grouped_mm_kernel_equals_the_split_kernel_with_gradients(dtype, device:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+BALANCED = DEEPSEEK.replace(aux_loss_coef=0.01, seq_aux_loss_coef=0.001, z_loss_coef=0.001, device_loss_coef=0.01,
+                           n_devices=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("moe_config", [DEEPSEEK, BALANCED], ids=["aux-loss-free", "balance-losses"])
 def test_moe_layer_on_the_gpu_waits_for_it_nowhere_with_the_counts_on_the_device(
-    device: torch.device, monkeypatch
+    moe_config: MoEConfig, device: torch.device, monkeypatch
 ) -> None:
     """A DeepSeekMoE layer's training forward and backward under bf16 autocast (grouped_mm) count and
-    dispatch their rows on the device: torch's sync debug mode raises at no operation with the rows per
-    expert kept there (`DEVICE_COUNTS`), and does raise with them read on the host, so it sees such a
-    wait. The counts equal torch.bincount's on the CPU, an empty index included."""
+    dispatch their rows on the device, and its balance losses count there too: torch's sync debug mode
+    raises at no operation with the rows per expert kept there (`DEVICE_COUNTS`), and does raise with
+    them read on the host, so it sees such a wait. The counts equal torch.bincount's on the CPU, an empty
+    index included."""
     from tests.model.helpers import moe_cfg
     from tformer.model.moe import MoE
     from tformer.model.router import count_per_expert
@@ -134,15 +140,16 @@ def test_moe_layer_on_the_gpu_waits_for_it_nowhere_with_the_counts_on_the_device
         expected = torch.bincount(ids.flatten(), minlength=8)
         torch.testing.assert_close(count_per_expert(ids.to(device), 8).cpu(), expected)
     torch.manual_seed(0)
-    moe = MoE(moe_cfg(d_model=64, d_ff=32, **DEEPSEEK.to_dict()), 0).to(device).train()
+    moe = MoE(moe_cfg(d_model=64, d_ff=32, **moe_config.to_dict()), 0).to(device).train()
     x = torch.randn(2, 24, 64, device=device, requires_grad=True)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             y = moe(x)
-        y.float().square().sum().backward()
+        (y.float().square().sum() + moe.last_aux).backward()
 
     step()  # the first calls initialise cuBLAS and load kernels, which may wait
+    assert (moe.last_aux.item() > 0) == (moe_config is BALANCED)  # the balance losses ran where set
     if device.type != "cuda":
         return
     torch.cuda.synchronize()
