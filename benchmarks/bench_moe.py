@@ -34,7 +34,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from tformer import ModelConfig, MoEConfig, keep_freed_memory
-from tformer.model import moe as moe_module
+from tformer.model import grouped_linear as kernels_module
 from tformer.model.ffn import SwiGLU
 from tformer.model.linear import decoding_layout
 from tformer.model.moe import MoE
@@ -136,12 +136,12 @@ class WithKernel(nn.Module):
         self.block, self.kernel = block, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        defaults = moe_module.CPU_KERNEL, moe_module.CPU_DECODE_KERNEL
-        moe_module.CPU_KERNEL = moe_module.CPU_DECODE_KERNEL = self.kernel
+        defaults = kernels_module.CPU_KERNEL, kernels_module.CPU_DECODE_KERNEL
+        kernels_module.CPU_KERNEL = kernels_module.CPU_DECODE_KERNEL = self.kernel
         try:
             return self.block(x)
         finally:
-            moe_module.CPU_KERNEL, moe_module.CPU_DECODE_KERNEL = defaults
+            kernels_module.CPU_KERNEL, kernels_module.CPU_DECODE_KERNEL = defaults
 
 
 def variants(spec: dict) -> dict[str, nn.Module]:

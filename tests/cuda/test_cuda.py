@@ -21,6 +21,7 @@ from tformer import MoEConfig, build_model
 from tformer.generate.beam import beam_search, sample_search
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
+from tformer.model import grouped_linear as kernels
 from tformer.model import moe as moe_module
 from tformer.presets import tiny
 from tformer.tasks import make_task
@@ -106,11 +107,11 @@ def test_grouped_mm_kernel_equals_the_split_kernel_with_gradients(dtype, device:
     w = torch.randn(len(counts), 48, 64, device=device, dtype=dtype) / 8
     b = torch.randn(len(counts), 48, device=device, dtype=dtype)
     if device.type == "cuda":
-        assert moe_module.pick_grouped_kernel(x, w) == "grouped_mm"
+        assert kernels.pick_grouped_kernel(x, w) == "grouped_mm"
     results = []
     for kernel in ("grouped_mm", "split"):  # (F.grouped_mm runs on the CPU too)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        y = moe_module.GROUPED_LINEAR_KERNELS[kernel](*leaves, counts)
+        y = kernels.GROUPED_LINEAR_KERNELS[kernel](*leaves, counts)
         y.float().square().sum().backward()
         results.append([y.float(), *(t.grad.float() for t in leaves)])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -171,9 +172,9 @@ def test_moe_model_trains_under_bf16_autocast_with_grouped_mm(device: torch.devi
     twin = copy.deepcopy(model)
     tokens = torch.randint(0, 128, (4, 33), device=device)
     grouped_calls = []
-    real = moe_module.GROUPED_LINEAR_KERNELS["grouped_mm"]
+    real = kernels.GROUPED_LINEAR_KERNELS["grouped_mm"]
     monkeypatch.setitem(
-        moe_module.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: grouped_calls.append(1) or real(*a)
+        kernels.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: grouped_calls.append(1) or real(*a)
     )
 
     def loss_and_grads(m: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -186,7 +187,7 @@ def test_moe_model_trains_under_bf16_autocast_with_grouped_mm(device: torch.devi
     loss, grads = loss_and_grads(model)
     if device.type == "cuda":
         assert grouped_calls, "grouped_mm was not used for bf16 on CUDA"
-    monkeypatch.setattr(moe_module, "pick_grouped_kernel", lambda x, w: "split")
+    monkeypatch.setattr(kernels, "pick_grouped_kernel", lambda x, w: "split")
     twin_loss, twin_grads = loss_and_grads(twin)
     torch.testing.assert_close(loss, twin_loss, rtol=1e-2, atol=1e-2)
     for g, t in zip(grads, twin_grads):
@@ -301,14 +302,14 @@ def test_compiled_training_on_the_gpu_follows_eager(
     from torch._dynamo.utils import counters
 
     picked: list[tuple[bool, str]] = []
-    real = moe_module.pick_grouped_kernel
+    real = kernels.pick_grouped_kernel
 
     def spy(x, w):
         kernel = real(x, w)
         picked.append((torch.compiler.is_compiling(), kernel))
         return kernel
 
-    monkeypatch.setattr(moe_module, "pick_grouped_kernel", spy)
+    monkeypatch.setattr(kernels, "pick_grouped_kernel", spy)
     cfg = small_config(corpus_dir, device=str(device), steps=4, eval_every=4, save_every=4)
     cfg = cfg.replace(model=cfg.model.replace(dropout=0.0, moe=moe))
     Trainer(cfg, tmp_path / "eager", make_task("lm"), progress=False).fit()
@@ -319,7 +320,7 @@ def test_compiled_training_on_the_gpu_follows_eager(
     Trainer(cfg.replace(compile=True), tmp_path / "compiled", make_task("lm"), progress=False).fit()
     assert counters["stats"]["unique_graphs"] >= 1  # compiled, not an eager fallback
     if moe is not None:
-        assert {kernel for compiling, kernel in picked if compiling} == {moe_module.CPU_KERNEL}
+        assert {kernel for compiling, kernel in picked if compiling} == {kernels.CPU_KERNEL}
         if device.type == "cuda":
             assert eager == {(False, "grouped_mm")}
 

@@ -11,8 +11,8 @@ from tformer import MoEConfig, build_model
 from tformer.generate.engine import generate
 from tformer.generate.sampling import SamplingConfig
 from tformer.model import decode_step as decode_step_module
+from tformer.model import grouped_linear as kernels
 from tformer.model import linear as linear_module
-from tformer.model import moe as moe_module
 from tformer.model.linear import DECODE_MAX_ROWS, row_blocked_linear, row_blocked_linears, stacked_linear
 from tformer.model.norms import rms_norms_as_layer_norm
 from tformer.model.transformer import DecoderLM
@@ -233,7 +233,7 @@ def test_generate_fast_equals_slow_twin_with_moe(count_calls) -> None:
     torch.manual_seed(0)
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1, dispatch="grouped")
     model = build_model(llama_like(97, 32, 2, 4, 2, 64, 64).replace(moe=moe)).eval()
-    calls = count_calls(moe_module, "row_blocked_linear")
+    calls = count_calls(kernels, "row_blocked_linear")
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
     slow = generate(model, [[5, 6, 7, 8]], cfg, fast_decode=False)
     assert not calls

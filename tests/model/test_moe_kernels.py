@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tformer.model import grouped_linear as kernels
 from tformer.model import moe as moe_module
+from tformer.model.grouped_linear import loop_grouped_linear, split_grouped_linear, torch_grouped_linear
 from tformer.model.linear import row_blocked_linears
-from tformer.model.moe import MoE, loop_grouped_linear, split_grouped_linear, torch_grouped_linear
+from tformer.model.moe import MoE
 
 from .helpers import moe_cfg
 
@@ -24,7 +26,7 @@ from .helpers import moe_cfg
 def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, count_calls) -> None:
     """row-blocked: the loop kernel's few-row (decoding) path, taken by every expert inside the decoding
     context (counted), never outside it."""
-    calls = count_calls(moe_module, "row_blocked_linear")
+    calls = count_calls(kernels, "row_blocked_linear")
     decoding = (
         partial(row_blocked_linears, nn.Sequential(), min_weight=0) if row_blocked else contextlib.nullcontext
     )
@@ -55,8 +57,8 @@ def test_grouped_matmul_kernels_agree(bias: bool, row_blocked: bool, count_calls
 def test_row_pieces_bound_the_shapes_that_reduced_precision_products_ask_for() -> None:
     """fp32 rows run whole; bf16 / fp16 rows on the CPU in a multiple of ROW_QUANTUM and the rest, so every
     row count up to 2,048 needs at most 2,048 / Q + Q - 1 product shapes (oneDNN compiles one per shape)."""
-    q = moe_module.ROW_QUANTUM
-    pieces = moe_module.row_pieces
+    q = kernels.ROW_QUANTUM
+    pieces = kernels.row_pieces
     assert pieces(2 * q + 5, torch.empty(0)) == (slice(0, 2 * q + 5),)
     bf16 = torch.empty(0, dtype=torch.bfloat16)
     assert pieces(2 * q + 5, bf16) == (slice(0, 2 * q), slice(2 * q, 2 * q + 5))
@@ -84,7 +86,7 @@ def test_loop_kernel_in_bf16_multiplies_in_windows_and_pieces_and_equals_the_pro
     products in bf16)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    q = moe_module.ROW_QUANTUM
+    q = kernels.ROW_QUANTUM
     counts = [2 * q + 7, 0, q, 5, q + 1]
     torch.manual_seed(0)
     w = torch.randn(5, 24, 40).bfloat16().requires_grad_()
@@ -160,7 +162,7 @@ def test_loop_kernel_without_autograd_skips_the_function_and_equals_its_autograd
 ) -> None:
     """Inference (no_grad / inference_mode) runs the loop kernel's products without the autograd
     Function (its per-call cost shows in decoding): same values, no graph."""
-    applied = count_calls(moe_module.LoopGroupedLinear, "apply")
+    applied = count_calls(kernels.LoopGroupedLinear, "apply")
     torch.manual_seed(0)
     counts = [0, 2, 0, 0, 1, 0, 3]
     w = torch.randn(7, 8, 12, requires_grad=True)
@@ -181,8 +183,8 @@ def test_cpu_decode_kernel_for_a_few_rows_without_a_graph_or_row_blocks() -> Non
     products and with rows of a multiple of 16 bytes; the loop kernel for everything else."""
     w = torch.randn(4, 8, 12)
     few, many = torch.randn(64, 12), torch.randn(65, 12)
-    pick = moe_module.pick_grouped_kernel
-    assert moe_module.CPU_DECODE_KERNEL == "grouped_mm" and moe_module.CPU_KERNEL == "loop"
+    pick = kernels.pick_grouped_kernel
+    assert kernels.CPU_DECODE_KERNEL == "grouped_mm" and kernels.CPU_KERNEL == "loop"
     assert pick(few, w) == "grouped_mm"
     assert pick(many, w) == "loop"
     assert pick(few.requires_grad_(), w) == "loop"  # training: the loop kernel's Function
@@ -200,9 +202,9 @@ def test_a_decoding_sized_moe_forward_through_grouped_mm_equals_the_loop(monkeyp
     """An MoE layer on 8 tokens without gradients runs its expert products through grouped_mm (counted),
     with the output of the loop kernel."""
     calls = []
-    kernel = moe_module.GROUPED_LINEAR_KERNELS["grouped_mm"]
+    kernel = kernels.GROUPED_LINEAR_KERNELS["grouped_mm"]
     monkeypatch.setitem(
-        moe_module.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: calls.append(1) or kernel(*a)
+        kernels.GROUPED_LINEAR_KERNELS, "grouped_mm", lambda *a: calls.append(1) or kernel(*a)
     )
     torch.manual_seed(0)
     moe = MoE(moe_cfg(n_experts=4, top_k=2, n_shared=1, d_shared=16), 0).eval()
@@ -210,11 +212,11 @@ def test_a_decoding_sized_moe_forward_through_grouped_mm_equals_the_loop(monkeyp
     with torch.no_grad():
         fast = moe(x)
         assert len(calls) == 3  # gate, up and down products
-        default, moe_module.CPU_DECODE_KERNEL = moe_module.CPU_DECODE_KERNEL, "loop"
+        default, kernels.CPU_DECODE_KERNEL = kernels.CPU_DECODE_KERNEL, "loop"
         try:
             slow = moe(x)
         finally:
-            moe_module.CPU_DECODE_KERNEL = default
+            kernels.CPU_DECODE_KERNEL = default
     assert len(calls) == 3
     torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
 
@@ -229,8 +231,8 @@ def test_a_float64_moe_model_takes_the_loop_kernel_and_decodes() -> None:
     from tformer.presets import tiny
 
     x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(3, 8, 16, dtype=torch.float64)
-    assert moe_module.pick_grouped_kernel(x, w) == moe_module.CPU_KERNEL
-    assert moe_module.pick_grouped_kernel(x.float(), w.float()) == moe_module.CPU_DECODE_KERNEL
+    assert kernels.pick_grouped_kernel(x, w) == kernels.CPU_KERNEL
+    assert kernels.pick_grouped_kernel(x.float(), w.float()) == kernels.CPU_DECODE_KERNEL
     torch.manual_seed(0)
     model = build_model(tiny().replace(moe=moe_module.MoEConfig(n_experts=4, top_k=2))).double().eval()
     new = generate(model, [[5, 17, 33]], SamplingConfig(temperature=0.0, max_new_tokens=6))[0]
@@ -255,9 +257,9 @@ def test_rows_per_expert_as_a_device_tensor_give_the_products_of_the_list(bias: 
     g = torch.randn(sum(counts), 8)
     leaves = [t for t in (x, w, b) if t is not None]
     results = []
-    kernels = [(torch_grouped_linear, torch.tensor)] if hasattr(F, "grouped_mm") else []
-    held = moe_module.DeviceCounts(torch.tensor(counts))
-    for kernel, on_device in [*kernels, (moe_module.grouped_linear, lambda _: held)]:
+    tensor_kernels = [(torch_grouped_linear, torch.tensor)] if hasattr(F, "grouped_mm") else []
+    held = kernels.DeviceCounts(torch.tensor(counts))
+    for kernel, on_device in [*tensor_kernels, (kernels.grouped_linear, lambda _: held)]:
         for given in (counts, on_device(counts)):
             for t in leaves:
                 t.grad = None

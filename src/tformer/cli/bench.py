@@ -20,7 +20,7 @@ from tformer.cli.options import refuse_torchrun, warn_oversubscribed
 PROMPT = 8  # tokens of the decoding prompt
 # untimed training steps before the timed ones for an MoE model in bf16 / fp16 on the CPU: oneDNN compiles a
 # kernel for every new product shape there, and the experts' row counts change from step to step; the
-# loop kernel bounds those shapes (tformer.model.moe.row_pieces), and bench_lm.py's DeepSeekMoE LM compiled
+# loop kernel bounds those shapes (tformer.model.grouped_linear.row_pieces), and bench_lm.py's DeepSeekMoE LM compiled
 # none after its fourth step. Other models take one.
 MOE_REDUCED_PRECISION_WARMUP = 5
 DEFAULT_NEW = 64  # tokens to decode unless --new-tokens says otherwise (fewer where the context is shorter)
@@ -138,7 +138,7 @@ def _training(model, cfg, mcfg, device, b: int, t: int, repeats: int) -> dict:
     `fused_loss` make it
     (the blocks run as built again for the decoding after it). The MFU counts the model's FLOPs, not a
     recomputation's."""
-    from tformer.model.moe import reduced_cpu
+    from tformer.model.grouped_linear import reduced_cpu
     from tformer.model.recompute import checkpoint_blocks, plain_blocks
     from tformer.model.stats import activation_bytes, flops_per_token
     from tformer.train.optim import make_optimizer

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tformer.model.moe import Dispatch, Experts, grouped_dtype, moe_layers
+from tformer.model.grouped_linear import grouped_dtype
+from tformer.model.moe import Dispatch, Experts, moe_layers
 from tformer.model.router import Routing
 
 

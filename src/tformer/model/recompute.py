@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from tformer.model import moe  # noqa: F401  (registers torch.ops.tformer.expert_products)
+from tformer.model import grouped_linear  # noqa: F401  (registers torch.ops.tformer.expert_products)
 from tformer.model.blocks import Block
 from tformer.model.cache import NO_CACHE
 
