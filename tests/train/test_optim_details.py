@@ -41,6 +41,54 @@ def test_fused_adamw_is_taken_where_this_torch_has_it() -> None:
     assert not make_optimizer(model, OptimConfig(fused=False)).defaults["fused"]
 
 
+def adamw_written_out(params, grads_per_step, groups, lr, betas, eps):
+    """AdamW (Loshchilov & Hutter) step by step in plain tensor arithmetic: decoupled decay, bias-corrected
+    moments. The slow twin of torch's fused and foreach kernels."""
+    b1, b2 = betas
+    p = {n: t.detach().clone().double() for n, t in params.items()}
+    m = {n: torch.zeros_like(t) for n, t in p.items()}
+    v = {n: torch.zeros_like(t) for n, t in p.items()}
+    for step, grads in enumerate(grads_per_step, start=1):
+        for n in p:
+            g = grads[n].double()
+            p[n] *= 1 - lr * groups[n]
+            m[n] = b1 * m[n] + (1 - b1) * g
+            v[n] = b2 * v[n] + (1 - b2) * g * g
+            m_hat, v_hat = m[n] / (1 - b1**step), v[n] / (1 - b2**step)
+            p[n] -= lr * m_hat / (v_hat.sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_kernels_equal_the_update_written_out(fused: bool) -> None:
+    """The default fused kernel (and the foreach fallback) take the documented AdamW step over both
+    parameter groups: 4 steps of the same gradients against the update in float64 arithmetic."""
+    if fused:
+        try:
+            torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+        except (RuntimeError, TypeError):
+            pytest.fail("this torch has no fused AdamW for CPU parameters (torch >= 2.4 has one)")
+    torch.manual_seed(0)
+    model = tiny_model()
+    cfg = OptimConfig(lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1, fused=fused)
+    opt = make_optimizer(model, cfg)
+    assert bool(opt.defaults["fused"]) is fused and bool(opt.defaults["foreach"]) is not fused
+    params = dict(model.named_parameters())
+    start = {n: t.detach().clone() for n, t in params.items()}
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    grads_per_step = [{n: torch.randn_like(t) for n, t in params.items()} for _ in range(4)]
+    for grads in grads_per_step:
+        for n, t in params.items():
+            t.grad = grads[n].clone()
+        opt.step()
+    expected = adamw_written_out(start, grads_per_step, {n: decay[id(t)] for n, t in params.items()},
+                                 cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps)  # fmt: skip
+    assert {0.0, 0.1} == set(decay.values())
+    for n, t in params.items():
+        torch.testing.assert_close(t.detach().double(), expected[n], rtol=1e-5, atol=1e-6, msg=n)
+        assert not torch.equal(t.detach(), start[n]), n
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 @pytest.mark.parametrize("warmup", [0, 2])
 def test_past_the_last_step_the_rate_stays_at_the_floor(schedule: str, warmup: int) -> None:
