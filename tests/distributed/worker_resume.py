@@ -21,7 +21,7 @@ from tformer.model import build_model
 from tformer.train.config import OptimConfig, ParallelConfig
 
 
-def lm_config(corpus: Path, **parallel):
+def lm_config(corpus: Path, log_every: int = 1, **parallel):
     from tformer.train.config import DataConfig
     from tformer.train.presets import tiny_lm
 
@@ -37,7 +37,7 @@ def lm_config(corpus: Path, **parallel):
         eval_every=4,
         eval_batches=1,
         save_every=4,
-        log_every=1,
+        log_every=log_every,
         parallel=ParallelConfig(**parallel),
     )
 
@@ -52,18 +52,40 @@ def run(cfg, run_dir: Path, resume=False, dump: Path | None = None) -> dict:
     rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()  # this rank's, as restored
     if dump is not None:
         dump_full_state(trainer, dump)
+    saved_windows, save = {}, trainer.save
+
+    def save_noting_the_windows(*args, trainer=trainer, **kwargs):
+        saved_windows[trainer.state.step] = routing_windows(trainer.model)
+        return save(*args, **kwargs)
+
+    trainer.save = save_noting_the_windows
+    restored_windows = routing_windows(trainer.model)
     trainer.fit()
+    del trainer.save  # (the wrapper holds the trainer)
     sums = [float(full(p.detach(), False).double().sum()).hex() for p in trainer.model.parameters()]
     trainer.close()  # releases model, optimizer, mesh (the process group is the launch's)
     del trainer
     gc.collect()
-    return {"param_sums": sums, "rng_at_start": rng}
+    return {
+        "param_sums": sums,
+        "rng_at_start": rng,
+        "windows_saved": saved_windows,
+        "windows_restored": restored_windows,
+    }
+
+
+def routing_windows(model) -> list[list[int]]:
+    """This rank's own routing counts since the last log, per MoE layer (rank-local state)."""
+    return [m.router.window_tokens.tolist() for m in model.modules() if hasattr(m, "router")]
 
 
 def losses(run_dir: Path) -> list[str]:
+    """Each logged step's loss, grad norm and routing statistics (MoE: summed over the ranks' windows)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [
-        f"{float(r['loss']).hex()} {float(r['grad_norm']).hex()}" for r in records if r["kind"] == "train"
+        f"{r['step']} {float(r['loss']).hex()} {float(r['grad_norm']).hex()} {json.dumps(r.get('moe'))}"
+        for r in records
+        if r["kind"] == "train"
     ]
 
 
@@ -78,9 +100,10 @@ def variant(name: str, corpus: Path):
         return lm_config(corpus, data="fsdp", async_save=True)
     if name == "tp_dense_sync":
         return lm_config(corpus, tensor=2)
+    # MoE: logged every 3 steps, so that the step-4 saves hold each rank's own routing counts of step 4
     if name == "ddp_moe_sync":
-        return lm_config(corpus, data="ddp", moe=moe)
-    return lm_config(corpus, data="fsdp", experts="shard", async_save=True, moe=moe)
+        return lm_config(corpus, log_every=3, data="ddp", moe=moe)
+    return lm_config(corpus, log_every=3, data="fsdp", experts="shard", async_save=True, moe=moe)
 
 
 def resume1(env, out_dir: Path, out: dict) -> None:
