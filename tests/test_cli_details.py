@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -36,6 +38,22 @@ def test_a_stop_on_a_signal_exits_128_plus_its_number(monkeypatch, capsys) -> No
 
     monkeypatch.setattr(evaluate, "run", ctrl_c)
     assert main(["eval", "--run", "x"]) == 130
+
+
+def test_a_ctrl_c_while_a_finished_command_exits_is_ignored() -> None:
+    """The `tformer` entry point: a Ctrl-C after the command's work is done (here while the interpreter runs
+    its exit handlers) changes neither the exit code nor stderr; `python -m tformer` takes the same path."""
+    script = (
+        "import atexit, os, signal, time\n"
+        "import tformer.cli.main as cli\n"
+        "cli.main = lambda argv=None: 3\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
+        "cli.entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (3, "")
+    module = subprocess.run([sys.executable, "-m", "tformer", "--version"], capture_output=True, text=True)
+    assert module.returncode == 0 and module.stdout.startswith("tformer "), module
 
 
 def test_under_torchrun_only_rank_0_shows_a_commands_warnings(monkeypatch) -> None:

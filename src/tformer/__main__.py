@@ -1,5 +1,3 @@
-import sys
+from tformer.cli.main import entry
 
-from tformer.cli.main import main
-
-sys.exit(main())
+entry()
