@@ -751,8 +751,10 @@ def test_the_source_vocabulary_the_translation_task_replaces_is_named() -> None:
 def test_a_run_inside_a_checkpoint_or_named_as_one_is_refused(corpus_dir: Path, tmp_path: Path) -> None:
     """A run written into another run's checkpoint had mixed its files with the checkpoint's (loading
     either read the other's weights), and the outer run's keep_last pruning later deleted it. A folder
-    named as a step the outer run would save is refused too; anything else in or beside a run's
-    checkpoints folder is an ordinary directory (a project keeping its runs under checkpoints/)."""
+    named as a step the outer run would save is refused too, as are the run's checkpoints/ folder itself
+    (`--run` of it means the run) and its tensorboard/ folder and what lies in it (TensorBoard reads
+    subfolders); anything else in or beside a run's checkpoints folder is an ordinary directory (a project
+    keeping its runs under checkpoints/)."""
     cfg = small_config(corpus_dir, steps=2, save_every=1)
     outer = Trainer(cfg, tmp_path / "a", "lm", progress=False)
     outer.fit()
@@ -763,6 +765,9 @@ def test_a_run_inside_a_checkpoint_or_named_as_one_is_refused(corpus_dir: Path, 
         (checkpoints[-1], f"is the checkpoint {checkpoints[-1]}: its files would mix"),
         (checkpoints[0] / "sub", f"lies inside the checkpoint {checkpoints[0]}: its files would mix"),
         (tmp_path / "a" / "checkpoints" / "step_000009", f"is named as a checkpoint of the run in {tmp_path / 'a'}"),
+        (tmp_path / "a" / "checkpoints", f"is the checkpoints/ folder of the run in {tmp_path / 'a'}: the new run's files would mix with its checkpoints"),
+        (tmp_path / "a" / "tensorboard", f"is the tensorboard/ folder of the run in {tmp_path / 'a'}: the new run's files would mix with its TensorBoard logs"),
+        (tmp_path / "a" / "tensorboard" / "b", f"lies inside the tensorboard/ folder of the run in {tmp_path / 'a'}"),
     ):  # fmt: skip
         for resume in (False, True):
             with pytest.raises(ValueError, match=re.escape(said)):

@@ -28,6 +28,7 @@ RUN_FILES = (
     "tensorboard",
     "report.json",
 )
+TENSORBOARD_DIR = "tensorboard"
 
 
 @contextlib.contextmanager
@@ -104,6 +105,15 @@ def lock_run_dir(run_dir: Path, holder: Any, exclusive: bool = True):
     return handle
 
 
+def is_run_dir(folder: Path) -> bool:
+    """`folder` holds a tformer run's config.json."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
+
+
 def refuse_foreign_files(run_dir: Path) -> None:
     """A fresh run replaces RUN_FILES in its directory. That is what rerunning a run that stopped before
     its first checkpoint needs (its config.json is a run's config), but files of the same names that no
@@ -111,12 +121,7 @@ def refuse_foreign_files(run_dir: Path) -> None:
     taken = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not taken:
         return
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-        is_run = isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
-    except (OSError, ValueError):
-        is_run = False
-    if not is_run:
+    if not is_run_dir(run_dir):
         raise FileExistsError(
             f"{run_dir} holds {', '.join(taken)}, which a new run would replace, and is not a tformer run "
             "(no run's config.json); choose another --out or move them"
@@ -154,7 +159,10 @@ def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
     manifest), or is named as a checkpoint a run would write (`step_N` in a `checkpoints/` folder): its
     files would mix with the checkpoint's (`load_run` on either would read the other's weights), and the
     run that owns the checkpoint would delete them with it when keep_last prunes it (or write its own
-    checkpoint of that step there)."""
+    checkpoint of that step there). Nor a run's checkpoints/ folder itself (`--run` of that folder, which
+    means its run, would find the new run instead) or its tensorboard/ folder or a folder in it (TensorBoard
+    reads the folders in it too, and would show the new run's curves as the run's). A folder inside a run's
+    checkpoints/ that is not named as a step is an ordinary directory."""
     out = Path(run_dir).expanduser().resolve()
     for folder in (out, *out.parents):
         if (folder / MARKER).is_file():
@@ -168,6 +176,15 @@ def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
             f"the run directory {run_dir} is named as a checkpoint of the run in {out.parent.parent} "
             "(checkpoints/step_N), which would save that step there; choose another --out"
         )
+    for folder in (out, *out.parents):
+        named = folder.name == TENSORBOARD_DIR or (folder == out and folder.name == CHECKPOINTS_DIR)
+        if named and is_run_dir(folder.parent):
+            where = "is" if folder == out else "lies inside"
+            mixed = "its checkpoints" if folder.name == CHECKPOINTS_DIR else "its TensorBoard logs"
+            raise ValueError(
+                f"the run directory {run_dir} {where} the {folder.name}/ folder of the run in {folder.parent}: "
+                f"the new run's files would mix with {mixed}; choose an --out outside it"
+            )
 
 
 def release_run_dir(run_dir: Path, holder: Any) -> None:
