@@ -575,18 +575,26 @@ def test_distributed_checkpoint_retention_keeps_the_newest(corpus_dir: Path, tmp
 
 
 def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path) -> None:
-    cfg = small_config(corpus_dir, steps=2, optim=OptimConfig(lr=1e-2, warmup_steps=4, fused=False))
-    with pytest.warns(UserWarning, match=r"warmup_steps 4 >= steps 2: the cosine schedule never decays"):
+    cfg = small_config(corpus_dir, steps=2, optim=OptimConfig(lr=1e-2, warmup_steps=2, fused=False))
+    with pytest.warns(UserWarning, match=r"warmup_steps 2 >= steps 2: the cosine schedule never decays"):
         Trainer(cfg, tmp_path / "w", make_task("lm"), progress=False).close()
 
 
-def test_a_constant_schedule_whose_warm_up_outlasts_the_run_is_named(
-    corpus_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "said"),
+    [
+        ("constant", 4, "the constant schedule never reaches optim.lr (the last step runs at 0.5 x optim.lr)"),
+        ("cosine", 4, "the cosine schedule never reaches optim.lr nor decays (the last step runs at 0.5 x"),
+        # below min_lr_ratio (0.1), where the check for a schedule that never decays had said nothing
+        ("cosine", 100, "the cosine schedule never reaches optim.lr nor decays (the last step runs at 0.02 x"),
+        ("wsd", 100, "the wsd schedule never reaches optim.lr nor decays (the last step runs at 0.02 x"),
+    ],
+)
+def test_a_warm_up_that_outlasts_the_run_is_named(
+    corpus_dir: Path, tmp_path: Path, schedule: str, warmup: int, said: str
 ) -> None:
-    optim = OptimConfig(lr=1e-2, schedule="constant", warmup_steps=4, fused=False)
-    with pytest.warns(
-        UserWarning, match=r"warmup_steps 4 > steps 2: the constant schedule never reaches optim.lr"
-    ):
+    optim = OptimConfig(lr=1e-2, schedule=schedule, warmup_steps=warmup, fused=False)
+    with pytest.warns(UserWarning, match=re.escape(f"warmup_steps {warmup} > steps 2: {said}")):
         Trainer(
             small_config(corpus_dir, steps=2, optim=optim), tmp_path / "c", make_task("lm"), progress=False
         ).close()

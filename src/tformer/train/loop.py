@@ -240,17 +240,18 @@ class Trainer:
         steps_left = resume_from is None or step_of(resume_from) < cfg.steps  # else the schedule has run
         if optim.warmup_steps >= cfg.steps and self.env.is_main and steps_left:
             end = lr_factor(cfg.steps - 1, cfg.steps, optim)  # the warm-up takes every step
-            if optim.schedule != "constant" and end > optim.min_lr_ratio:
+            if end < 1:  # (at any schedule: a rate far below lr may otherwise pass for a floor)
+                nor = "" if optim.schedule == "constant" else " nor decays"
+                warnings.warn(
+                    f"optim.warmup_steps {optim.warmup_steps} > steps {cfg.steps}: the {optim.schedule} "
+                    f"schedule never reaches optim.lr{nor} (the last step runs at {end:.3g} x optim.lr)",
+                    stacklevel=2,
+                )
+            elif optim.schedule != "constant" and end > optim.min_lr_ratio:
                 warnings.warn(
                     f"optim.warmup_steps {optim.warmup_steps} >= steps {cfg.steps}: the {optim.schedule} "
                     f"schedule never decays (the last step runs at {end:.3g} x optim.lr, not at "
                     f"min_lr_ratio {optim.min_lr_ratio:g})",
-                    stacklevel=2,
-                )
-            elif optim.schedule == "constant" and end < 1:
-                warnings.warn(
-                    f"optim.warmup_steps {optim.warmup_steps} > steps {cfg.steps}: the constant schedule "
-                    f"never reaches optim.lr (the last step runs at {end:.3g} x optim.lr)",
                     stacklevel=2,
                 )
         if resume_from is not None:
