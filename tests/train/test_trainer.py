@@ -583,10 +583,18 @@ def test_a_warm_up_as_long_as_the_run_is_named(corpus_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("schedule", "warmup", "said"),
     [
-        ("constant", 4, "the constant schedule never reaches optim.lr (the last step runs at 0.5 x optim.lr)"),
+        (
+            "constant",
+            4,
+            "the constant schedule never reaches optim.lr (the last step runs at 0.5 x optim.lr)",
+        ),
         ("cosine", 4, "the cosine schedule never reaches optim.lr nor decays (the last step runs at 0.5 x"),
         # below min_lr_ratio (0.1), where the check for a schedule that never decays had said nothing
-        ("cosine", 100, "the cosine schedule never reaches optim.lr nor decays (the last step runs at 0.02 x"),
+        (
+            "cosine",
+            100,
+            "the cosine schedule never reaches optim.lr nor decays (the last step runs at 0.02 x",
+        ),
         ("wsd", 100, "the wsd schedule never reaches optim.lr nor decays (the last step runs at 0.02 x"),
     ],
 )
