@@ -214,3 +214,15 @@ def test_a_run_stopped_early_is_said_when_its_weights_are_used(
     assert capsys.readouterr().err == "tformer generate: note: the weights of step 2 of the run's 4\n"
     assert main(["generate", "--run", str(trained_run), *argv]) == 0
     assert capsys.readouterr().err == ""
+    # a damaged newer checkpoint, which a resume refuses to pass: the note says to move it first
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained_run, damaged)
+    (damaged / "checkpoints" / "step_000004" / "COMMITTED").unlink()
+    assert main(["generate", "--run", str(damaged), *argv]) == 0
+    err = capsys.readouterr().err
+    checkpoints = shlex.quote(str((damaged / "checkpoints").resolve()))
+    assert (
+        f"note: the checkpoint used is of step 2 of the run's 4 (if the run stopped early, move step_000004 "
+        f"out of {checkpoints}, then `tformer train --out {shlex.quote(str(damaged.resolve()))} --resume` "
+        "continues it)\n"
+    ) in err, err

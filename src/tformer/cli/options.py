@@ -226,10 +226,20 @@ def load_run_arg(args, command: str):
         if Path(args.run).resolve() == run.checkpoint.resolve():
             note = f"the weights of step {run.step} of the run's {planned}"
         else:
+            from tformer.train.checkpoint import CHECKPOINTS_DIR, unfinished_checkpoints
+
             run_dir = run.checkpoint.parent.parent
+            # a resume refuses to pass a damaged newer checkpoint (`refuse_unfinished`): say what to move
+            damaged = unfinished_checkpoints(run_dir, run.step)
+            first = (
+                f"move {', '.join(p.name for p in damaged)} out of {shlex.quote(str(run_dir / CHECKPOINTS_DIR))}, "
+                "then "
+                if damaged
+                else ""
+            )
             note = (
                 f"the checkpoint used is of step {run.step} of the run's {planned} (if the run stopped early, "
-                f"`tformer train --out {shlex.quote(str(run_dir))} --resume` continues it)"
+                f"{first}`tformer train --out {shlex.quote(str(run_dir))} --resume` continues it)"
             )
         print(f"tformer {command}: note: {note}", file=sys.stderr)
     return run
