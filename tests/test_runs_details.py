@@ -51,3 +51,24 @@ def test_first_few_marks_only_what_it_leaves_out():
     assert first_few([1, 2, 3, 4, 5]) == "1, 2, 3, 4, 5"
     assert first_few([1, 2, 3, 4, 5, 6]) == "1, 2, 3, 4, 5, ..."
     assert first_few([7, 8], n=1) == "7, ..."
+
+
+def test_weights_that_are_not_finite_are_named_when_a_run_loads(trained_run: Path, tmp_path: Path):
+    """A checkpoint whose weights hold NaN loads with a warning naming them: a one-prompt generation had
+    printed text as if nothing were wrong (torch's fused attention of an unpadded batch leaves a NaN key out
+    of its softmax, so the logits stayed finite)."""
+    import warnings
+
+    import torch
+
+    from tformer.train.checkpoint import checkpoint_meta, save_checkpoint
+
+    run = load_run(trained_run)
+    with torch.no_grad():
+        run.model.blocks[0].attn.k_proj.weight[0, 0] = float("nan")
+    saved = save_checkpoint(tmp_path / "run", run.step, run.model, meta=checkpoint_meta(run.checkpoint))
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) hold NaN or infinite values \(blocks.0.attn.k_proj"):
+        load_run(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_run(trained_run)  # finite weights: nothing said

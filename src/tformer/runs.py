@@ -31,6 +31,7 @@ from tformer.train.checkpoint import (
     why_none_committed,
 )
 from tformer.train.config import TrainConfig
+from tformer.train.weights import warn_nonfinite
 
 
 @dataclass
@@ -207,6 +208,7 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         step = load_dcp_weights(ckpt, model, train_cfg)
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
+    warn_nonfinite(model.state_dict(), ckpt, stacklevel=4)
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
 
 

@@ -82,15 +82,22 @@ def load_weights(
         tensors = _weights_from_bytes(data, str(path))  # a truncated or malformed file is named as such first
         _check_digest(data, path)
     result = load_state_dict_checked(model, tensors, strict=strict, source=str(path))
+    warn_nonfinite(tensors, path, stacklevel=3)
+    return result
+
+
+def warn_nonfinite(tensors: dict[str, torch.Tensor], source: str | Path, stacklevel: int = 2) -> None:
+    """A warning naming the floating-point tensors that hold NaN or infinite values (weights loaded from
+    `source`). Their outputs are NaN, or finite and meaningless: torch's fused attention of an unpadded
+    batch leaves a NaN key out of its softmax instead of passing it on."""
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         warnings.warn(
-            f"{path}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
-            f"{', ...' if len(bad) > 3 else ''}); the model will output NaN",
+            f"{source}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); the model's outputs will be NaN or meaningless",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel + 1,
         )
-    return result
 
 
 def _is_safetensors(path: Path) -> bool:
