@@ -4,6 +4,7 @@ what no family can express is refused by name, and a failed export leaves no dir
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -205,6 +206,15 @@ def test_failed_check_or_taken_directory_writes_nothing(tokenizer, tmp_path, mon
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # named as a step a run would save
     with pytest.raises(ExportError, match="the export directory .* is named as a checkpoint"):
         export_hf(run, tmp_path / "run" / "checkpoints" / "step_000099")
+
+    def refused(*args, **kwargs):  # a folder that takes no new directory (/proc, a read-only mount)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.undo()  # the logits check passes again
+    monkeypatch.setattr(tformer.export.tempfile, "mkdtemp", refused)
+    with pytest.raises(ExportError) as e:  # it had named the temporary folder it could not make
+        export_hf(run, tmp_path / "hf")
+    assert str(e.value) == f"cannot write {tmp_path / 'hf'}: Read-only file system in {tmp_path}"
 
 
 def test_a_signal_while_writing_leaves_no_temporary_folder(tokenizer, tmp_path, monkeypatch) -> None:

@@ -343,7 +343,10 @@ def _export(run, model: nn.Module, out: Path, dtype: str, check_tokens: int, tra
         for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
             if name in fp32:  # as trained, not rounded through the saved dtype
                 tensor.data = fp32[name]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:  # (a folder that takes no new directories: /proc, a read-only mount)
+        raise ExportError(f"cannot write {out}: {e.strerror or e} in {out.parent}") from None
     try:
         with signals_interrupt(), quiet(transformers):
             hf.save_pretrained(tmp)

@@ -242,7 +242,9 @@ class Config:
         try:
             data = json.loads(text, object_pairs_hook=_unique_keys) if fmt == "JSON" else _yaml_unique(text)
         except (ValueError, yaml.YAMLError) as e:
-            reason = " ".join(str(e).split())
+            reason = " ".join(str(e).split()).replace(
+                'in "<unicode string>", ', ""
+            )  # the file is named first
             what = (
                 f"{where}: not a readable {cls.__name__} file"
                 if where
