@@ -219,6 +219,10 @@ def test_generate_and_eval(trained_run: Path, capsys, tmp_path: Path, monkeypatc
             "--report-only rebuilds the report from the run's logs; --overwrite would change nothing",
         ),
         (["train", "--lr", "3"], "allowed options: --config, --help"),
+        (
+            ["train", "--preset", "tiny-lm", "--set", "=5"],
+            "--set expects KEY=VALUE (for example model.d_model",
+        ),
         # an empty path had read as the working directory, an empty preset as the default one
         (["eval", "--run", ""], "argument --run: is empty: give a path"),
         (["translate", "--run", "adir", "--file", " "], "argument --file: is empty: give a path"),

@@ -157,7 +157,10 @@ def test_train_classify_eval_cli(trained_run: Path, tmp_path: Path, capsys, monk
     # a sample of the split writes its own matrix: it had replaced the whole split's
     assert Path(whole["confusion_png"]).name == "eval_confusion_train.png"
     assert Path(one_batch["confusion_png"]).name == "eval_confusion_train_sample.png"
-    assert json.loads((trained_run / "eval_confusion_train.json").read_text())["n"] == whole["n"]
+    saved = json.loads((trained_run / "eval_confusion_train.json").read_text())
+    assert saved["n"] == whole["n"]
+    # the weights scored are named: an older checkpoint's evaluation writes the same files
+    assert (saved["checkpoint_step"], saved["averaged_steps"]) == (whole["checkpoint_step"], [])
     assert 0 < one_batch["texts_truncated"] <= 8
 
 

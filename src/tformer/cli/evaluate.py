@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{what} ({run_.weights_words()}): loss {result['eval_loss']:.4f} nats/token | perplexity "
             f"{result['perplexity']:.2f} | {result['bits_per_char']:.3f} bits/char | "
-            f"{result['predictions']:,} predictions{part}"
+            f"{result['predictions']:,} prediction{'s' if result['predictions'] != 1 else ''}{part}"
         )
     return 0
 

@@ -98,7 +98,7 @@ def add_config_arguments(
 def parse_overrides(items: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"--set expects KEY=VALUE (for example model.d_model=128), got {item!r}")
         key, raw = item.split("=", 1)
         try:

@@ -256,13 +256,23 @@ def evaluate_dataset(
 
 
 def write_confusion(
-    scores: ClassificationScores, run_dir: Path, split: str, prefix: str = "", suffix: str = ""
+    scores: ClassificationScores,
+    run_dir: Path,
+    split: str,
+    prefix: str = "",
+    suffix: str = "",
+    run: LoadedRun | None = None,
 ) -> Path | None:
-    """run_dir/<prefix>confusion_<split><suffix>.png and .json; None when the directory is not writable."""
+    """run_dir/<prefix>confusion_<split><suffix>.png and .json; None when the directory is not writable.
+    `run`: the weights scored (`tformer eval`, which may score an older checkpoint into the same files), named
+    in the JSON ("checkpoint_step", "averaged_steps") and in the plot's title."""
     name = f"{prefix}confusion_{split}{suffix}"
+    about = {} if run is None else {"checkpoint_step": run.step, "averaged_steps": list(run.averaged_steps)}
     try:
-        (run_dir / f"{name}.json").write_text(json.dumps(scores.to_dict(), indent=2))
+        (run_dir / f"{name}.json").write_text(json.dumps(about | scores.to_dict(), indent=2))
         title = f"{split}: accuracy {scores.accuracy:.1%}, macro-F1 {scores.macro_f1:.3f} (n={scores.n})"
+        if run is not None:
+            title += f", {run.weights_words()}"
         return plot_confusion(scores, run_dir / f"{name}.png", title)
     except OSError:
         return None
@@ -316,7 +326,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     check_finite_scores(result)  # before a matrix of NaN replaces one
     sample = "_sample" if scores.n < len(docs) else ""  # --max-batches: never in place of the whole split's
     png = write_confusion(
-        scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=sample + run.file_suffix()
+        scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=sample + run.file_suffix(), run=run
     )
     return {
         "data": f"{cfg.data.corpus} {split} split",
