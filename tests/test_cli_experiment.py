@@ -17,7 +17,7 @@ def norm_study_stopping(monkeypatch, stop: BaseException):
     module = importlib.import_module(STUDIES["norm"])
 
     def first_arm_stops(setting, out) -> None:
-        (Path(out) / "arms" / "first").mkdir(parents=True)
+        (Path(out) / "arms" / "first").mkdir(parents=True, exist_ok=True)
         raise stop
 
     monkeypatch.setattr(module, "run", first_arm_stops)
@@ -26,15 +26,22 @@ def norm_study_stopping(monkeypatch, stop: BaseException):
 
 @pytest.mark.parametrize("stop, kept", [(KeyboardInterrupt, True), (ValueError("no data"), False)])
 def test_a_fresh_study_stopped_early_is_kept_for_resume_and_a_failed_one_removed(
-    stop, kept: bool, monkeypatch, tmp_path: Path
+    stop, kept: bool, monkeypatch, tmp_path: Path, capsys
 ) -> None:
-    """Ctrl-C in the first arm of a new study keeps its directory (--resume goes on); a failure there
-    (bad data, a batch that does not fit) leaves nothing behind."""
+    """Ctrl-C in the first arm of a new study keeps its directory and says how to go on (--resume, also
+    when a resumed study is stopped again); a failure there (bad data, a batch that does not fit) leaves
+    nothing behind."""
     norm_study_stopping(monkeypatch, stop)
     out = tmp_path / "study"
     code = main(["experiment", "norm", "--quick", "--out", str(out)])
     assert code == (130 if kept else 2)
     assert out.is_dir() == kept
+    hint = f"tformer experiment: stopped; `tformer experiment norm --resume --out {out}` continues the study"
+    err = capsys.readouterr().err
+    assert (hint in err) == kept, err
+    if kept:
+        assert main(["experiment", "norm", "--resume", "--out", str(out)]) == 130
+        assert hint in capsys.readouterr().err
 
 
 def test_steps_that_exactly_cover_the_warm_up_and_the_measured_steps_are_enough(

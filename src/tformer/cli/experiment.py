@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -44,6 +45,25 @@ OVERRIDES = {
     "device": "device",
     "max_train_docs": "max_train_docs",
 }
+
+
+def say_resume(study: str, out: Path) -> None:
+    """The command that continues a stopped study, on stderr (before `tformer experiment: interrupted`)."""
+    print(
+        f"tformer experiment: stopped; `tformer experiment {study} --resume --out {shlex.quote(str(out))}` "
+        "continues the study (its finished arms are kept)",
+        file=sys.stderr,
+    )
+
+
+@contextlib.contextmanager
+def resume_said(study: str, out: Path) -> Iterator[None]:
+    """A --resume stopped again says how to continue, as the first run does."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        say_resume(study, out)
+        raise
 
 
 @contextlib.contextmanager
@@ -253,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         if left:
             warn_if_computed_otherwise(saved, args.threads, len(left))
             t0 = time.perf_counter()
-            with torch_threads(args.threads):
+            with torch_threads(args.threads), resume_said(args.study, out):
                 module.run(setting, out)
             print(f"trained in {time.perf_counter() - t0:.1f} s")
         else:  # a finished study: its report is made again from the logs, as --report-only would
@@ -281,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
                     "this one has its report (--resume continues this one; another --overwrite deletes it)",
                     file=sys.stderr,
                 )
-            if early and not restore_previous_study(out) and isinstance(err, Exception):
+            restored = early and restore_previous_study(out)
+            if not isinstance(err, Exception) and not restored:  # stopped (Ctrl-C, SIGTERM): it stays
+                say_resume(args.study, out)
+            if early and not restored and isinstance(err, Exception):
                 if created is not None:
                     shutil.rmtree(created, ignore_errors=True)
                 else:  # a directory of the user's: what the study wrote in it (no study was there before)
