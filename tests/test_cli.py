@@ -377,7 +377,9 @@ def test_a_run_directory_in_use_by_another_process_is_refused(
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        for run, extra in ((early, []), (later, ["--resume"])):
+        # (later without --resume: its checkpoints had been named first, and the --resume they asked for
+        # then refused as in use)
+        for run, extra in ((early, []), (later, ["--resume"]), (later, [])):
             argv = ["train", "--out", str(run), "--no-progress", "--config", str(run / "config.json")]
             assert main([*argv, *extra] if not extra else argv[:4] + extra) == 2
             err = capsys.readouterr().err

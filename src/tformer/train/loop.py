@@ -66,6 +66,7 @@ from tformer.train.run_dir import (
     refuse_foreign_files,
     refuse_run_dir_in_checkpoints,
     refuse_run_dir_in_data,
+    refuse_run_dir_in_use,
     release_run_dir,
     remove_run_files,
     restore_run_data_manifest,
@@ -174,6 +175,8 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"the run directory {self.run_dir} is a file; choose another --out")
         refuse_run_dir_in_checkpoints(self.run_dir)
+        if self.env.is_main:  # (rank 0 holds the lock)
+            refuse_run_dir_in_use(self.run_dir)
         serves = getattr(task, "run_dir", None)  # a task holds one run's data and tokenizer
         if serves is not None and Path(serves).resolve() != self.run_dir.resolve():
             raise ValueError(

@@ -91,12 +91,9 @@ def lock_run_dir(run_dir: Path, holder: Any, exclusive: bool = True):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        handle.seek(0)
-        taken_by = handle.read().strip() or "another process"
+        error = in_use(run_dir, handle)
         handle.close()
-        raise BlockingIOError(
-            f"the run directory {run_dir} is in use by {taken_by}; wait for it or choose another --out"
-        ) from None
+        raise error from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}")
@@ -112,6 +109,36 @@ def is_run_dir(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and {"task", "model", "data", "optim"} <= config.keys()
+
+
+def in_use(run_dir: Path, lock) -> BlockingIOError:
+    """The error for a run directory whose lock file `lock` (open) another process holds: it names the
+    process (the pid the holder wrote into the file)."""
+    lock.seek(0)
+    taken_by = lock.read().strip() or "another process"
+    return BlockingIOError(
+        f"the run directory {run_dir} is in use by {taken_by}; wait for it or choose another --out"
+    )
+
+
+def refuse_run_dir_in_use(run_dir: Path) -> None:
+    """BlockingIOError where another process holds the run directory's lock (`lock_run_dir`), checked
+    before anything else about the directory: its checkpoints would otherwise be named first (and
+    `--resume`, which they ask for, then refused as in use). The lock is tried and let go at once; a
+    directory this process holds is handed over instead (`take_over`)."""
+    path = Path(run_dir) / ".lock"
+    if run_dir.resolve() in _LOCKS or not path.is_file():
+        return
+    try:
+        handle = open(path)  # noqa: SIM115 (closed below)
+    except OSError:
+        return  # unreadable: lock_run_dir names what is wrong with it
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise in_use(run_dir, handle) from None
+        fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def refuse_foreign_files(run_dir: Path) -> None:
