@@ -404,3 +404,27 @@ def test_a_model_that_has_trained_can_be_copied() -> None:
     model.eval(), copied.eval()
     with torch.no_grad():
         assert torch.equal(model(x), copied(x))
+
+
+def test_a_model_with_every_balance_loss_pickles_and_saves_whole() -> None:
+    """torch.save / pickle of the module itself (not its state_dict) had failed on the balance losses'
+    lambdas (the default aux_loss_coef 0.01 has one): the loaded model computes what the model computes,
+    balance loss included."""
+    import io
+    import pickle
+
+    from tformer import build_model
+
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.01, device_loss_coef=0.01, n_devices=2,
+                    seq_aux_loss_coef=0.01, z_loss_coef=0.001)  # fmt: skip
+    model = build_model(tiny().replace(moe=moe))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randint(0, 128, (2, 8))
+    for other in (loaded, pickle.loads(pickle.dumps(model))):
+        assert torch.equal(model(x), other(x))
+        assert torch.equal(model.blocks[1].ffn.last_aux, other.blocks[1].ffn.last_aux)
+    assert model.training and model.blocks[1].ffn.last_aux > 0

@@ -238,17 +238,34 @@ def router_z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+# BalanceLoss's terms, each of (routing, probabilities, groups)
+def _load_term(route: Routing, probs: Tensor, groups: int | Segments) -> Tensor:
+    return load_balance_loss(probs, route.idx)
+
+
+def _device_term(n_devices: int, route: Routing, probs: Tensor, groups: int | Segments) -> Tensor:
+    return device_balance_loss(probs, route.idx, n_devices)
+
+
+def _seq_term(route: Routing, probs: Tensor, groups: int | Segments) -> Tensor:
+    return seq_balance_loss(probs, route.idx, groups)
+
+
+def _z_term(route: Routing, probs: Tensor, groups: int | Segments) -> Tensor:
+    return router_z_loss(route.logits)
+
+
 class BalanceLoss(nn.Module):
     """The weighted sum of the balance terms whose coefficient is > 0 (chosen at build time); a
     constant 0 without autograd graph when there are none."""
 
     def __init__(self, moe: MoEConfig) -> None:
         super().__init__()
-        terms = {
-            "aux_loss_coef": lambda r, p, b: load_balance_loss(p, r.idx),
-            "device_loss_coef": lambda r, p, b: device_balance_loss(p, r.idx, moe.n_devices),
-            "seq_aux_loss_coef": lambda r, p, b: seq_balance_loss(p, r.idx, b),
-            "z_loss_coef": lambda r, p, b: router_z_loss(r.logits),
+        terms = {  # module-level functions, not lambdas: the model pickles (torch.save of the module)
+            "aux_loss_coef": _load_term,
+            "device_loss_coef": partial(_device_term, moe.n_devices),
+            "seq_aux_loss_coef": _seq_term,
+            "z_loss_coef": _z_term,
         }
         self.terms = [(getattr(moe, name), fn) for name, fn in terms.items() if getattr(moe, name) > 0]
 
