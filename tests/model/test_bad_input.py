@@ -206,3 +206,35 @@ def test_a_refused_decode_call_does_not_pin_the_cache_to_its_source() -> None:
     torch.testing.assert_close(
         model.decode(tgt, other, cache=cache), model.decode(tgt, other), rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_a_left_padded_source_is_refused_and_a_right_padded_one_equals_it_unpadded(arch: str) -> None:
+    """The encoder numbers positions from the first slot and takes none from the caller: a left-padded
+    source had given other outputs than the same tokens unpadded, silently (cls pooling read the pad).
+    Right padding computes exactly what the unpadded sequence does; beam search refuses the same mask."""
+    from tformer.generate.beam import SearchConfig, search
+
+    torch.manual_seed(0)
+    cfg = tiny(arch).replace(dropout=0.0) if arch == "encoder_decoder" else tiny(arch).replace(n_classes=3)
+    model = build_model(cfg).eval()
+    src, tgt = torch.tensor([[5, 6, 7]]), torch.tensor([[1, 9]])
+    left, right = torch.tensor([[0, 5, 6, 7]]), torch.tensor([[5, 6, 7, 0]])
+    left_mask, right_mask = (
+        torch.tensor([[False, True, True, True]]),
+        torch.tensor([[True, True, True, False]]),
+    )
+    run = (
+        (lambda s, m: model(s, m))
+        if arch == "encoder"
+        else (lambda s, m: model(s, tgt, src_key_padding_mask=m))
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(run(right, right_mask), run(src, None), rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match=r"source key_padding_mask: row 0 has padding before a real token; "
+                                             r"pad on the right \(real tokens first\)"):  # fmt: skip
+            run(left, left_mask)
+    if arch == "encoder_decoder":
+        with pytest.raises(ValueError, match="row 1 has padding before a real token"):
+            search(model, torch.cat([right, left]), torch.cat([right_mask, left_mask]), SearchConfig(), bos_id=1,
+                   eos_id=2)  # fmt: skip
