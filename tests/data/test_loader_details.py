@@ -177,3 +177,28 @@ def test_batch_sizes_and_token_budgets_must_be_positive_ints():
             BucketBatchSampler([3, 4, 5], **kwargs)
     with pytest.raises(TypeError, match="batch_size must be an int >= 1, got True"):
         RandomBatchSampler(5, True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"seed": 1.5}, "seed must be an int, got float 1.5"),
+        ({"seed": "a"}, "seed must be an int, got str 'a'"),
+        ({"seed": True}, "seed must be an int, got bool True"),  # had drawn another stream than seed 1
+        ({"shuffle": "no"}, "shuffle must be True or False, got 'no'"),  # had shuffled
+        ({"drop_last": "no"}, "drop_last must be True or False, got 'no'"),  # had dropped the last batch
+        ({"pin_memory": 1}, "pin_memory must be True or False, got 1"),
+    ],
+)
+def test_a_loader_refuses_a_seed_or_switch_of_another_type(kwargs: dict, said: str) -> None:
+    """A float or str seed had made a loader whose own state_dict it then refused to load (resuming
+    failed); a truthy string turned a switch on."""
+    import re
+
+    with pytest.raises(TypeError, match=re.escape(said)):
+        make_loader(Draws(), 2, **kwargs)
+    if set(kwargs) <= {"seed", "shuffle"}:
+        with pytest.raises(TypeError, match=re.escape(said)):
+            make_bucket_loader(Draws(), lengths=[1, 2, 3, 4], batch_size=2, **kwargs)
+    state = make_loader(Draws(), 2, seed=7).state_dict()
+    make_loader(Draws(), 2).load_state_dict(state)  # an int seed's state loads

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from tformer.schema import require_bool
+
 
 def epoch_seed(seed: int, epoch: int, stream: str = "batches") -> int:
     """A 63-bit seed for one (seed, epoch, stream); unrelated streams stay unrelated."""
@@ -36,6 +38,11 @@ class EpochBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
+        # a float or str seed had made a stream whose state (`state_dict`) the loader then refused to load,
+        # a str for shuffle switched it on ("no" is truthy)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        require_bool(shuffle=shuffle)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
@@ -94,6 +101,7 @@ class RandomBatchSampler(EpochBatchSampler):
     ):
         super().__init__(seed, shuffle, rank, world_size)
         require_positive_int(batch_size=batch_size)
+        require_bool(drop_last=drop_last)
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
 
     def describe_batch(self) -> str:
@@ -181,6 +189,7 @@ class ResumableLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
     ):
+        require_bool(pin_memory=pin_memory)
         self.batch_sampler = batch_sampler
         self.generator = torch.Generator()  # seeds worker processes; reseeded per epoch from (seed, epoch)
         self.loader = DataLoader(
