@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,28 @@ def test_cjk_references_scored_with_13a_are_warned_about():
         warnings.simplefilter("error")
         assert score_translations(refs, refs, "zh").bleu == pytest.approx(100)
         score_translations(["the cat sat"], ["the cat sat"], "13a")
+
+
+def test_a_folder_the_user_cannot_read_is_named_not_left_out(tmp_path, monkeypatch):
+    """pathlib's rglob steps over a folder it may not list (mode 000 for a user other than root), so its
+    files had vanished from the corpus without a word: text and labelled folders name it instead. As
+    root every folder reads, so the check is shown the folder as such a user sees it (os.access)."""
+    import re
+
+    from tformer.data import user_corpora
+
+    for i in range(4):
+        (tmp_path / "text" / "sub").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "text" / f"{i}.txt").write_text(f"text {i}\n")
+        (tmp_path / "labels" / "sport" / "sub").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "labels" / "sport" / f"{i}.txt").write_text(f"sport {i}\n")
+        (tmp_path / "labels" / "news").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "labels" / "news" / f"{i}.txt").write_text(f"news {i}\n")
+    C.load_text(tmp_path / "text")  # readable: loads
+    closed = {tmp_path / "text" / "sub", tmp_path / "labels" / "sport" / "sub"}
+    real = os.access
+    monkeypatch.setattr(user_corpora.os, "access", lambda p, mode: Path(p) not in closed and real(p, mode))
+    for load, folder in ((C.load_text, tmp_path / "text"), (C.load_labelled, tmp_path / "labels")):
+        sub = next(p for p in closed if folder in p.parents)
+        with pytest.raises(PermissionError, match=re.escape(f"cannot read the folder(s) {sub}; their files")):
+            load(folder)

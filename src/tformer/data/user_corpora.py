@@ -7,6 +7,7 @@ identical texts stay in one split (labelled texts: identical up to whitespace, k
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 import warnings
@@ -88,6 +89,18 @@ def _folder_texts(path: Path) -> list[Path]:
     found = sorted(
         p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
     )
+    # rglob steps over a folder it may not list, and its files would be left out of the corpus unsaid
+    closed = [
+        p for p in [path, *found] if p.is_dir() and not p.is_symlink() and not os.access(p, os.R_OK | os.X_OK)
+    ]
+    if closed:
+        shown = ", ".join(str(p) for p in closed[:3]) + (
+            f" and {len(closed) - 3} more" if len(closed) > 3 else ""
+        )
+        raise PermissionError(
+            f"text folder {str(path)!r}: cannot read the folder(s) {shown}; their files would be left out "
+            "of the corpus (give this user read access, or move them out)"
+        )
     files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
     taken = set(files)
     skipped = [
