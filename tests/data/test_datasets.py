@@ -119,3 +119,17 @@ def test_a_seq_len_that_is_not_an_int_is_named():
     for bad in (2.5, "4", True):
         with pytest.raises(TypeError, match=f"seq_len must be an int >= 1, got {bad!r}"):
             PackedLMDataset([[5, 6, 7]], seq_len=bad, eos_id=EOS)
+
+
+def test_ids_that_are_not_token_ids_are_named():
+    """A float id had been cut to an int (1.5 -> 1) and a negative id or EOS taken into the stream."""
+    with pytest.raises(TypeError, match="the text: token ids must be ints, got torch.float32 values"):
+        PackedLMDataset([[1.5, 2.7, 3] * 4], seq_len=4, eos_id=EOS)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\), got -3..6"):
+        PackedLMDataset([[4, 5, 6, -3] * 3], seq_len=4, eos_id=EOS)
+    for eos in (-5, True, 2.0):
+        with pytest.raises(ValueError, match=f"eos_id must be a token id \\(an int >= 0\\), got {eos!r}"):
+            PackedLMDataset([[4, 5, 6] * 3], seq_len=4, eos_id=eos)
+    assert PackedLMDataset([[4, 5, 6] * 3], seq_len=4, eos_id=EOS).stream.dtype == torch.int32
+    with pytest.raises(ValueError, match="the text is 0 tokens, too few for one window"):  # no documents
+        PackedLMDataset([], seq_len=4, eos_id=EOS)

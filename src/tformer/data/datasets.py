@@ -56,11 +56,22 @@ class PackedLMDataset(Dataset):
         seq_len = int(seq_len)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or eos_id < 0:
+            raise ValueError(f"eos_id must be a token id (an int >= 0), got {eos_id!r}")
         stream: list[int] = []
         for doc in docs:
             stream.extend(doc)
             stream.append(eos_id)
-        self.stream = torch.tensor(stream, dtype=torch.int32)  # int32 halves memory; items are int64
+        values = torch.tensor(
+            stream, dtype=None if stream else torch.int32
+        )  # a float id (1.5) had been cut to 1
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{what}: token ids must be ints, got {values.dtype} values")
+        if values.numel() and (values.min() < 0 or values.max() >= 2**31):
+            raise ValueError(
+                f"{what}: token ids must be in [0, 2**31), got {int(values.min())}..{int(values.max())}"
+            )
+        self.stream = values.to(torch.int32)  # int32 halves memory; items are int64
         self.seq_len = seq_len
         self.n_windows = max(0, (len(stream) - 1) // seq_len)
         if self.n_windows == 0:
