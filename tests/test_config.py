@@ -299,6 +299,13 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
     with pytest.raises(ValueError, match=r"does not fit in memory.*n_layers=1000000000"):
         build_model(tiny().replace(n_layers=10**9))
     assert time.perf_counter() - t0 < 5
+    long = tiny().replace(
+        positions="learned", max_seq_len=2**31 - 1
+    )  # a table of positions: its length named
+    with pytest.raises(
+        ValueError, match=r"does not fit in memory.*max_seq_len=2147483647 \(position tables\)"
+    ):
+        build_model(long)
     wide = tiny().replace(moe=MoEConfig(n_experts=8, top_k=2, d_expert=2**30))  # the experts' width named
     with pytest.raises(ValueError, match=r"does not fit in memory.*moe.n_experts=8, moe.d_expert=1073741824"):
         build_model(wide)

@@ -378,7 +378,8 @@ def check_fits(cfg: ModelConfig) -> None:
         raise ValueError(
             f"the model does not fit in memory: its float32 weights alone take about {need / 2**30:,.1f} GiB, "
             f"and this machine has {memory / 2**30:,.1f} GiB: check its sizes: vocab_size={cfg.vocab_size}, "
-            f"d_model={cfg.d_model}, n_layers={cfg.n_layers}, d_ff={cfg.d_ff}"
+            f"d_model={cfg.d_model}, n_layers={cfg.n_layers}, d_ff={cfg.d_ff}, max_seq_len={cfg.max_seq_len} "
+            "(position tables)"
             + (
                 f", moe.n_experts={cfg.moe.n_experts}, moe.d_expert={cfg.moe.expert_width(cfg.d_ff)}, "
                 f"moe.n_shared={cfg.moe.n_shared}, moe.d_shared={cfg.moe.shared_width(cfg.d_ff)}"
