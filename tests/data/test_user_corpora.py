@@ -94,8 +94,12 @@ def test_text_folder_names_what_it_skips_and_a_split_left_empty(tmp_path):
         (tmp_path / f"copy{i}.txt").write_text("the same text\n" if i else "other text\n")
     (tmp_path / "notes.py").write_text("x = 1\n")
     (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (tmp_path / "loop.txt").symlink_to(tmp_path / "loop.txt")  # had read "a broken link" too
     with (
-        pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .*: gone.txt \(a broken link\), notes.py"),
+        pytest.warns(
+            UserWarning,
+            match=r"skipped 3 file\(s\) .*: gone.txt \(a broken link\), loop.txt \(a link loop\), notes.py",
+        ),
         pytest.raises(
             ValueError,
             match=r"leaves its train split\(s\) empty \(train 0, val 5, test 1; .*2 distinct of 6",

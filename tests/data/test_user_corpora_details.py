@@ -165,3 +165,14 @@ def test_a_folder_the_user_cannot_read_is_named_not_left_out(tmp_path, monkeypat
         sub = next(p for p in closed if folder in p.parents)
         with pytest.raises(PermissionError, match=re.escape(f"cannot read the folder(s) {sub}; their files")):
             load(folder)
+
+
+def test_two_files_given_as_a_pairs_corpus_are_told_it_takes_one(tmp_path):
+    (tmp_path / "src.txt").write_text("hallo\n")
+    (tmp_path / "tgt.txt").write_text("hello\n")
+    with pytest.raises(
+        FileNotFoundError, match="a pairs corpus is one file of source<TAB>target lines, not two"
+    ):
+        C.load_pairs(f"{tmp_path / 'src.txt'},{tmp_path / 'tgt.txt'}")
+    with pytest.raises(FileNotFoundError, match=r"does not exist$"):
+        C.load_pairs(tmp_path / "none.txt")

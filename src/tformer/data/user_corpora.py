@@ -7,6 +7,7 @@ identical texts stay in one split (labelled texts: identical up to whitespace, k
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import unicodedata
@@ -82,6 +83,17 @@ def _non_empty(path: Path, docs: list[Document]) -> list[Document]:
     return [d for d in docs if d.text.strip()]
 
 
+def _dangling(link: Path) -> str:
+    """What a link that leads to no file is, for a warning: a loop (a -> b -> a) or a broken link."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13: pathlib's own loop error
+        return " (a link loop)"
+    except OSError as e:
+        return " (a link loop)" if e.errno == errno.ELOOP else " (a broken link)"
+    return " (a broken link)"
+
+
 def _folder_texts(path: Path) -> list[Path]:
     """A text folder's files with a text suffix, sorted; hidden files and folders are left out silently,
     other files (wrong suffix, broken links) and linked folders (not followed: a link may loop) with a
@@ -105,7 +117,7 @@ def _folder_texts(path: Path) -> list[Path]:
     taken = set(files)
     skipped = [
         p.relative_to(path).as_posix()
-        + (" (a broken link)" if p.is_symlink() and not p.exists() else "")
+        + (_dangling(p) if p.is_symlink() and not p.exists() else "")
         + (" (a linked folder, not followed)" if p.is_symlink() and p.is_dir() else "")
         for p in found
         if p not in taken and (not p.is_dir() or p.is_symlink())
@@ -133,7 +145,11 @@ def load_pairs(path: str | Path, direction: str = "de-en") -> Corpus:
             f"pairs corpus {str(path)!r} is a folder: give one text file of source<TAB>target lines"
         )
     if not path.is_file():
-        raise FileNotFoundError(f"pairs corpus file {str(path)!r} does not exist")
+        two = "," in str(path) and all(Path(part).expanduser().is_file() for part in str(path).split(","))
+        raise FileNotFoundError(
+            f"pairs corpus file {str(path)!r} does not exist"
+            + ("; a pairs corpus is one file of source<TAB>target lines, not two files" if two else "")
+        )
     if not isinstance(direction, str) or not re.fullmatch(r"[a-z]{2,3}-[a-z]{2,3}", direction):
         raise ValueError(
             f"data.direction for a pairs corpus names its two languages as lower-case ISO 639 codes, "
