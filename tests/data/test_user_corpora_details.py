@@ -20,6 +20,11 @@ def test_a_text_folder_of_two_files_names_the_folder(tmp_path):
         ValueError, match=r"text folder .* has 2 non-empty text file\(s\) \(.txt, .md.*need at least 3"
     ):
         C.load_text(tmp_path)
+    (tmp_path / "1.txt").unlink()  # one file: the error says that the file itself can be the corpus
+    with pytest.raises(
+        ValueError, match=f"need at least 3 .* \\(or give the file itself, text:{tmp_path / '0.txt'}, "
+    ):
+        C.load_text(tmp_path)
 
 
 def test_text_suffixes_are_matched_in_any_case(tmp_path):

@@ -49,6 +49,11 @@ def load_text(path: str | Path) -> Corpus:
             raise ValueError(
                 f"text folder {str(path)!r} has {len(docs)} non-empty text file(s) ({', '.join(TEXT_SUFFIXES)}); "
                 "need at least 3 to split into train / val / test"
+                + (
+                    f" (or give the file itself, text:{path / docs[0].id}, which is cut into pieces)"
+                    if len(docs) == 1
+                    else ""
+                )
             )
     elif path.is_file():
         text = read_text(path, warn=True)
