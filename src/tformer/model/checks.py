@@ -142,19 +142,25 @@ def check_key_padding(mask: Tensor | None, batch: int, length: int, name: str) -
     return mask
 
 
-def check_right_padded(mask: Tensor | None, name: str) -> None:
-    """ValueError where a row of `mask` (B, T) bool, True for real tokens, pads before a real token. The
-    encoder numbers its positions from the first slot and takes none from the caller, so a left-padded row's
-    tokens would sit at other positions than the same tokens unpadded (and `cls` pooling would read a pad):
-    outputs silently different from the unpadded sequence's."""
-    if mask is None or torch.compiler.is_compiling():  # (a host read would split the compiled graph)
-        return
+def left_padded_row(mask: Tensor | None) -> int | None:
+    """The first row of `mask` (B, T) bool, True for real tokens, that pads before a real token; None where
+    every row's real tokens come first (or under torch.compile: a host read would split the graph)."""
+    if mask is None or torch.compiler.is_compiling():
+        return None
     late = mask[:, 1:] & ~mask[:, :-1]  # (B, T - 1) a real token right after a pad
-    if late.any():
-        row = int(late.any(1).nonzero()[0, 0])
+    return int(late.any(1).nonzero()[0, 0]) if late.any() else None
+
+
+def check_source_padding(mask: Tensor | None) -> None:
+    """ValueError where a source mask pads on the left. The encoder numbers its positions from the first
+    slot and takes none from the caller, so a left-padded row's tokens would sit at other positions than
+    the same tokens unpadded (and `cls` pooling would read a pad): outputs silently different from the
+    unpadded sequence's."""
+    row = left_padded_row(mask)
+    if row is not None:
         raise ValueError(
-            f"{name}: row {row} has padding before a real token; pad on the right (real tokens first): the "
-            "encoder counts positions from the first slot"
+            f"source key_padding_mask: row {row} has padding before a real token; pad on the right (real "
+            "tokens first): the encoder counts positions from the first slot"
         )
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tformer.model.checks import left_padded_row
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -62,12 +64,8 @@ def causal_mask(
 def check_right_padded(key_padding: Tensor) -> None:
     """ValueError unless every row's real tokens come first: a left-padded mask declared right-padded would
     let real queries attend to padding. A host read, skipped under torch.compile as the token checks are."""
-    if torch.compiler.is_compiling():
-        return
-    real = key_padding.sum(dim=1, keepdim=True)  # (B, 1) real tokens per row
-    right = torch.arange(key_padding.shape[1], device=key_padding.device)[None, :] < real  # (B, Tk)
-    if not torch.equal(right, key_padding):
-        row = int((right != key_padding).any(1).nonzero()[0])
+    row = left_padded_row(key_padding)
+    if row is not None:
         raise ValueError(
             f"the target padding mask was declared right-padded (tgt_right_padded=True), but row {row} has "
             "a padded slot before a real token: pad on the right, or leave tgt_right_padded False"

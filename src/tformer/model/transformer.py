@@ -27,7 +27,7 @@ from tformer.model.cache import NO_CACHE, KVCache, NoCache, as_cache
 from tformer.model.checks import (
     check_key_padding,
     check_positions,
-    check_right_padded,
+    check_source_padding,
     check_targets,
     check_tokens,
     is_dtensor,
@@ -127,7 +127,7 @@ class Encoder(Stack):
         check_tokens(tokens, self.tok_embed.num_embeddings, "source tokens", self.tok_embed.weight.device)
         b, t = tokens.shape
         key_padding_mask = check_key_padding(key_padding_mask, b, t, "source key_padding_mask")
-        check_right_padded(key_padding_mask, "source key_padding_mask")
+        check_source_padding(key_padding_mask)
         positions = self.resolve_positions(tokens, None, 0, "source")
         mask = padding_mask(t, key_padding_mask, t, tokens.device)
         x = self.embed(tokens, positions)
