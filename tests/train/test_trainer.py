@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -789,10 +790,15 @@ def test_a_run_inside_a_checkpoint_or_named_as_one_is_refused(corpus_dir: Path, 
             with pytest.raises(ValueError, match=re.escape(said)):
                 Trainer(cfg, out, "lm", progress=False, resume=resume)
     assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*")) == listing
+    project = tmp_path / "project"  # a config.json of a run's shape kept by the user, no run started there
+    project.mkdir()
+    shutil.copy(tmp_path / "a" / "config.json", project / "config.json")
     for ordinary in (
         tmp_path / "a" / "sub",
         tmp_path / "a" / "checkpoints" / "b",
         tmp_path / "checkpoints" / "r",
+        project / "checkpoints",
+        project / "tensorboard" / "r",
     ):
         Trainer(cfg, ordinary, "lm", progress=False).close()  # fmt: skip
 

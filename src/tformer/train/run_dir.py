@@ -130,14 +130,16 @@ def refuse_run_dir_in_use(run_dir: Path) -> None:
     if run_dir.resolve() in _LOCKS or not path.is_file():
         return
     try:
-        handle = open(path)  # noqa: SIM115 (closed below)
+        handle = open(path, "a+")  # noqa: SIM115 (closed below) (as lock_run_dir: NFS locks want a writer)
     except OSError:
-        return  # unreadable: lock_run_dir names what is wrong with it
+        return  # not writable: lock_run_dir names what is wrong with it
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # held (any other error: lock_run_dir decides)
             raise in_use(run_dir, handle) from None
+        except OSError:
+            return
         fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -205,7 +207,10 @@ def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
         )
     for folder in (out, *out.parents):
         named = folder.name == TENSORBOARD_DIR or (folder == out and folder.name == CHECKPOINTS_DIR)
-        if named and is_run_dir(folder.parent):
+        # a run that has started there (its lock or log), not only a config.json of a run's shape: a project
+        # keeping its own config.json beside checkpoints/ or tensorboard/ folders of its own
+        started = (folder.parent / ".lock").is_file() or (folder.parent / "metrics.jsonl").is_file()
+        if named and started and is_run_dir(folder.parent):
             where = "is" if folder == out else "lies inside"
             mixed = "its checkpoints" if folder.name == CHECKPOINTS_DIR else "its TensorBoard logs"
             raise ValueError(
