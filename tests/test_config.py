@@ -300,7 +300,7 @@ def test_a_model_too_large_for_memory_names_its_sizes() -> None:
         build_model(tiny().replace(n_layers=10**9))
     assert time.perf_counter() - t0 < 5
     long = tiny().replace(
-        positions="learned", max_seq_len=2**31 - 1
+        positions="learned", max_seq_len=2**31 - 1, d_model=4096
     )  # a table of positions: its length named
     with pytest.raises(
         ValueError, match=r"does not fit in memory.*max_seq_len=2147483647 \(position tables\)"

@@ -67,8 +67,11 @@ def test_weights_that_are_not_finite_are_named_when_a_run_loads(trained_run: Pat
     with torch.no_grad():
         run.model.blocks[0].attn.k_proj.weight[0, 0] = float("nan")
     saved = save_checkpoint(tmp_path / "run", run.step, run.model, meta=checkpoint_meta(run.checkpoint))
-    with pytest.warns(UserWarning, match=r"1 tensor\(s\) hold NaN or infinite values \(blocks.0.attn.k_proj"):
+    with pytest.warns(
+        UserWarning, match=r"1 tensor\(s\) hold NaN or infinite values \(blocks.0.attn.k_proj"
+    ) as record:
         load_run(saved)
+    assert record[0].filename == __file__  # the warning points at the caller of load_run
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_run(trained_run)  # finite weights: nothing said

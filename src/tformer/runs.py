@@ -208,7 +208,7 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         step = load_dcp_weights(ckpt, model, train_cfg)
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
-    warn_nonfinite(model.state_dict(), ckpt, stacklevel=4)
+    warn_nonfinite({**dict(model.named_parameters()), **dict(model.named_buffers())}, ckpt, stacklevel=3)
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
 
 

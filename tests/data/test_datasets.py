@@ -127,8 +127,8 @@ def test_ids_that_are_not_token_ids_are_named():
         PackedLMDataset([[1.5, 2.7, 3] * 4], seq_len=4, eos_id=EOS)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\), got -3..6"):
         PackedLMDataset([[4, 5, 6, -3] * 3], seq_len=4, eos_id=EOS)
-    for eos in (-5, True, 2.0):
-        with pytest.raises(ValueError, match=f"eos_id must be a token id \\(an int >= 0\\), got {eos!r}"):
+    for eos, error in ((-5, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(error, match=f"eos_id must be a token id \\(an int >= 0\\), got {eos!r}"):
             PackedLMDataset([[4, 5, 6] * 3], seq_len=4, eos_id=eos)
     assert PackedLMDataset([[4, 5, 6] * 3], seq_len=4, eos_id=EOS).stream.dtype == torch.int32
     with pytest.raises(ValueError, match="the text is 0 tokens, too few for one window"):  # no documents

@@ -200,5 +200,8 @@ def test_a_loader_refuses_a_seed_or_switch_of_another_type(kwargs: dict, said: s
     if set(kwargs) <= {"seed", "shuffle"}:
         with pytest.raises(TypeError, match=re.escape(said)):
             make_bucket_loader(Draws(), lengths=[1, 2, 3, 4], batch_size=2, **kwargs)
-    state = make_loader(Draws(), 2, seed=7).state_dict()
-    make_loader(Draws(), 2).load_state_dict(state)  # an int seed's state loads
+    import numpy as np
+
+    state = make_loader(Draws(), 2, seed=np.int64(7)).state_dict()  # a numpy integer is an int seed
+    assert type(state["seed"]) is int
+    make_loader(Draws(), 2).load_state_dict(state)  # and its state loads

@@ -20,11 +20,16 @@ def test_a_text_folder_of_two_files_names_the_folder(tmp_path):
         ValueError, match=r"text folder .* has 2 non-empty text file\(s\) \(.txt, .md.*need at least 3"
     ):
         C.load_text(tmp_path)
-    (tmp_path / "1.txt").unlink()  # one file: the error says that the file itself can be the corpus
+    (tmp_path / "1.txt").unlink()  # one short file: no piece of advice that would fail too
+    with pytest.raises(ValueError, match=r"need at least 3 to split into train / val / test$"):
+        C.load_text(tmp_path)
+    # one file long enough to cut into pieces: the error says that the file itself can be the corpus
+    (tmp_path / "0.txt").write_text("a line of some twenty chars\n" * 300)
     with pytest.raises(
         ValueError, match=f"need at least 3 .* \\(or give the file itself, text:{tmp_path / '0.txt'}, "
     ):
         C.load_text(tmp_path)
+    C.load_text(tmp_path / "0.txt")  # as the advice says
 
 
 def test_text_suffixes_are_matched_in_any_case(tmp_path):
@@ -149,8 +154,9 @@ def test_cjk_references_scored_with_13a_are_warned_about():
 
 def test_a_folder_the_user_cannot_read_is_named_not_left_out(tmp_path, monkeypatch):
     """pathlib's rglob steps over a folder it may not list (mode 000 for a user other than root), so its
-    files had vanished from the corpus without a word: text and labelled folders name it instead. As
-    root every folder reads, so the check is shown the folder as such a user sees it (os.access)."""
+    files had vanished from the corpus without a word: text and labelled folders name it in a warning
+    (lost+found at a volume's root is such a folder), and a corpus folder that cannot be read is an
+    error. As root every folder reads, so the check is shown the folders as such a user sees them."""
     import re
 
     from tformer.data import user_corpora
@@ -162,14 +168,23 @@ def test_a_folder_the_user_cannot_read_is_named_not_left_out(tmp_path, monkeypat
         (tmp_path / "labels" / "sport" / f"{i}.txt").write_text(f"sport {i}\n")
         (tmp_path / "labels" / "news").mkdir(parents=True, exist_ok=True)
         (tmp_path / "labels" / "news" / f"{i}.txt").write_text(f"news {i}\n")
-    C.load_text(tmp_path / "text")  # readable: loads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.load_text(tmp_path / "text")  # readable: loads, nothing said
     closed = {tmp_path / "text" / "sub", tmp_path / "labels" / "sport" / "sub"}
     real = os.access
     monkeypatch.setattr(user_corpora.os, "access", lambda p, mode: Path(p) not in closed and real(p, mode))
     for load, folder in ((C.load_text, tmp_path / "text"), (C.load_labelled, tmp_path / "labels")):
         sub = next(p for p in closed if folder in p.parents)
-        with pytest.raises(PermissionError, match=re.escape(f"cannot read the folder(s) {sub}; their files")):
+        with pytest.warns(
+            UserWarning, match=re.escape(f"cannot read the folder(s) {sub}; their files are left")
+        ):
             load(folder)
+    closed.add(tmp_path / "text")
+    with pytest.raises(
+        PermissionError, match=re.escape(f"text folder {str(tmp_path / 'text')!r}: cannot read it")
+    ):
+        C.load_text(tmp_path / "text")
 
 
 def test_two_files_given_as_a_pairs_corpus_are_told_it_takes_one(tmp_path):

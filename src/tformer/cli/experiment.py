@@ -47,22 +47,28 @@ OVERRIDES = {
 }
 
 
-def say_resume(study: str, out: Path) -> None:
-    """The command that continues a stopped study, on stderr (before `tformer experiment: interrupted`)."""
-    print(
-        f"tformer experiment: stopped; `tformer experiment {study} --resume --out {shlex.quote(str(out))}` "
-        "continues the study (its finished arms are kept)",
-        file=sys.stderr,
-    )
+def say_resume(args: argparse.Namespace, out: Path) -> None:
+    """The command that continues a stopped study, on stderr (before `tformer experiment: interrupted`); with
+    the study's --threads, which a resume compares with its own. Nothing where stderr is gone (a hang-up,
+    lost output): the stop's own exit code stands."""
+    threads = f" --threads {args.threads}" if args.threads is not None else ""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError):
+        print(
+            f"tformer experiment: stopped; `tformer experiment {args.study} --resume --out "
+            f"{shlex.quote(str(out))}{threads}` continues the study (its finished arms are kept)",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager
-def resume_said(study: str, out: Path) -> Iterator[None]:
+def resume_said(args: argparse.Namespace, out: Path) -> Iterator[None]:
     """A --resume stopped again says how to continue, as the first run does."""
     try:
         yield
     except KeyboardInterrupt:
-        say_resume(study, out)
+        say_resume(args, out)
         raise
 
 
@@ -273,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         if left:
             warn_if_computed_otherwise(saved, args.threads, len(left))
             t0 = time.perf_counter()
-            with torch_threads(args.threads), resume_said(args.study, out):
+            with torch_threads(args.threads), resume_said(args, out):
                 module.run(setting, out)
             print(f"trained in {time.perf_counter() - t0:.1f} s")
         else:  # a finished study: its report is made again from the logs, as --report-only would
@@ -303,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             restored = early and restore_previous_study(out)
             if not isinstance(err, Exception) and not restored:  # stopped (Ctrl-C, SIGTERM): it stays
-                say_resume(args.study, out)
+                say_resume(args, out)
             if early and not restored and isinstance(err, Exception):
                 if created is not None:
                     shutil.rmtree(created, ignore_errors=True)

@@ -56,7 +56,9 @@ class PackedLMDataset(Dataset):
         seq_len = int(seq_len)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or eos_id < 0:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral):
+            raise TypeError(f"eos_id must be a token id (an int >= 0), got {eos_id!r}")
+        if eos_id < 0:
             raise ValueError(f"eos_id must be a token id (an int >= 0), got {eos_id!r}")
         stream: list[int] = []
         for doc in docs:

@@ -40,8 +40,9 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __init__(self, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
         # a float or str seed had made a stream whose state (`state_dict`) the loader then refused to load,
         # a str for shuffle switched it on ("no" is truthy)
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        seed = int(seed)  # (a numpy integer: the state holds an int, which loads back)
         require_bool(shuffle=shuffle)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")

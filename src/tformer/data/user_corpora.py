@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import unicodedata
 import warnings
 from pathlib import Path
@@ -24,6 +25,11 @@ from tformer.data.corpus_base import (
     read_text,
     split_by_hash,
 )
+
+
+def _piece_size(text: str) -> int:
+    """The least characters of a piece one text file is cut into: about 50 pieces, 256 to 4,096 chars."""
+    return min(4096, max(256, len(text) // 50))
 
 
 def _chunks(text: str, size: int) -> list[str]:
@@ -50,14 +56,15 @@ def load_text(path: str | Path) -> Corpus:
                 f"text folder {str(path)!r} has {len(docs)} non-empty text file(s) ({', '.join(TEXT_SUFFIXES)}); "
                 "need at least 3 to split into train / val / test"
                 + (
-                    f" (or give the file itself, text:{path / docs[0].id}, which is cut into pieces)"
-                    if len(docs) == 1
+                    f" (or give the file itself, text:{shlex.quote(str(path / docs[0].id))}, which is cut "
+                    "into pieces)"
+                    if len(docs) == 1 and len(_chunks(docs[0].text, _piece_size(docs[0].text))) >= 3
                     else ""
                 )
             )
     elif path.is_file():
         text = read_text(path, warn=True)
-        size = min(4096, max(256, len(text) // 50))
+        size = _piece_size(text)
         docs = [Document(f"{path.name}:{i}", chunk) for i, chunk in enumerate(_chunks(text, size))]
         unit = f"chunks of >= {size} chars cut at line ends"
         if len(docs) < 3:
@@ -106,17 +113,19 @@ def _folder_texts(path: Path) -> list[Path]:
     found = sorted(
         p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)
     )
-    # rglob steps over a folder it may not list, and its files would be left out of the corpus unsaid
-    closed = [
-        p for p in [path, *found] if p.is_dir() and not p.is_symlink() and not os.access(p, os.R_OK | os.X_OK)
-    ]
+    # rglob steps over a folder it may not list: the folder itself is an error, one inside it (lost+found at
+    # a volume's root, say) is named, as skipped files are, so that its files do not leave the corpus unsaid
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise PermissionError(f"text folder {str(path)!r}: cannot read it (give this user read access)")
+    closed = [p for p in found if p.is_dir() and not p.is_symlink() and not os.access(p, os.R_OK | os.X_OK)]
     if closed:
         shown = ", ".join(str(p) for p in closed[:3]) + (
             f" and {len(closed) - 3} more" if len(closed) > 3 else ""
         )
-        raise PermissionError(
-            f"text folder {str(path)!r}: cannot read the folder(s) {shown}; their files would be left out "
-            "of the corpus (give this user read access, or move them out)"
+        warnings.warn(
+            f"text folder {str(path)!r}: cannot read the folder(s) {shown}; their files are left out of the "
+            "corpus (give this user read access to take them)",
+            stacklevel=3,
         )
     files = [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
     taken = set(files)

@@ -82,7 +82,7 @@ def load_weights(
         tensors = _weights_from_bytes(data, str(path))  # a truncated or malformed file is named as such first
         _check_digest(data, path)
     result = load_state_dict_checked(model, tensors, strict=strict, source=str(path))
-    warn_nonfinite(tensors, path, stacklevel=3)
+    warn_nonfinite(tensors, path, stacklevel=2)
     return result
 
 
