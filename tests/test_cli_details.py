@@ -5,6 +5,7 @@ and the median of bench's timings, and bench's text output."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,17 +42,32 @@ def test_a_stop_on_a_signal_exits_128_plus_its_number(monkeypatch, capsys) -> No
 
 
 def test_a_ctrl_c_while_a_finished_command_exits_is_ignored() -> None:
-    """The `tformer` entry point: a Ctrl-C after the command's work is done (here while the interpreter runs
-    its exit handlers) changes neither the exit code nor stderr; `python -m tformer` takes the same path."""
-    script = (
-        "import atexit, os, signal, time\n"
-        "import tformer.cli.main as cli\n"
-        "cli.main = lambda argv=None: 3\n"
-        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
-        "cli.entry()\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (3, "")
+    """The `tformer` entry point: a Ctrl-C after the command's work is done, while the interpreter runs its
+    exit hooks or its last clean-up (module teardown), changes neither the exit code, nor stderr, nor the
+    command's buffered output; `python -m tformer` takes the same path."""
+    for when in ("an exit hook", "the last clean-up"):  # (Python puts its signal handlers back for that)
+        kill = "lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2))"
+        script = (
+            "import atexit, os, signal, sys, time\n"
+            "import tformer.cli.main as cli\n"
+            "class Late:\n"
+            f"    def __del__(self): ({kill})()\n"
+            "def main(argv=None):\n"
+            "    print('the output')  # buffered: stdout is a pipe\n"
+            + (
+                f"    atexit.register({kill})\n"
+                if when == "an exit hook"
+                else "    sys.modules['late'] = Late()\n"
+            )
+            + "    return 3\n"
+            "cli.main = main\n"
+            "cli.entry()\n"
+        )
+        buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=buffered
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (3, "the output\n", ""), (when, done)
     module = subprocess.run([sys.executable, "-m", "tformer", "--version"], capture_output=True, text=True)
     assert module.returncode == 0 and module.stdout.startswith("tformer "), module
 

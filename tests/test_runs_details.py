@@ -72,6 +72,10 @@ def test_weights_that_are_not_finite_are_named_when_a_run_loads(trained_run: Pat
     ) as record:
         load_run(saved)
     assert record[0].filename == __file__  # the warning points at the caller of load_run
+    save_checkpoint(tmp_path / "run", run.step + 1, run.model, meta=checkpoint_meta(run.checkpoint))
+    with pytest.warns(UserWarning, match="hold NaN or infinite values") as record:
+        load_run(tmp_path / "run", average=2)  # each checkpoint averaged is checked, named from here too
+    assert [w.filename for w in record if "NaN" in str(w.message)] == [__file__, __file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_run(trained_run)  # finite weights: nothing said

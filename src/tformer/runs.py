@@ -187,7 +187,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", average: int 
         ) from None
 
 
-def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
+def _load_checkpoint(ckpt: Path, device: torch.device, stacklevel: int = 3) -> LoadedRun:
+    """stacklevel: of the non-finite weights warning, from this function (3: the caller of `load_run`)."""
     meta = checkpoint_meta(ckpt)  # size and sha256 checked before anything is parsed
     try:
         model_cfg = ModelConfig.from_dict(meta["model_config"])
@@ -208,7 +209,7 @@ def _load_checkpoint(ckpt: Path, device: torch.device) -> LoadedRun:
         step = load_dcp_weights(ckpt, model, train_cfg)
     else:
         step = load_checkpoint(ckpt, model, restore_rng=False).step
-    warn_nonfinite({**dict(model.named_parameters()), **dict(model.named_buffers())}, ckpt, stacklevel=3)
+    warn_nonfinite({**dict(model.named_parameters()), **dict(model.named_buffers())}, ckpt, stacklevel)
     return LoadedRun(model.to(device).eval(), tokenizer, train_cfg, ckpt, step, src_tokenizer)
 
 
@@ -253,12 +254,12 @@ def _averaged_run(path: Path, newest: Path, n: int, device: torch.device) -> Loa
         )
     chosen = found[-n:]
     cpu = torch.device("cpu")
-    run = _load_checkpoint(chosen[-1], cpu)
+    run = _load_checkpoint(chosen[-1], cpu, stacklevel=4)
     state = run.model.state_dict()
     total = {k: v.double() for k, v in state.items() if v.is_floating_point()}
     steps = []
     for ckpt in chosen[:-1]:
-        other = _load_checkpoint(ckpt, cpu)
+        other = _load_checkpoint(ckpt, cpu, stacklevel=4)
         steps.append(other.step)
         for what, attr in (("model config", "train_config.model"), ("tokenizer", "tokenizer"),
                            ("source tokenizer", "src_tokenizer")):  # fmt: skip

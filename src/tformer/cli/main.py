@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import signal
@@ -438,11 +439,21 @@ def entry() -> NoReturn:
     with the command's own exit code. Freeing torch's memory and threads at exit takes ~0.5-1 s, and a
     Ctrl-C there had turned a finished command into exit 130 with nothing said (or a traceback from a
     destructor, and exit 0); ignoring it instead would leave an exit that hangs (a thread, a process
-    group's teardown) beyond Ctrl-C. stdout was flushed by `main`."""
+    group's teardown) beyond Ctrl-C. The interpreter's last clean-up (after the exit hooks) puts Python
+    handlers back to the default, so the last exit hook, registered first, ignores Ctrl-C for it."""
+    atexit.register(_ignore_ctrl_c)
     code = main()
+    for stream in (sys.stdout, sys.stderr):  # an error's or a stop's output too: os._exit drops buffers
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
     with contextlib.suppress(ValueError):  # not the main thread: no signal handlers to set
         signal.signal(signal.SIGINT, lambda *_: os._exit(code))
     sys.exit(code)
+
+
+def _ignore_ctrl_c() -> None:
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
