@@ -51,9 +51,9 @@ def say_resume(args: argparse.Namespace, out: Path) -> None:
     """The command that continues a stopped study, on stderr (before `tformer experiment: interrupted`); with
     the study's --threads, which a resume compares with its own. Nothing where stderr is gone (a hang-up,
     lost output): the stop's own exit code stands."""
-    threads = f" --threads {args.threads}" if args.threads is not None else ""
     if sys.stderr is None:
         return
+    threads = f" --threads {args.threads}" if args.threads is not None else ""
     with contextlib.suppress(OSError):
         print(
             f"tformer experiment: stopped; `tformer experiment {args.study} --resume --out "

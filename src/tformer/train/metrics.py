@@ -15,13 +15,15 @@ from typing import Any
 
 from tformer.json_files import read_json_lines
 
+TENSORBOARD_DIR = "tensorboard"  # a run directory's folder of TensorBoard event files
+
 
 class MetricsLog:
     """Appends one JSON object per record to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.tb_dir, self.tb = run_dir / "tensorboard", None
+        self.tb_dir, self.tb = run_dir / TENSORBOARD_DIR, None
         self.use_tb = tensorboard
 
     def _writer(self, purge_step: int | None = None):

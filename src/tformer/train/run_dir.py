@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tformer.train.checkpoint import CHECKPOINTS_DIR, MARKER, STEP_DIR, CheckpointError
+from tformer.train.metrics import TENSORBOARD_DIR
 
 RUN_TOKENIZERS = ("tokenizer.json", "src_tokenizer.json")  # what the tasks train into a run directory
 # what a fresh run writes into its directory, replacing what is there
@@ -25,10 +26,9 @@ RUN_FILES = (
     "data.json",
     "metrics.jsonl",
     "loss.png",
-    "tensorboard",
+    TENSORBOARD_DIR,
     "report.json",
 )
-TENSORBOARD_DIR = "tensorboard"
 
 
 @contextlib.contextmanager
@@ -206,11 +206,12 @@ def refuse_run_dir_in_checkpoints(run_dir: Path) -> None:
             "(checkpoints/step_N), which would save that step there; choose another --out"
         )
     for folder in (out, *out.parents):
-        named = folder.name == TENSORBOARD_DIR or (folder == out and folder.name == CHECKPOINTS_DIR)
+        if not (folder.name == TENSORBOARD_DIR or (folder == out and folder.name == CHECKPOINTS_DIR)):
+            continue
         # a run that has started there (its lock or log), not only a config.json of a run's shape: a project
         # keeping its own config.json beside checkpoints/ or tensorboard/ folders of its own
         started = (folder.parent / ".lock").is_file() or (folder.parent / "metrics.jsonl").is_file()
-        if named and started and is_run_dir(folder.parent):
+        if started and is_run_dir(folder.parent):
             where = "is" if folder == out else "lies inside"
             mixed = "its checkpoints" if folder.name == CHECKPOINTS_DIR else "its TensorBoard logs"
             raise ValueError(
