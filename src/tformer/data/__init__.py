@@ -16,6 +16,7 @@ from tformer.data.corpora import (
 )
 
 if TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
+    from tformer.data.bpe_dropout import BPEDropout
     from tformer.data.datasets import (
         IGNORE_INDEX,
         ClassificationBatch,
@@ -54,6 +55,7 @@ __all__ = [
     "corpus_task",
     "iter_texts",
     "load_corpus",
+    "BPEDropout",
     "IGNORE_INDEX",
     "ClassificationBatch",
     "ClassificationCollator",

@@ -151,6 +151,12 @@ class Tokenizer:
         encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
+    def pre_tokens(self, text: str) -> list[str]:
+        """The pieces BPE segments `text` into (words with their leading space, in the byte-level alphabet):
+        the library's pre-tokenizer, as `encode` applies it."""
+        (text,) = _texts([text], "text")
+        return [piece for piece, _ in self._backend.pre_tokenizer.pre_tokenize_str(text)]
+
     def _checked(self, ids: Iterable[int], where: str = "ids") -> list[int]:
         """ids as a list of ints in the vocabulary: a list, tuple or 1-D tensor / array of integers."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
