@@ -400,6 +400,33 @@ def test_dictionary_alternatives_are_refused_outside_translation_and_unread_off_
     ]
 
 
+def test_bpe_dropout_settings_are_checked_and_read_by_translation_alone() -> None:
+    """data.bpe_dropout is a rate below 1 (at 1 every word trains in bytes), the copies a count up to the
+    cap; both are refused outside translation, and the copies without a rate are named as unread."""
+    from tformer.train.config import MAX_BPE_DROPOUT_COPIES, refuse_ignored_settings, unread_settings
+
+    translation = get_train_preset("tiny-translation")
+    for value in (-0.1, 1.0):
+        with pytest.raises(
+            ConfigError, match=r"TrainConfig.data.bpe_dropout must be from 0 \(off\) to below 1"
+        ):
+            translation.with_overrides({"data.bpe_dropout": value})
+    for value in (0, MAX_BPE_DROPOUT_COPIES + 1):
+        with pytest.raises(ConfigError, match=rf"TrainConfig.data.bpe_dropout_copies must be from 1 to {MAX_BPE_DROPOUT_COPIES}"):  # fmt: skip
+            translation.with_overrides({"data.bpe_dropout_copies": value})
+    on = translation.with_overrides({"data.bpe_dropout": 0.1, "data.bpe_dropout_copies": 4})
+    refuse_ignored_settings(on)
+    assert unread_settings(on) == []
+    assert unread_settings(translation.with_overrides({"data.bpe_dropout_copies": 4})) == [
+        "data.bpe_dropout_copies (4: read with data.bpe_dropout > 0 only, not 0.0)"
+    ]
+    for name, value in (("bpe_dropout", 0.1), ("bpe_dropout_copies", 4)):
+        with pytest.raises(ConfigError, match=rf"data.{name} is read by the translation task only: task 'classification' would ignore it"):  # fmt: skip
+            refuse_ignored_settings(
+                get_train_preset("tiny-classification").with_overrides({f"data.{name}": value})
+            )
+
+
 @pytest.mark.parametrize(
     "fmt, text", [("yaml", "steps: 3\nsteps: 1\n"), ("json", '{"optim": {"lr": 1, "lr": 2}}')]
 )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.generate.helpers import text_of, tiny_translator_and_classifier
-from tests.tasks.test_translation import small_config, spread_of
+from tests.tasks.test_translation import set_up_task, small_config, spread_of
 from tformer import build_model
 from tformer.data.datasets import Seq2SeqCollator, Seq2SeqDataset
 from tformer.generate.beam import SearchConfig
@@ -276,3 +276,57 @@ def test_a_left_padded_mask_declared_right_padded_is_refused() -> None:
     ):
         model(src, tgt, None, left, tgt_right_padded=True)
     model(src, tgt, None, left.flip(1), tgt_right_padded=True)  # right padding: accepted
+
+
+def test_bpe_dropout_trains_on_seeded_samples_of_each_pair(dictionary_file: Path, tmp_path: Path) -> None:
+    """data.bpe_dropout: the training items are data.bpe_dropout_copies sampled segmentations of each pair
+    (each one spells the pair's text; together they take more tokens than the plain encoding), the same
+    ones for a run set up again (a resume) and others for another seed; validation keeps the plain one."""
+    cfg = small_config(dictionary_file)
+    cfg = cfg.replace(data=cfg.data.replace(seq_len=64))  # room for every sample: none left out
+    plain = set_up_task(cfg, tmp_path / "plain")
+    cfg = cfg.replace(data=cfg.data.replace(bpe_dropout=0.2, bpe_dropout_copies=3))
+    task = set_up_task(cfg, tmp_path / "run")
+    train, tok = list(task.corpus["train"]), task.tgt_tok
+    ds = task.training_set()
+    assert (
+        task.train_loader(cfg).loader.loader.dataset is ds and task.train_ds is not ds
+    )  # the plain one stays
+    assert len(plain.train_ds) == len(train) and len(ds) == 3 * len(train)  # none too long here
+    texts = [(p.src, p.tgt) for p in train] * 3
+    assert [(tok.decode(s), tok.decode(t)) for s, t in zip(ds.src, ds.tgt)] == texts
+    assert all(int(s[-1]) == tok.eos_id for s in ds.src)  # the source's EOS, as in the plain encoding
+    size = sum(len(s) + len(t) for s, t in zip(ds.src, ds.tgt))
+    assert size > 1.05 * 3 * sum(len(s) + len(t) for s, t in zip(plain.train_ds.src, plain.train_ds.tgt))
+    n = len(train)
+    assert sum(not torch.equal(ds.tgt[i], ds.tgt[i + n]) for i in range(n)) > n / 4  # copies differ
+    again = set_up_task(cfg, tmp_path / "run")  # the run's own tokenizer, as a resume reads it
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(again.training_set().src + again.training_set().tgt, ds.src + ds.tgt)
+    )
+    other = set_up_task(cfg.replace(seed=1), tmp_path / "run")
+    assert any(not torch.equal(a, b) for a, b in zip(other.training_set().tgt, ds.tgt))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(task.val_ds.src + task.val_ds.tgt, plain.val_ds.src + plain.val_ds.tgt)
+    )
+
+
+def test_bpe_dropout_samples_too_long_for_seq_len_are_named(dictionary_file: Path, tmp_path: Path) -> None:
+    """Samples are longer than the plain encoding: those over data.seq_len are left out with a warning
+    (the longest pairs train less often), and when none fits the run stops with the split named."""
+    from tformer.schema import ConfigError
+
+    cfg = small_config(dictionary_file)
+    n = 30  # the pairs are 17..29 source and 15..27 target tokens: each fits plain
+    cfg = cfg.replace(data=cfg.data.replace(seq_len=n, bpe_dropout=0.3, bpe_dropout_copies=1))
+    task = set_up_task(cfg, tmp_path / "some")
+    assert task.train_ds.n_filtered == 0
+    with pytest.warns(UserWarning, match=r"of the [\d,]+ BPE-dropout samples of the training pairs are longer than data.seq_len=30 tokens"):  # fmt: skip
+        samples = task.training_set()
+    assert samples.n_filtered > 0 and len(samples) > 0
+    cfg = cfg.replace(data=cfg.data.replace(bpe_dropout=0.99))  # nearly one token per byte
+    task = set_up_task(cfg, tmp_path / "none")
+    with pytest.raises(ConfigError, match="no pair of the BPE-dropout samples of the train split fits data.seq_len=30"):  # fmt: skip
+        task.training_set()

@@ -12,14 +12,17 @@ reports the copy-the-source baseline beside it.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from tformer.data.bpe_dropout import BPEDropout
 from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
@@ -193,6 +196,51 @@ class TranslationTask:
                     UserWarning,
                     stacklevel=2,
                 )
+        self.resumed, self._samples = resume, None
+
+    def training_set(self) -> Seq2SeqDataset:
+        """The items training reads: the training pairs as encoded, or with data.bpe_dropout their sampled
+        segmentations (`sampled_dataset`, made on first use: by `train_loader`, after the set-up that the
+        ranks of a distributed run take in turn, so that they sample at once)."""
+        if not self.cfg.data.bpe_dropout:
+            return self.train_ds
+        if self._samples is None:
+            self._samples = self.sampled_dataset()
+        return self._samples
+
+    def sampled_dataset(self) -> Seq2SeqDataset:
+        """data.bpe_dropout: each training pair that fits data.seq_len, in data.bpe_dropout_copies
+        segmentations sampled with BPE-dropout from seeds of the run's seed (a resume, and every rank,
+        sample the same ones). A sample longer than data.seq_len is left out, as a pair is."""
+        data, seed = self.cfg.data, self.cfg.seed
+        train = list(self.corpus["train"])[: data.max_train_docs]
+        fits = [train[i] for i in self.train_ds.kept]
+        copies = data.bpe_dropout_copies
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(
+                f"BPE-dropout: sampling {copies} segmentations of each of {len(fits):,} training pairs",
+                file=sys.stderr,
+                flush=True,
+            )
+        src = BPEDropout(self.src_tok, data.bpe_dropout)
+        tgt = BPEDropout(self.tgt_tok, data.bpe_dropout)
+        pairs: list[tuple[list[int], list[int]]] = []
+        for copy in range(copies):
+            pairs += zip(
+                src.encode_batch([p.src for p in fits], f"bpe-dropout:{seed}:{copy}:src", add_eos=True),
+                tgt.encode_batch([p.tgt for p in fits], f"bpe-dropout:{seed}:{copy}:tgt"),
+            )
+        samples = Seq2SeqDataset(pairs, data.seq_len, data.seq_len)
+        check_scoreable(samples, "the BPE-dropout samples of the train split", data.seq_len)
+        if samples.n_filtered > 0.01 * len(pairs) and not self.resumed:
+            warnings.warn(
+                f"{samples.n_filtered:,} of the {len(pairs):,} BPE-dropout samples of the training pairs are "
+                f"longer than data.seq_len={data.seq_len} tokens and are left out of training (the longest "
+                "pairs train less often): raise data.seq_len or lower data.bpe_dropout",
+                UserWarning,
+                stacklevel=2,
+            )
+        return samples
 
     def _tokenizers(self, train: Sequence[Pair]) -> tuple[Tokenizer, Tokenizer]:
         data, tgt_path, src_path = (
@@ -237,7 +285,7 @@ class TranslationTask:
         )
 
     def train_loader(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> BatchStream:
-        return bucketed_train_stream(self.train_ds, self.collate, cfg, rank, world_size)
+        return bucketed_train_stream(self.training_set(), self.collate, cfg, rank, world_size)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
         return seq2seq_loss_sum(model, batch, self.cfg.label_smoothing, fuses_loss(self.cfg))

@@ -10,6 +10,9 @@ from typing import Literal
 from tformer.config import MAX_BPE_VOCAB, ModelConfig, RopeConfig
 from tformer.schema import Config, ConfigError
 
+BPE_DROPOUT_COPIES = 8  # data.bpe_dropout_copies: sampled segmentations of each training pair
+MAX_BPE_DROPOUT_COPIES = 64  # the most of them: all are held in memory at once
+
 # data settings only some tasks read, with the value that means "not set": set for another task, they
 # would be ignored, so TrainConfig refuses them
 READ_BY = {
@@ -17,6 +20,8 @@ READ_BY = {
     "tokenizer": (("joint",), ("translation",)),
     "src_vocab_size": ((None,), ("translation",)),
     "dictionary_alternatives": ((False,), ("translation",)),
+    "bpe_dropout": ((0.0,), ("translation",)),
+    "bpe_dropout_copies": ((BPE_DROPOUT_COPIES,), ("translation",)),
     "direction": (("de-en",), ("translation",)),
 }
 # the model each task trains, as the task names it when the config asks for another (Task.model_config)
@@ -45,6 +50,9 @@ class DataConfig(Config):
     the 2,599 sentence pairs of entries left out for `;` alternatives or an abbreviation tag, each German
     alternative with each English one, at most 4 per entry; with another translation corpus it is not read
     and the run warns (the translation preset sets it and stays usable with `data.corpus=libreoffice`).
+    bpe_dropout (translation): BPE-dropout (Provilkov et al., 2020) at this rate on the training pairs, each
+    of which enters training in bpe_dropout_copies seeded segmentations (a word's merges skipped at random;
+    validation, test and translation keep the plain encoding); 0: off.
     max_train_docs: train on the first N training documents
     (LM: in corpus order, so the first works or chunks; translation: the first N pairs in corpus order,
     which for LibreOffice is one part of the help first and for the Bible Genesis first; classification: N
@@ -62,6 +70,8 @@ class DataConfig(Config):
     path: str | None = None
     dictionary_terms: int = 0
     dictionary_alternatives: bool = False
+    bpe_dropout: float = 0.0
+    bpe_dropout_copies: int = BPE_DROPOUT_COPIES
 
     @property
     def adds_alternatives(self) -> bool:
@@ -87,6 +97,16 @@ class DataConfig(Config):
             f"must be from 260 (256 bytes + 4 special tokens) to {MAX_BPE_VOCAB:,}",
         )
         self._require(self.seq_len >= 2, "seq_len", "must be >= 2")
+        self._require(
+            0.0 <= self.bpe_dropout < 1.0,
+            "bpe_dropout",
+            "must be from 0 (off) to below 1 (at 1 every word would train in single bytes)",
+        )
+        self._require(
+            1 <= self.bpe_dropout_copies <= MAX_BPE_DROPOUT_COPIES,
+            "bpe_dropout_copies",
+            f"must be from 1 to {MAX_BPE_DROPOUT_COPIES} (each copy is the training split again, in memory)",
+        )
         if self.max_train_docs is not None:
             self._require(self.max_train_docs >= 1, "max_train_docs", "must be >= 1 (or null for all)")
         if self.src_vocab_size is not None:
@@ -366,7 +386,8 @@ def unread_settings(cfg: TrainConfig) -> list[str]:
     RoPE, optim.min_lr_ratio under the constant schedule, optim.decay_frac outside WSD. They stay valid
     (one setting switches the component back on, as `tformer experiment` does), and
     data.dictionary_alternatives with a translation corpus other than trans-de-en (so that the translation
-    preset serves `data.corpus=libreoffice` as it is); a new run warns of each
+    preset serves `data.corpus=libreoffice` as it is), data.bpe_dropout_copies without data.bpe_dropout;
+    a new run warns of each
     that differs from its default (`Trainer` at start), so a value a user gave is never dropped silently."""
     unread = []
     if cfg.model.positions != "rope":
@@ -388,6 +409,11 @@ def unread_settings(cfg: TrainConfig) -> list[str]:
     if cfg.data.dictionary_alternatives and not cfg.data.adds_alternatives:
         unread.append(
             f"data.dictionary_alternatives (True: read with corpus 'trans-de-en' only, not {cfg.data.corpus!r})"
+        )
+    if cfg.data.bpe_dropout == 0 and cfg.data.bpe_dropout_copies != BPE_DROPOUT_COPIES:
+        unread.append(
+            f"data.bpe_dropout_copies ({cfg.data.bpe_dropout_copies!r}: read with data.bpe_dropout > 0 only, "
+            "not 0.0)"
         )
     if optim.schedule != "wsd" and optim.decay_frac != default_optim.decay_frac:
         unread.append(
