@@ -126,6 +126,24 @@ def test_bad_arguments_are_named(tok):
             drop.encode_batch(["ab"], seed=seed)
     with pytest.raises(TypeError, match="add_eos"):
         drop.encode_batch(["ab"], seed=0, add_eos=2)
+    with pytest.raises(
+        TypeError, match=r"rng must be a random.Random \(encode_batch takes a seed\), got int"
+    ):
+        drop.encode("ab", 0)
+
+
+def test_pre_tokens_are_the_pieces_encode_segments(tok):
+    """Each piece encodes alone to the ids it takes in the whole text (BPE never merges across pieces);
+    a normalizer applies first, and without a pre-tokenizer the text is one piece."""
+    text = "Der Hund  bellt, 3x!\n" + UNICODE
+    pieces = tok.pre_tokens(text)
+    assert len(pieces) > 10
+    assert [t.id for piece in pieces for t in tok._backend.model.tokenize(piece)] == tok.encode(text)
+    backend = tokenizers.Tokenizer.from_str(tok.to_json_str())
+    backend.normalizer = normalizers.Lowercase()
+    assert Tokenizer(backend).pre_tokens("Der Hund") == tok.pre_tokens("der hund")
+    backend.pre_tokenizer = None
+    assert Tokenizer(backend).pre_tokens("Der Hund") == ["der hund"]
 
 
 def test_a_tokenizer_unlike_tformers_is_refused_by_what_sets_it_apart(tok):

@@ -64,6 +64,10 @@ class BPEDropout:
     def encode(self, text: str, rng: random.Random, add_eos: bool = False) -> list[int]:
         """One sampled segmentation of `text` (the tokenizer's EOS appended with add_eos)."""
         require_bool(add_eos=add_eos)
+        if not isinstance(rng, random.Random):
+            raise TypeError(
+                f"rng must be a random.Random (encode_batch takes a seed), got {type(rng).__name__}"
+            )
         vocab = self._vocab
         ids = [vocab[s] for piece in self.tokenizer.pre_tokens(text) for s in self._word(piece, rng)]
         return ids + [self.tokenizer.eos_id] * add_eos

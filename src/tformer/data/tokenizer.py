@@ -152,10 +152,14 @@ class Tokenizer:
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
     def pre_tokens(self, text: str) -> list[str]:
-        """The pieces BPE segments `text` into (words with their leading space, in the byte-level alphabet):
-        the library's pre-tokenizer, as `encode` applies it."""
+        """The pieces BPE segments `text` into (for tformer's byte-level BPE: words with their leading space,
+        in the byte-level alphabet): the library's normalizer and pre-tokenizer, as `encode` applies them
+        (added tokens that are not special, which `encode` keeps whole, are not split out here)."""
         (text,) = _texts([text], "text")
-        return [piece for piece, _ in self._backend.pre_tokenizer.pre_tokenize_str(text)]
+        normalizer, pre = self._backend.normalizer, self._backend.pre_tokenizer
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        return [piece for piece, _ in pre.pre_tokenize_str(text)] if pre is not None else [text]
 
     def _checked(self, ids: Iterable[int], where: str = "ids") -> list[int]:
         """ids as a list of ints in the vocabulary: a list, tuple or 1-D tensor / array of integers."""

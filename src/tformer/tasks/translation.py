@@ -12,6 +12,7 @@ reports the copy-the-source baseline beside it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
@@ -217,11 +218,12 @@ class TranslationTask:
         fits = [train[i] for i in self.train_ds.kept]
         copies = data.bpe_dropout_copies
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(
-                f"BPE-dropout: sampling {copies} segmentations of each of {len(fits):,} training pairs",
-                file=sys.stderr,
-                flush=True,
-            )
+            with contextlib.suppress(OSError):  # a lost stderr stops nothing here (the trainer sees it after)
+                print(
+                    f"BPE-dropout: sampling {copies} segmentations of each of {len(fits):,} training pairs",
+                    file=sys.stderr,
+                    flush=True,
+                )
         src = BPEDropout(self.src_tok, data.bpe_dropout)
         tgt = BPEDropout(self.tgt_tok, data.bpe_dropout)
         pairs: list[tuple[list[int], list[int]]] = []
@@ -231,7 +233,9 @@ class TranslationTask:
                 tgt.encode_batch([p.tgt for p in fits], f"bpe-dropout:{seed}:{copy}:tgt"),
             )
         samples = Seq2SeqDataset(pairs, data.seq_len, data.seq_len)
-        check_scoreable(samples, "the BPE-dropout samples of the train split", data.seq_len)
+        check_scoreable(
+            samples, "the BPE-dropout samples of the train split", data.seq_len, "or lower data.bpe_dropout"
+        )
         if samples.n_filtered > 0.01 * len(pairs) and not self.resumed:
             warnings.warn(
                 f"{samples.n_filtered:,} of the {len(pairs):,} BPE-dropout samples of the training pairs are "
@@ -336,13 +340,13 @@ class TranslationTask:
         return "\n".join(lines[:-1]) + "\n---"
 
 
-def check_scoreable(ds: Seq2SeqDataset, what: str, seq_len: int) -> None:
+def check_scoreable(ds: Seq2SeqDataset, what: str, seq_len: int, other_cure: str = "") -> None:
     """ConfigError when no pair of `ds` fits data.seq_len (its loss would be 0 over 0 tokens)."""
     if len(ds) == 0:
         raise ConfigError(
             f"no pair of {what} fits data.seq_len={seq_len} (the source with EOS, and the target with "
             f"BOS or EOS, must each be at most {seq_len} tokens): all {ds.n_filtered} are longer; "
-            "raise data.seq_len"
+            f"raise data.seq_len{' ' + other_cure if other_cure else ''}"
         )
 
 
