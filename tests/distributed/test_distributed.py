@@ -613,17 +613,20 @@ def test_torchrun_cli_tensor_and_data_parallel(experts: str, tmp_path: Path, cor
 
 @pytest.mark.parametrize("task", ["translation", "classification"])
 def test_torchrun_sentence_tasks(task: str, tmp_path: Path, capsys) -> None:
-    """Translation (FSDP2: its BLEU evaluation calls encode / decode, not the forward) and classification
-    (DDP) under `torchrun` (length-bucketed loaders split by rank): exit 0, one metrics file from rank 0,
-    a DCP checkpoint that `tformer eval` opens directly."""
+    """Translation (FSDP2: its BLEU evaluation calls encode / decode, not the forward; with BPE-dropout,
+    whose samples each rank draws, said once) and classification (DDP) under `torchrun` (length-bucketed
+    loaders split by rank): exit 0, one metrics file from rank 0, a DCP checkpoint that `tformer eval` opens
+    directly."""
     if task == "translation":
         data = write_dictionary(tmp_path / "de-en")
         preset, metric = "tiny-translation", "bleu"
+        extra = ["data.bpe_dropout=0.1", "data.bpe_dropout_copies=2"]
     else:
         data = write_bbc(tmp_path / "bbc")
         preset, metric = "tiny-classification", "accuracy"
+        extra = []
     out = tmp_path / "run"
-    sets = [
+    sets = extra + [
         f"data.path={data}",
         "steps=2",
         "eval_every=2",
@@ -635,6 +638,7 @@ def test_torchrun_sentence_tasks(task: str, tmp_path: Path, capsys) -> None:
                     *[a for s in sets for a in ("--set", s)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("run directory:") == 1
+    assert proc.stderr.count("BPE-dropout: sampling 2 segmentations") == (task == "translation")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert is_dcp_checkpoint(out / "checkpoints" / "step_000002")
