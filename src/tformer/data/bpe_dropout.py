@@ -61,6 +61,10 @@ class BPEDropout:
             symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
         return symbols
 
+    def _sample(self, text: str, rng: random.Random) -> list[int]:
+        vocab = self._vocab
+        return [vocab[s] for piece in self.tokenizer.pre_tokens(text) for s in self._word(piece, rng)]
+
     def encode(self, text: str, rng: random.Random, add_eos: bool = False) -> list[int]:
         """One sampled segmentation of `text` (the tokenizer's EOS appended with add_eos)."""
         require_bool(add_eos=add_eos)
@@ -68,17 +72,17 @@ class BPEDropout:
             raise TypeError(
                 f"rng must be a random.Random (encode_batch takes a seed), got {type(rng).__name__}"
             )
-        vocab = self._vocab
-        ids = [vocab[s] for piece in self.tokenizer.pre_tokens(text) for s in self._word(piece, rng)]
-        return ids + [self.tokenizer.eos_id] * add_eos
+        return self._sample(text, rng) + [self.tokenizer.eos_id] * add_eos
 
     def encode_batch(self, texts: Sequence[str], seed: int | str, add_eos: bool = False) -> list[list[int]]:
         """One sampled segmentation of each text, all drawn from one generator seeded with `seed` (an int
         or a str: the same seed, the same samples, on any machine)."""
+        require_bool(add_eos=add_eos)
         if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, str)):
             raise TypeError(f"seed must be an int or a str, got {seed!r}")
         rng = random.Random(seed if isinstance(seed, str) else int(seed))
-        return [self.encode(text, rng, add_eos) for text in _texts(texts)]
+        eos = [self.tokenizer.eos_id] * add_eos
+        return [self._sample(text, rng) + eos for text in _texts(texts)]
 
 
 def _unlike_tformers_bpe(spec: dict, model: dict) -> str | None:

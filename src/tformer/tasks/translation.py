@@ -176,7 +176,7 @@ class TranslationTask:
         self.corpus = load_translation_corpus(cfg.data)
         if resume:
             check_data_unchanged(run_dir, self.corpus, cfg.data)
-        train = list(self.corpus["train"])[: cfg.data.max_train_docs]
+        self.train_pairs = train = list(self.corpus["train"])[: cfg.data.max_train_docs]
         self.src_tok, self.tgt_tok = self._tokenizers(train)
         self.collate = Seq2SeqCollator(self.tgt_tok.pad_id, self.tgt_tok.bos_id, self.tgt_tok.eos_id)
         self.train_ds = self.dataset(train)
@@ -214,8 +214,7 @@ class TranslationTask:
         segmentations sampled with BPE-dropout from seeds of the run's seed (a resume, and every rank,
         sample the same ones). A sample longer than data.seq_len is left out, as a pair is."""
         data, seed = self.cfg.data, self.cfg.seed
-        train = list(self.corpus["train"])[: data.max_train_docs]
-        fits = [train[i] for i in self.train_ds.kept]
+        fits = [self.train_pairs[i] for i in self.train_ds.kept]
         copies = data.bpe_dropout_copies
         if not dist.is_initialized() or dist.get_rank() == 0:
             with contextlib.suppress(OSError):  # a lost stderr stops nothing here (the trainer sees it after)
@@ -225,7 +224,7 @@ class TranslationTask:
                     flush=True,
                 )
         src = BPEDropout(self.src_tok, data.bpe_dropout)
-        tgt = BPEDropout(self.tgt_tok, data.bpe_dropout)
+        tgt = src if self.tgt_tok is self.src_tok else BPEDropout(self.tgt_tok, data.bpe_dropout)
         pairs: list[tuple[list[int], list[int]]] = []
         for copy in range(copies):
             pairs += zip(
