@@ -135,6 +135,7 @@ def test_the_encoder_and_the_cross_attention_kv_run_once_per_search(flat: bool) 
     assert calls == {"encoder": 1} | {f"{i}.{p}": 1 for i in layers for p in ("k_proj", "v_proj")}
 
 
+@torch.no_grad()
 def sequence_log_prob(model, src, seq: list[int]) -> float:
     """log p(seq | src) by one full forward, banned ids masked as in the search (seq: generated tokens)."""
     tgt = torch.tensor([[BOS] + seq[:-1]])

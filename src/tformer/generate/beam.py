@@ -18,6 +18,8 @@ Beam search, per sentence:
   fall, so a live beam with log-probability s <= 0 ends at best at s / max lp(L) over the lengths L
   still allowed. It also stops at its max length, where the live beams count as (unfinished)
   hypotheses. Stopped sentences leave the batch (their cache rows are dropped).
+- n-best (`beam_search_nbest`, n <= K): the n best finished hypotheses are kept, and a sentence stops
+  when its n-th best can no longer be beaten by the same bound; n = 1 is the rule above.
 `beam_search(..., cached=False)` re-runs the decoder over the whole prefix every step: the slow twin
 that the cached search is tested against.
 """
@@ -305,6 +307,65 @@ def beam_search(
     never generated (pass the pad and BOS ids). min_len: tokens generated before EOS may end one. flat: run the cached steps after the first as the flat
     `Seq2SeqDecodeStep` where the model is one it knows (False: `model.decode` every step).
     """
+    return [
+        kept[0]
+        for kept in _beam(
+            model, src, src_mask, bos_id, eos_id, max_len, beam_size, alpha, banned, min_len, cached, flat, 1
+        )
+    ]
+
+
+@_evaluating
+@torch.no_grad()
+def beam_search_nbest(
+    model: nn.Module,
+    src: Tensor,
+    src_mask: Tensor | None,
+    *,
+    n_best: int,
+    bos_id: int,
+    eos_id: int,
+    max_len: int | Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    banned: Sequence[int] = (),
+    min_len: int = 0,
+    cached: bool = True,
+    flat: bool = True,
+) -> list[list[Hypothesis]]:
+    """The n_best best hypotheses the search finds per source sentence, best first (`beam_search`'s
+    arguments; n_best at most beam_size). A sentence searches until its n_best-th best can no longer be
+    beaten; the beams do not depend on what is kept, and nothing found after `beam_search` would stop
+    beats its answer, so the first is that answer. Fewer than n_best come back only where fewer outputs
+    exist (a tiny vocabulary)."""
+    if isinstance(n_best, bool) or not isinstance(n_best, numbers.Integral) or n_best < 1:
+        raise ValueError(f"n_best must be an int >= 1, got {n_best!r}")
+    if (
+        not isinstance(beam_size, bool)
+        and isinstance(beam_size, numbers.Integral)
+        and 1 <= beam_size < n_best
+    ):
+        raise ValueError(f"n_best {n_best} is above beam_size {beam_size}: a beam keeps at most that many")
+    return _beam(
+        model,
+        src,
+        src_mask,
+        bos_id,
+        eos_id,
+        max_len,
+        beam_size,
+        alpha,
+        banned,
+        min_len,
+        cached,
+        flat,
+        int(n_best),
+    )
+
+
+def _beam(
+    model, src, src_mask, bos_id, eos_id, max_len, beam_size, alpha, banned, min_len, cached, flat, n_best
+) -> list[list[Hypothesis]]:
     if not abs(alpha) <= MAX_ALPHA:
         raise ValueError(
             f"alpha (the length penalty) must be in [-{MAX_ALPHA:g}, {MAX_ALPHA:g}], got {alpha}"
@@ -327,8 +388,8 @@ def beam_search(
     alive = torch.arange(b, device=device)  # (N,) source sentence of each searching sentence
     scores = torch.zeros(b, 1, device=device)  # (N, beams) log-probabilities of the live beams
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (R, t + 1)
-    best: list[Hypothesis | None] = [None] * b
-    best_score = torch.full((b,), NEG_INF, device=device)  # (B,)
+    kept: list[list[Hypothesis]] = [[] for _ in range(b)]  # per sentence: its n_best best so far, best first
+    floor = torch.full((b,), NEG_INF, device=device)  # (B,) the n_best-th best score (-inf: fewer kept)
     for t in range(1, int(max_lens.max()) + 1):
         logp = _next_log_probs(steps, prefix, banned, eos_id, min_len)  # (R, V)
         n, nb, v = scores.shape[0], scores.shape[1], logp.shape[-1]
@@ -339,7 +400,7 @@ def beam_search(
         last = (max_lens[alive] == t)[:, None]  # (N, 1): the live beams end here too
         in_top_k = torch.arange(top.shape[1], device=device)[None, :] < k
         ends = valid & in_top_k & (is_eos | last)
-        _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, length_penalty(t, alpha))
+        _record(kept, floor, n_best, alive, prefix, top, token, row, ends, is_eos, length_penalty(t, alpha))
         live = top.masked_fill(~valid | is_eos | last, NEG_INF)
         if live.shape[1] < k:  # tiny vocabularies at the first step: the slots past them are dead (-inf),
             # but each must be a row of its own sentence (it had been row 0, the first sentence's: a beam
@@ -351,27 +412,42 @@ def beam_search(
         token, row = token.gather(1, pick), row.gather(1, pick)
         lp_max = length_penalty(max_lens[alive] if alpha >= 0 else torch.full_like(alive, t + 1), alpha)
         bound = scores[:, 0] / lp_max  # (N,) the best score a live beam can still reach
-        searching = torch.isfinite(bound) & (best_score[alive] < bound)
+        searching = torch.isfinite(bound) & (floor[alive] < bound)
         if not bool(searching.any()):
             break
         keep_rows = row[searching].flatten()  # (R',)
         alive, scores = alive[searching], scores[searching]
         prefix = torch.cat([prefix.index_select(0, keep_rows), token[searching].flatten()[:, None]], dim=1)
         steps.select(keep_rows, alive.repeat_interleave(k))
-    return [h if h is not None else Hypothesis([], NEG_INF, NEG_INF, False) for h in best]
+    return [hyps or [Hypothesis([], NEG_INF, NEG_INF, False)] for hyps in kept]
 
 
-def _record(best, best_score, alive, prefix, top, token, row, ends, is_eos, lp) -> None:
-    """Keep, per sentence, the best hypothesis that ends at this step, if it beats the best so far."""
+def _record(kept, floor, n_best, alive, prefix, top, token, row, ends, is_eos, lp) -> None:
+    """Let the hypotheses that end at this step into their sentence's n_best best (`kept`, best first)
+    where they beat its n_best-th (`floor`); of equal scores the one found first stays ahead."""
     final = torch.where(ends, top / lp, torch.full_like(top, NEG_INF))  # (N, C)
-    value, col = final.max(dim=-1)  # (N,)
-    better = value > best_score[alive]
-    for i in better.nonzero().flatten().tolist():
-        c, s = int(col[i]), int(alive[i])
-        eos = bool(is_eos[i, c])
-        tokens = prefix[int(row[i, c]), 1:].tolist() + ([] if eos else [int(token[i, c])])
-        best[s] = Hypothesis(tokens, float(value[i]), float(top[i, c]), eos)
-        best_score[s] = value[i]
+    enters = final > floor[alive][:, None]  # (N, C)
+    if not bool(enters.any()):
+        return
+    at = enters.nonzero()  # (E, 2) row-major: each sentence's candidates best first
+    ends_with_eos = is_eos[enters].tolist()
+    bodies = prefix.index_select(0, row[enters])[:, 1:].tolist()
+    for s, value, log_prob, last, eos, body in zip(
+        alive[at[:, 0]].tolist(),
+        final[enters].tolist(),
+        top[enters].tolist(),
+        token[enters].tolist(),
+        ends_with_eos,
+        bodies,
+    ):
+        hyps = kept[s]
+        if len(hyps) == n_best and value <= hyps[-1].score:  # (an earlier candidate of this step raised it)
+            continue
+        place = next((j for j, h in enumerate(hyps) if h.score < value), len(hyps))
+        hyps.insert(place, Hypothesis(body + ([] if eos else [last]), value, log_prob, eos))
+        del hyps[n_best:]
+        if len(hyps) == n_best:
+            floor[s] = hyps[-1].score
 
 
 # ----------------------------------------------------------------------------- greedy and sampling
@@ -456,9 +532,51 @@ def search(
     translation preset's model) and run each step after the first as the flat
     `tformer.model.decode_step.Seq2SeqDecodeStep`; False: `model.decode` with `F.linear` throughout
     (the slow twin)."""
+    return [
+        hyps[0]
+        for hyps in search_nbest(
+            model,
+            src,
+            src_mask,
+            cfg,
+            n_best=1,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            banned=banned,
+            fast_decode=fast_decode,
+            generator=generator,
+        )
+    ]
+
+
+def search_nbest(
+    model: nn.Module,
+    src: Tensor,
+    src_mask: Tensor | None,
+    cfg: SearchConfig,
+    *,
+    n_best: int,
+    bos_id: int,
+    eos_id: int,
+    banned: Sequence[int] = (),
+    fast_decode: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[list[Hypothesis]]:
+    """`search`, returning the n_best best hypotheses per sentence, best first (`beam_search_nbest`).
+    Beam search alone keeps more than one: greedy and sampled search take n_best 1."""
     src = _check_model_and_src(model, src, "search")
     if not isinstance(cfg, SearchConfig):
         raise TypeError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
+    if isinstance(n_best, bool) or not isinstance(n_best, numbers.Integral) or n_best < 1:
+        raise ValueError(f"n_best must be an int >= 1, got {n_best!r}")
+    if n_best > 1 and cfg.method != "beam":
+        raise ValueError(
+            f"n_best {n_best} needs beam search: method {cfg.method!r} finds one output per source"
+        )
+    if n_best > cfg.beam_size:
+        raise ValueError(
+            f"n_best {n_best} is above beam_size {cfg.beam_size}: a beam keeps at most that many"
+        )
     require_bool(fast_decode=fast_decode)
     check_not_meta(model)
     if generator is not None and (
@@ -487,6 +605,7 @@ def search(
             src,
             src_mask,
             cfg,
+            n_best=int(n_best),
             bos_id=bos_id,
             eos_id=eos_id,
             banned=banned,
@@ -495,17 +614,21 @@ def search(
         )
 
 
-def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat, generator) -> list[Hypothesis]:
+def _search(
+    model, src, src_mask, cfg, *, n_best, bos_id, eos_id, banned, flat, generator
+) -> list[list[Hypothesis]]:
     src_lens = src_mask.sum(dim=1) if src_mask is not None else torch.full((src.shape[0],), src.shape[1])
     max_lens = cfg.max_lens(src_lens.to(src.device), model.cfg.max_seq_len)
     common = dict(
         bos_id=bos_id, eos_id=eos_id, max_len=max_lens, banned=banned, min_len=cfg.min_len, flat=flat
     )
     if cfg.method == "beam":
-        return beam_search(model, src, src_mask, beam_size=cfg.beam_size, alpha=cfg.length_penalty, **common)
+        return beam_search_nbest(
+            model, src, src_mask, n_best=n_best, beam_size=cfg.beam_size, alpha=cfg.length_penalty, **common
+        )
     if cfg.method == "greedy":
-        return sample_search(model, src, src_mask, **common)
-    return sample_search(
+        return [[h] for h in sample_search(model, src, src_mask, **common)]
+    hyps = sample_search(
         model,
         src,
         src_mask,
@@ -516,3 +639,4 @@ def _search(model, src, src_mask, cfg, *, bos_id, eos_id, banned, flat, generato
         generator=generator,
         **common,
     )
+    return [[h] for h in hyps]

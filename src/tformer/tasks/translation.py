@@ -28,7 +28,7 @@ from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
-from tformer.generate.beam import Hypothesis, SearchConfig, search
+from tformer.generate.beam import Hypothesis, SearchConfig, search_nbest
 from tformer.generate.engine import as_token_lists
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
@@ -94,6 +94,17 @@ class Translator:
         """The best hypothesis per source, searched in length-sorted batches. generator: for sampling, the
         stream to draw from (one that goes on across calls: a caller that splits one input into several
         calls passes one); None: a new one seeded with cfg.seed."""
+        return [hyps[0] for hyps in self.nbest(sources, cfg, 1, generator)]
+
+    def nbest(
+        self,
+        sources: Sequence[list[int]],
+        cfg: SearchConfig,
+        n_best: int,
+        generator: torch.Generator | None = None,
+    ) -> list[list[Hypothesis]]:
+        """The n_best best hypotheses per source, best first (`tformer.generate.beam.search_nbest`: beam
+        search, n_best at most its beam size), as `hypotheses` searches them."""
         if not isinstance(cfg, SearchConfig):
             raise TypeError(
                 f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
@@ -101,7 +112,7 @@ class Translator:
         sources = as_token_lists(sources, self.model.cfg.resolved_src_vocab_size, "source")
         device = next(self.model.parameters()).device
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-        out: list[Hypothesis | None] = [None] * len(sources)
+        out: list[list[Hypothesis]] = [[] for _ in sources]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -111,21 +122,22 @@ class Translator:
             for start in range(0, len(order), cfg.batch_size):
                 chunk = order[start : start + cfg.batch_size]
                 src, mask = pad_sequences([torch.tensor(sources[i]) for i in chunk], self.src_tok.pad_id)
-                hyps = search(
+                found = search_nbest(
                     self.model,
                     src.to(device),
                     mask.to(device),
                     cfg,
+                    n_best=n_best,
                     bos_id=self.tgt_tok.bos_id,
                     eos_id=self.tgt_tok.eos_id,
                     banned=(self.tgt_tok.pad_id, self.tgt_tok.bos_id),
                     generator=generator,
                 )
-                for i, h in zip(chunk, hyps):
-                    out[i] = h
+                for i, hyps in zip(chunk, found):
+                    out[i] = hyps
         finally:  # also when a batch raises: the caller's model keeps its mode
             self.model.train(was_training)
-        return out  # type: ignore[return-value]
+        return out
 
     def translate(self, texts: Sequence[str], cfg: SearchConfig, warn: bool = True) -> list[str]:
         """One translation per text; texts longer than max_src_len tokens are cut (`warn`: with a warning)."""
