@@ -1,6 +1,7 @@
 """Details of `tformer translate` and `tformer classify` (cli/translate.py, cli/classify.py) the end-to-end
 tests leave open: --text with --file, `--file -`, the prompt on a terminal, the warnings' words, the
---max-len boundary, output flushed line by line, and --batch-size reaching the classifier."""
+--max-len boundary, output flushed line by line, --nbest's lines and refusals, and --batch-size reaching
+the classifier."""
 
 from __future__ import annotations
 
@@ -110,6 +111,58 @@ def test_max_len_warns_only_above_the_context(translation_run: Path, capsys) -> 
     assert capsys.readouterr().err == ""
     assert main([*argv, str(context + 1)]) == 0
     assert f"--max-len {context + 1} is above the model's context" in capsys.readouterr().err
+
+
+def test_nbest_prints_numbered_lines_best_first_the_first_the_one_best(
+    translation_run: Path, tmp_path: Path, capsys
+) -> None:
+    path = tmp_path / "in.txt"
+    path.write_text("Der alte Hund sieht die Katze.\n\nDer Hund.\n", encoding="utf-8")
+    argv = ["translate", "--run", str(translation_run), "--file", str(path), "--beam", "5"]
+    assert main([*argv, "--nbest", "3"]) == 0
+    captured = capsys.readouterr()
+    rows = [line.split("\t") for line in captured.out.splitlines()]
+    assert [row[0] for row in rows] == ["1", "1", "1", "3", "3", "3"]  # none for the skipped line 2
+    assert "line 2 is empty: skipped" in captured.err
+    for group in (rows[:3], rows[3:]):
+        scores = [float(row[2]) for row in group]
+        assert scores == sorted(scores, reverse=True)
+    assert main([*argv, "--scores"]) == 0
+    one_best = capsys.readouterr().out.splitlines()
+    assert one_best[0] == "\t".join(rows[0][1:]) and one_best[2] == "\t".join(rows[3][1:])
+    assert main([*argv, "--nbest", "2", "--scores"]) == 0  # --scores adds nothing to the n-best lines
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["\t".join(row) for row in rows[:2] + rows[3:5]]
+    assert "--scores is implied by --nbest" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nbest", "2", "--greedy"], "--nbest applies to beam search only, not with --greedy"),
+        (["--nbest", "2", "--sample"], "--nbest applies to beam search only, not with --sample"),
+        (
+            ["--nbest", "5"],
+            "--nbest 5 is above --beam 4 (the default): a beam keeps at most that many (give --beam 5 or more)",
+        ),
+        (
+            ["--nbest", "3", "--beam", "2"],
+            "--nbest 3 is above --beam 2: a beam keeps at most that many (give --beam 3 or more)",
+        ),
+    ],
+)
+def test_nbest_outside_what_the_beam_keeps_is_refused(
+    translation_run: Path, capsys, extra: list[str], message: str
+) -> None:
+    assert main(["translate", "--run", str(translation_run), "--text", "Der Hund.", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"tformer translate: error: {message}\n" and captured.out == ""
+
+
+def test_nbest_must_be_a_positive_count(translation_run: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["translate", "--run", str(translation_run), "--text", "Der Hund.", "--nbest", "0"])
+    assert exit_info.value.code == 2 and "--nbest" in capsys.readouterr().err
 
 
 def test_aligned_output_flushes_each_line(monkeypatch) -> None:

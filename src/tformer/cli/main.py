@@ -164,6 +164,12 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=positive_int, default=32, help="sentences decoded together (default 32)"
     )
     p.add_argument("--scores", action="store_true", help="print each output's score after a tab")
+    p.add_argument(
+        "--nbest",
+        type=positive_int,
+        default=None,
+        help="print the N best of the beam, best first, as LINE<tab>TEXT<tab>SCORE (N at most --beam)",
+    )
 
 
 @register("classify", "label texts with a trained encoder classifier", "classify:run")

@@ -1,7 +1,9 @@
 """`tformer translate`: translate one sentence (--text), a file (--file, one sentence per line) or stdin.
 
 Empty lines: an error for --text; skipped with a warning in file / stdin mode, where an empty output line
-stands for each, so output line n answers input line n. Sources longer than the run's max length are
+stands for each, so output line n answers input line n. With --nbest N each input line gets N output lines
+(fewer only where fewer outputs exist), `LINE<tab>TEXT<tab>SCORE` best first, LINE its 1-based input line
+number (as Moses and Marian number their n-best lists); a skipped line gets none. Sources longer than the run's max length are
 truncated, with one warning that counts them. Outputs are printed a chunk of lines at a time (each
 chunk searched in length-sorted batches), so a long file shows its first translations early and an
 interrupted run keeps what it printed.
@@ -130,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from tformer.tasks.translation import load_translator
 
     search_cfg = search_from_args(args)
+    n_best = nbest_from_args(args, search_cfg)
     given = read_texts(args, "translate")
     translator = load_translator(load_run_arg(args, "translate"))
     context = translator.model.cfg.max_seq_len
@@ -151,11 +154,38 @@ def run(args: argparse.Namespace) -> int:
     sampling = search_cfg.method == "sample"
     generator = torch.Generator(device=device).manual_seed(search_cfg.seed) if sampling else None
     for start in range(0, len(sources), CHUNK_LINES):
-        hyps = translator.hypotheses(sources[start : start + CHUNK_LINES], search_cfg, generator=generator)
-        for h, number in zip(hyps, given.numbers[start : start + CHUNK_LINES]):
+        chunk, numbers = sources[start : start + CHUNK_LINES], given.numbers[start : start + CHUNK_LINES]
+        if n_best is not None:
+            for hyps, number in zip(translator.nbest(chunk, search_cfg, n_best), numbers):
+                print(
+                    "".join(f"{number}\t{translator.text(h)}\t{h.score:.4f}\n" for h in hyps),
+                    end="",
+                    flush=True,
+                )
+            continue
+        hyps = translator.hypotheses(chunk, search_cfg, generator=generator)
+        for h, number in zip(hyps, numbers):
             out.print(translator.text(h) + (f"\t{h.score:.4f}" if args.scores else ""), number)
-    out.close()
+    if n_best is None:
+        out.close()
     return 0
+
+
+def nbest_from_args(args: argparse.Namespace, search_cfg: SearchConfig) -> int | None:
+    """--nbest N, checked against the search: beam search alone keeps more than one, at most --beam."""
+    if args.nbest is None:
+        return None
+    if search_cfg.method != "beam":
+        raise ValueError(f"--nbest applies to beam search only, not with --{search_cfg.method}")
+    if args.nbest > search_cfg.beam_size:
+        default = " (the default)" if args.beam_size is None else ""
+        raise ValueError(
+            f"--nbest {args.nbest} is above --beam {search_cfg.beam_size}{default}: a beam keeps at most that "
+            f"many (give --beam {args.nbest} or more)"
+        )
+    if args.scores:
+        warn("translate", "--scores is implied by --nbest, whose lines end with the score")
+    return args.nbest
 
 
 class AlignedOutput:
