@@ -143,20 +143,32 @@ def sequence_log_prob(model, src, seq: list[int]) -> float:
     return float(sum(logp[t, tok] for t, tok in enumerate(seq)))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 1.0, -0.5])
-def test_large_beam_finds_the_brute_force_best(alpha: float) -> None:
-    """Vocabulary 5 (pad, bos, eos and two words), max length 3: 1 + 2 + 4 outputs end in EOS and 8 are
-    cut at the max length; a beam of 20 keeps every prefix, so the search is exhaustive."""
+MAX_LEN = 3  # of `brute_force_scores`' outputs
+
+
+def brute_force_scores(alpha: float) -> tuple[torch.nn.Module, torch.Tensor, dict[tuple[int, ...], float]]:
+    """A tiny model, a source and the score of every output it can give: vocabulary 5 (pad, bos, eos and
+    two words), max length 3 (MAX_LEN): 1 + 2 + 4 outputs end in EOS and 8 are cut at the max length."""
     torch.manual_seed(3)
     cfg = tiny("encoder_decoder").replace(vocab_size=5, max_seq_len=8, d_model=16, n_heads=2, d_ff=32)
     model = build_model(cfg).eval()
     src = torch.tensor([[3, 4, 4, 3, EOS]])
-    words, max_len = (3, 4), 3
-    outputs = [[*body, EOS] for n in range(max_len) for body in itertools.product(words, repeat=n)]
-    outputs += [list(body) for body in itertools.product(words, repeat=max_len)]
+    words = (3, 4)
+    outputs = [[*body, EOS] for n in range(MAX_LEN) for body in itertools.product(words, repeat=n)]
+    outputs += [list(body) for body in itertools.product(words, repeat=MAX_LEN)]
     assert len(outputs) == 15
     # GNMT's penalty written out here, not the library's `length_penalty` (the code under test)
-    scored = {tuple(o): sequence_log_prob(model, src, o) / ((5 + len(o)) / 6) ** alpha for o in outputs}
+    return (
+        model,
+        src,
+        {tuple(o): sequence_log_prob(model, src, o) / ((5 + len(o)) / 6) ** alpha for o in outputs},
+    )
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, -0.5])
+def test_large_beam_finds_the_brute_force_best(alpha: float) -> None:
+    """A beam of 20 keeps every prefix of `brute_force_scores`' outputs, so the search is exhaustive."""
+    model, src, scored = brute_force_scores(alpha)
     best = max(scored, key=scored.get)
     hyp = beam_search(
         model,
@@ -164,7 +176,7 @@ def test_large_beam_finds_the_brute_force_best(alpha: float) -> None:
         None,
         bos_id=BOS,
         eos_id=EOS,
-        max_len=max_len,
+        max_len=MAX_LEN,
         beam_size=20,
         alpha=alpha,
         banned=(PAD, BOS),

@@ -9,37 +9,31 @@ import math
 import pytest
 import torch
 
-from tests.generate.test_beam import BOS, EOS, PAD, ScriptedModel, seq2seq, sequence_log_prob, sources
+from tests.generate.test_beam import (  # noqa: F401  (_one_thread: the same autouse fixture)
+    BOS,
+    EOS,
+    MAX_LEN,
+    PAD,
+    ScriptedModel,
+    _one_thread,
+    brute_force_scores,
+    seq2seq,
+    sequence_log_prob,
+    sources,
+)
 from tformer import build_model
 from tformer.generate.beam import SearchConfig, beam_search, beam_search_nbest, search, search_nbest
 from tformer.presets import tiny
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("alpha", [0.0, 1.0, -0.5])
 def test_a_beam_wider_than_every_prefix_finds_the_brute_force_n_best(alpha: float) -> None:
-    """Vocabulary 5 (pad, bos, eos and two words), max length 3: 15 outputs (7 ending in EOS, 8 cut at
-    the max length); a beam of 20 keeps every prefix, so the 6 best must be the enumeration's 6 best."""
-    torch.manual_seed(3)
-    cfg = tiny("encoder_decoder").replace(vocab_size=5, max_seq_len=8, d_model=16, n_heads=2, d_ff=32)
-    model = build_model(cfg).eval()
-    src = torch.tensor([[3, 4, 4, 3, EOS]])
-    words, max_len = (3, 4), 3
-    outputs = [[*body, EOS] for n in range(max_len) for body in itertools.product(words, repeat=n)]
-    outputs += [list(body) for body in itertools.product(words, repeat=max_len)]
-    # GNMT's penalty written out here, not the library's `length_penalty` (the code under test)
-    scored = {tuple(o): sequence_log_prob(model, src, o) / ((5 + len(o)) / 6) ** alpha for o in outputs}
-    want = sorted(scored, key=scored.get, reverse=True)[:6]
-    assert (
-        scored[want[5]] - scored[sorted(scored, key=scored.get, reverse=True)[6]] > 1e-3
-    )  # no tie at the cut
+    """A beam of 20 keeps every prefix of `brute_force_scores`' 15 outputs: the 6 best must be the
+    enumeration's 6 best, in order."""
+    model, src, scored = brute_force_scores(alpha)
+    ranked = sorted(scored, key=scored.get, reverse=True)
+    want = ranked[:6]
+    assert scored[ranked[5]] - scored[ranked[6]] > 1e-3  # no tie at the cut
     hyps = beam_search_nbest(
         model,
         src,
@@ -47,7 +41,7 @@ def test_a_beam_wider_than_every_prefix_finds_the_brute_force_n_best(alpha: floa
         n_best=6,
         bos_id=BOS,
         eos_id=EOS,
-        max_len=max_len,
+        max_len=MAX_LEN,
         beam_size=20,
         alpha=alpha,
         banned=(PAD, BOS),
