@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.generate.helpers import tiny_translator_and_classifier
 from tests.generate.test_beam import (  # noqa: F401  (_one_thread: the same autouse fixture)
     BOS,
     EOS,
@@ -53,17 +54,22 @@ def test_a_beam_wider_than_every_prefix_finds_the_brute_force_n_best(alpha: floa
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, -0.5])
-@pytest.mark.parametrize("n_best", [1, 3])
+@pytest.mark.parametrize("n_best", [2, 4])
 def test_the_first_of_the_n_best_is_beam_searchs_answer(alpha: float, n_best: int) -> None:
     """The beams do not depend on what is kept, and nothing found after beam_search stops beats its
-    answer: the first of the n best is that answer, for every sentence of a padded batch."""
+    answer: the first of the n best is that answer, for every sentence of a padded batch with its own
+    max length (scores to rounding: the sentences that search on change the batch's row count)."""
     model = seq2seq()
     src, mask = sources(b=4)
-    common = dict(bos_id=BOS, eos_id=EOS, max_len=12, beam_size=4, alpha=alpha, banned=(PAD, BOS))
+    common = dict(
+        bos_id=BOS, eos_id=EOS, max_len=torch.tensor([12, 5, 9, 3]), beam_size=4, alpha=alpha,
+        banned=(PAD, BOS), min_len=1,
+    )  # fmt: skip
     best = beam_search(model, src, mask, **common)
     lists = beam_search_nbest(model, src, mask, n_best=n_best, **common)
-    assert [hyps[0] for hyps in lists] == best  # tokens, scores, log-probabilities and finished flags
-    for hyps in lists:
+    for hyps, one in zip(lists, best):
+        assert (hyps[0].tokens, hyps[0].finished) == (one.tokens, one.finished)
+        assert hyps[0].score == pytest.approx(one.score, abs=1e-5)
         assert len(hyps) == n_best
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
         assert len({(tuple(h.tokens), h.finished) for h in hyps}) == n_best  # no output twice
@@ -96,6 +102,27 @@ def test_the_search_goes_on_until_the_n_th_best_cannot_be_beaten() -> None:
     hyps = beam_search_nbest(two, torch.tensor([[3, 2]]), None, n_best=2, **common)[0]
     assert [h.tokens for h in hyps] == [[], [3]] and all(h.finished for h in hyps)
     assert hyps[1].log_prob == pytest.approx(math.log(0.06 * 0.9)) and two.calls == 2
+
+
+def test_the_search_goes_on_while_a_live_beam_can_beat_the_n_th_best() -> None:
+    # step 1: [] ends with .6, "a" .4 lives. Step 2: [a] ends with .12, [a a] .28 lives: it cannot beat
+    # [] (one best: stop) but can beat [a], the second best, and does at step 3 (.28 x .9 = .252).
+    table = [[0, 0, 0.6, 0.4, 0], [0, 0, 0.3, 0.7, 0], [0, 0, 0.9, 0.1, 0]] + [[0, 0, 1.0, 0, 0]] * 3
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, beam_size=2, alpha=0.0)
+    hyps = beam_search_nbest(ScriptedModel(table), torch.tensor([[3, 2]]), None, n_best=2, **common)[0]
+    assert [h.tokens for h in hyps] == [[], [3, 3]]
+    assert [h.log_prob for h in hyps] == pytest.approx([math.log(0.6), math.log(0.252)])
+    assert beam_search(ScriptedModel(table), torch.tensor([[3, 2]]), None, **common)[0].tokens == []
+
+
+def test_of_equal_scores_the_one_found_first_stays_ahead() -> None:
+    # [] ends at step 1 with .5 and [a] at step 2 with .5 x 1: a tie, which beam_search gives to [];
+    # the n best keep that order, so their first stays beam_search's answer
+    table = [[0, 0, 0.5, 0.5, 0]] + [[0, 0, 1.0, 0, 0]] * 3
+    common = dict(bos_id=BOS, eos_id=EOS, max_len=10, beam_size=2, alpha=0.0)
+    hyps = beam_search_nbest(ScriptedModel(table), torch.tensor([[3, 2]]), None, n_best=2, **common)[0]
+    assert [h.tokens for h in hyps] == [[], [3]] and hyps[0].score == hyps[1].score
+    assert beam_search(ScriptedModel(table), torch.tensor([[3, 2]]), None, **common)[0] == hyps[0]
 
 
 def test_a_later_better_hypothesis_goes_ahead_and_pushes_the_last_out() -> None:
@@ -163,3 +190,15 @@ def test_n_best_needs_beam_search(method: str) -> None:
     src, mask = sources()
     with pytest.raises(ValueError, match=f"n_best 2 needs beam search: method '{method}' finds one output"):
         search_nbest(model, src, mask, SearchConfig(method=method), n_best=2, bos_id=BOS, eos_id=EOS)
+
+
+def test_translator_nbest_checks_n_best_before_any_batch() -> None:
+    translator, _ = tiny_translator_and_classifier()
+    with pytest.raises(ValueError, match="n_best 2 needs beam search: method 'greedy'"):
+        translator.nbest([], SearchConfig(method="greedy"), 2)  # no sources: no batch would have checked it
+    with pytest.raises(ValueError, match="n_best must be an int >= 1, got 0"):
+        translator.nbest([], SearchConfig(), 0)
+    sources, _ = translator.encode(["the dog barked", "the market rose and the dog barked"])
+    lists = translator.nbest(sources, SearchConfig(beam_size=3, max_len=6), 3)
+    assert [len(hyps) for hyps in lists] == [3, 3]
+    assert [hyps[0] for hyps in lists] == translator.hypotheses(sources, SearchConfig(beam_size=3, max_len=6))

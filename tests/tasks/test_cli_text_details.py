@@ -134,6 +134,24 @@ def test_nbest_prints_numbered_lines_best_first_the_first_the_one_best(
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["\t".join(row) for row in rows[:2] + rows[3:5]]
     assert "--scores is implied by --nbest" in captured.err
+    assert main([*argv, "--nbest", "5"]) == 0  # as many as the beam keeps
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == ["1"] * 5 + ["3"] * 5
+
+
+def test_nbest_numbers_the_lines_of_every_chunk_and_flushes_each_input_line(
+    translation_run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    path = tmp_path / "in.txt"
+    path.write_text("Der Hund.\nDie Katze.\n\nDas Kind.\nDer Mann.\n", encoding="utf-8")
+    monkeypatch.setattr("tformer.cli.translate.CHUNK_LINES", 2)  # chunks: lines 1-2, 4-5
+    log = FlushLog()
+    monkeypatch.setattr("sys.stdout", log)
+    argv = ["translate", "--run", str(translation_run), "--file", str(path), "--beam", "3", "--nbest", "2"]
+    assert main(argv) == 0
+    lines = log.getvalue().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["1", "1", "2", "2", "4", "4", "5", "5"]
+    ends = [len("".join(line + "\n" for line in lines[: 2 * k])) for k in range(1, 5)]
+    assert set(ends) <= set(log.flushed)  # each input line's two were flushed as soon as printed
 
 
 @pytest.mark.parametrize(

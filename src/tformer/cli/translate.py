@@ -2,8 +2,8 @@
 
 Empty lines: an error for --text; skipped with a warning in file / stdin mode, where an empty output line
 stands for each, so output line n answers input line n. With --nbest N each input line gets N output lines
-(fewer only where fewer outputs exist), `LINE<tab>TEXT<tab>SCORE` best first, LINE its 1-based input line
-number (as Moses and Marian number their n-best lists); a skipped line gets none. Sources longer than the run's max length are
+(fewer only where fewer outputs exist), `LINE<tab>TEXT<tab>SCORE` best first, LINE its input line's
+number counted from 1; a skipped line gets none. Sources longer than the run's max length are
 truncated, with one warning that counts them. Outputs are printed a chunk of lines at a time (each
 chunk searched in length-sorted batches), so a long file shows its first translations early and an
 interrupted run keeps what it printed.

@@ -336,16 +336,10 @@ def beam_search_nbest(
     """The n_best best hypotheses the search finds per source sentence, best first (`beam_search`'s
     arguments; n_best at most beam_size). A sentence searches until its n_best-th best can no longer be
     beaten; the beams do not depend on what is kept, and nothing found after `beam_search` would stop
-    beats its answer, so the first is that answer. Fewer than n_best come back only where fewer outputs
-    exist (a tiny vocabulary)."""
-    if isinstance(n_best, bool) or not isinstance(n_best, numbers.Integral) or n_best < 1:
-        raise ValueError(f"n_best must be an int >= 1, got {n_best!r}")
-    if (
-        not isinstance(beam_size, bool)
-        and isinstance(beam_size, numbers.Integral)
-        and 1 <= beam_size < n_best
-    ):
-        raise ValueError(f"n_best {n_best} is above beam_size {beam_size}: a beam keeps at most that many")
+    beats its answer, so the first is that answer (its score can differ in the last bits where the
+    sentences that search longer change the batch's row count, which a product's rounding can follow).
+    Fewer than n_best come back only where fewer outputs exist (a tiny vocabulary)."""
+    check_n_best(n_best, "beam", beam_size)
     return _beam(
         model,
         src,
@@ -361,6 +355,20 @@ def beam_search_nbest(
         flat,
         int(n_best),
     )
+
+
+def check_n_best(n_best: int, method: str, beam_size: int) -> None:
+    """n_best is an int >= 1, 1 for a method other than beam search, and at most the beam size."""
+    if isinstance(n_best, bool) or not isinstance(n_best, numbers.Integral) or n_best < 1:
+        raise ValueError(f"n_best must be an int >= 1, got {n_best!r}")
+    if n_best > 1 and method != "beam":
+        raise ValueError(f"n_best {n_best} needs beam search: method {method!r} finds one output per source")
+    if (
+        not isinstance(beam_size, bool)
+        and isinstance(beam_size, numbers.Integral)
+        and 1 <= beam_size < n_best
+    ):
+        raise ValueError(f"n_best {n_best} is above beam_size {beam_size}: a beam keeps at most that many")
 
 
 def _beam(
@@ -427,19 +435,20 @@ def _record(kept, floor, n_best, alive, prefix, top, token, row, ends, is_eos, l
     where they beat its n_best-th (`floor`); of equal scores the one found first stays ahead."""
     final = torch.where(ends, top / lp, torch.full_like(top, NEG_INF))  # (N, C)
     enters = final > floor[alive][:, None]  # (N, C)
-    if not bool(enters.any()):
+    at = enters.flatten().nonzero().squeeze(1)  # (E,) row-major: each sentence's candidates best first
+    if at.numel() == 0:
         return
-    at = enters.nonzero()  # (E, 2) row-major: each sentence's candidates best first
-    ends_with_eos = is_eos[enters].tolist()
-    bodies = prefix.index_select(0, row[enters])[:, 1:].tolist()
-    for s, value, log_prob, last, eos, body in zip(
-        alive[at[:, 0]].tolist(),
-        final[enters].tolist(),
-        top[enters].tolist(),
-        token[enters].tolist(),
-        ends_with_eos,
-        bodies,
-    ):
+
+    def pick(values: Tensor) -> Tensor:  # (E,) float64: holds the float32 scores and the ids exactly
+        return values.flatten().index_select(0, at).double()
+
+    # one copy to the host for the fields and one for the prefixes (on a GPU: two waits, not one per field)
+    fields = torch.stack(
+        [pick(alive[:, None].expand_as(top)), pick(final), pick(top), pick(token), pick(is_eos)]
+    )
+    bodies = prefix.index_select(0, row.flatten().index_select(0, at))[:, 1:].tolist()
+    for s, value, log_prob, last, eos, body in zip(*fields.tolist(), bodies):
+        s, last, eos = int(s), int(last), bool(eos)
         hyps = kept[s]
         if len(hyps) == n_best and value <= hyps[-1].score:  # (an earlier candidate of this step raised it)
             continue
@@ -567,16 +576,7 @@ def search_nbest(
     src = _check_model_and_src(model, src, "search")
     if not isinstance(cfg, SearchConfig):
         raise TypeError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
-    if isinstance(n_best, bool) or not isinstance(n_best, numbers.Integral) or n_best < 1:
-        raise ValueError(f"n_best must be an int >= 1, got {n_best!r}")
-    if n_best > 1 and cfg.method != "beam":
-        raise ValueError(
-            f"n_best {n_best} needs beam search: method {cfg.method!r} finds one output per source"
-        )
-    if n_best > cfg.beam_size:
-        raise ValueError(
-            f"n_best {n_best} is above beam_size {cfg.beam_size}: a beam keeps at most that many"
-        )
+    check_n_best(n_best, cfg.method, cfg.beam_size)
     require_bool(fast_decode=fast_decode)
     check_not_meta(model)
     if generator is not None and (

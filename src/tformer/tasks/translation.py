@@ -28,7 +28,7 @@ from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
-from tformer.generate.beam import Hypothesis, SearchConfig, search_nbest
+from tformer.generate.beam import Hypothesis, SearchConfig, check_n_best, search_nbest
 from tformer.generate.engine import as_token_lists
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
 from tformer.schema import ConfigError
@@ -109,6 +109,7 @@ class Translator:
             raise TypeError(
                 f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
             )
+        check_n_best(n_best, cfg.method, cfg.beam_size)  # (also for no sources: not only at the first batch)
         sources = as_token_lists(sources, self.model.cfg.resolved_src_vocab_size, "source")
         device = next(self.model.parameters()).device
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
