@@ -48,6 +48,7 @@ def test_a_beam_wider_than_every_prefix_finds_the_brute_force_n_best(alpha: floa
         banned=(PAD, BOS),
     )[0]
     assert [tuple(h.tokens + [EOS] * h.finished) for h in hyps] == want
+    assert all(type(h.finished) is bool and type(h.score) is float for h in hyps)
     for h, seq in zip(hyps, want):
         assert h.score == pytest.approx(scored[seq], abs=1e-4)
         assert h.log_prob == pytest.approx(sequence_log_prob(model, src, list(seq)), abs=1e-4)

@@ -439,21 +439,20 @@ def _record(kept, floor, n_best, alive, prefix, top, token, row, ends, is_eos, l
     if at.numel() == 0:
         return
 
-    def pick(values: Tensor) -> Tensor:  # (E,) float64: holds the float32 scores and the ids exactly
-        return values.flatten().index_select(0, at).double()
+    def pick(values: Tensor) -> Tensor:  # (E,)
+        return values.flatten().index_select(0, at)
 
-    # one copy to the host for the fields and one for the prefixes (on a GPU: two waits, not one per field)
-    fields = torch.stack(
-        [pick(alive[:, None].expand_as(top)), pick(final), pick(top), pick(token), pick(is_eos)]
-    )
+    # the fields copied to the host in two tensors (no float64: MPS has none), the prefixes in a third
+    # (on a GPU: three waits a step, not one per field)
+    ids = torch.stack([pick(alive[:, None].expand_as(top)), pick(token), pick(is_eos).long()]).tolist()
+    values = torch.stack([pick(final), pick(top)]).tolist()
     bodies = prefix.index_select(0, row.flatten().index_select(0, at))[:, 1:].tolist()
-    for s, value, log_prob, last, eos, body in zip(*fields.tolist(), bodies):
-        s, last, eos = int(s), int(last), bool(eos)
+    for s, last, eos, value, log_prob, body in zip(*ids, *values, bodies):
         hyps = kept[s]
         if len(hyps) == n_best and value <= hyps[-1].score:  # (an earlier candidate of this step raised it)
             continue
         place = next((j for j, h in enumerate(hyps) if h.score < value), len(hyps))
-        hyps.insert(place, Hypothesis(body + ([] if eos else [last]), value, log_prob, eos))
+        hyps.insert(place, Hypothesis(body + ([] if eos else [last]), value, log_prob, bool(eos)))
         del hyps[n_best:]
         if len(hyps) == n_best:
             floor[s] = hyps[-1].score
