@@ -203,3 +203,17 @@ def test_translator_nbest_checks_n_best_before_any_batch() -> None:
     lists = translator.nbest(sources, SearchConfig(beam_size=3, max_len=6), 3)
     assert [len(hyps) for hyps in lists] == [3, 3]
     assert [hyps[0] for hyps in lists] == translator.hypotheses(sources, SearchConfig(beam_size=3, max_len=6))
+
+
+def test_translate_nbest_gives_texts_and_scores_best_first_the_first_translate_s() -> None:
+    translator, _ = tiny_translator_and_classifier()
+    texts = ["the dog barked", "the market rose and the dog barked"]
+    cfg = SearchConfig(beam_size=3, max_len=6)
+    lists = translator.translate_nbest(texts, cfg, 3)
+    assert [len(pairs) for pairs in lists] == [3, 3]
+    sources, _ = translator.encode(texts)
+    want = [[(translator.text(h), h.score) for h in hyps] for hyps in translator.nbest(sources, cfg, 3)]
+    assert lists == want
+    assert [pairs[0][0] for pairs in lists] == translator.translate(texts, cfg)
+    with pytest.raises(ValueError, match="n_best 4 is above beam_size 3"):
+        translator.translate_nbest(texts, cfg, 4)

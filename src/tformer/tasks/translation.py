@@ -147,6 +147,16 @@ class Translator:
             warn_truncated(cut, self.max_src_len, self.special)
         return [self.text(h) for h in self.hypotheses(sources, cfg)]
 
+    def translate_nbest(
+        self, texts: Sequence[str], cfg: SearchConfig, n_best: int, warn: bool = True
+    ) -> list[list[tuple[str, float]]]:
+        """The n_best best translations per text, best first, each with its score (`nbest`); texts cut as
+        `translate` cuts them."""
+        sources, cut = self.encode(texts)
+        if warn:
+            warn_truncated(cut, self.max_src_len, self.special)
+        return [[(self.text(h), h.score) for h in hyps] for hyps in self.nbest(sources, cfg, n_best)]
+
     def text(self, hypothesis: Hypothesis) -> str:
         """A hypothesis as one line of text: the byte-level vocabulary can spell line breaks and tabs,
         which become spaces, so a translation file keeps one output line per input line."""
