@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -380,3 +381,74 @@ def test_device_option_of_the_commands_that_run_a_model(trained_run: Path, capsy
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     assert "--device" not in capsys.readouterr().out
+
+
+def test_num_samples_draws_each_prompt_that_often_in_one_batch(
+    trained_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    rows = []
+    real = cli_generate.generate
+
+    def spy(m, p, s, **kw):
+        rows.append([list(ids) for ids in p])
+        return real(m, p, s, **kw)
+
+    monkeypatch.setattr(cli_generate, "generate", spy)
+    path = tmp_path / "prompts.txt"
+    path.write_text("to be\nthe king\n", encoding="utf-8")
+    argv = ["generate", "--run", str(trained_run), "--prompts-file", str(path), "--max-new-tokens", "20"]
+    argv += ["--num-samples", "3", "--temperature", "1.0", "--top-k", "0", "--seed", "5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    tok = load_run(trained_run).tokenizer
+    assert rows == [[tok.encode("to be")] * 3 + [tok.encode("the king")] * 3]
+    parts = re.split(r"^--- (.*) ---\n", out, flags=re.M)[1:]
+    heads, texts = parts[0::2], parts[1::2]
+    assert heads == [f"prompt {i} of 2, sample {j} of 3" for i in (1, 2) for j in (1, 2, 3)]
+    assert all(t.startswith("to be") for t in texts[:3]) and all(t.startswith("the king") for t in texts[3:])
+    assert len(set(texts[:3])) > 1 and len(set(texts[3:])) > 1  # one stream: the copies draw apart
+    assert main(argv) == 0 and capsys.readouterr().out == out  # seeded
+
+
+def test_num_samples_of_one_prompt_are_headed_and_not_streamed(
+    trained_run: Path, capsys, monkeypatch
+) -> None:
+    before = []
+    real = cli_generate.generate
+
+    def spy(m, p, s, **kw):
+        before.append(capsys.readouterr().out)
+        return real(m, p, s, **kw)
+
+    monkeypatch.setattr(cli_generate, "generate", spy)
+    argv = [
+        "generate",
+        "--run",
+        str(trained_run),
+        "--prompt",
+        "to be",
+        "--max-new-tokens",
+        "4",
+        "--num-samples",
+        "2",
+    ]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert before == [""] and lines[0] == "--- sample 1 of 2 ---" and "--- sample 2 of 2 ---" in lines
+
+
+@pytest.mark.parametrize("greedy", [["--greedy"], ["--temperature", "0"]])
+def test_num_samples_with_greedy_decoding_is_refused(trained_run: Path, capsys, greedy: list[str]) -> None:
+    argv = ["generate", "--run", str(trained_run), "--prompt", "to", "--num-samples", "2", *greedy]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "tformer generate: error: --num-samples 2 with greedy decoding would print the same text 2 times\n"
+    )
+
+
+def test_num_samples_must_be_a_positive_count(trained_run: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--run", str(trained_run), "--prompt", "to", "--num-samples", "0"])
+    assert exit_info.value.code == 2 and "--num-samples" in capsys.readouterr().err

@@ -132,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
     from tformer.runs import require_task
 
     sampling = sampling_from_args(args)
+    samples = args.num_samples
+    if samples > 1 and sampling.temperature == 0:
+        raise ValueError(
+            f"--num-samples {samples} with greedy decoding would print the same text {samples} times"
+        )
     prompts, names = read_prompts(args)
     run_ = load_run_arg(args, "generate")
     require_task(run_, "lm", "language-model")
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(encoded[i])} tokens are used",
                 file=sys.stderr,
             )
-    stream = args.stream and len(prompts) == 1
+    stream = args.stream and len(prompts) == 1 and samples == 1
     streamed = TextStream(tok.decode, sys.stdout, sampling.stop_strings)
 
     def on_step(ids) -> None:
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(prompts[0])
     outputs = generate(
         run_.model,
-        encoded,
+        [ids for ids in encoded for _ in range(samples)],  # a prompt's samples: rows of one batch, one stream
         sampling,
         eos_id=tok.eos_id,
         pad_id=tok.pad_id,
@@ -212,9 +217,12 @@ def run(args: argparse.Namespace) -> int:
         streamed.finish()
         sys.stdout.write("\n")
         return 0
-    for i, (prompt, ids) in enumerate(zip(prompts, outputs), 1):
+    for row, ids in enumerate(outputs):
+        i, j = divmod(row, samples)
         text = truncate_at_stop(tok.decode(ids), sampling.stop_strings)
-        if len(prompts) > 1:
-            print(f"--- prompt {i} of {len(prompts)} ---")
-        print(prompt + text)
+        where = [f"prompt {i + 1} of {len(prompts)}"] * (len(prompts) > 1)
+        where += [f"sample {j + 1} of {samples}"] * (samples > 1)
+        if where:
+            print(f"--- {', '.join(where)} ---")
+        print(prompts[i] + text)
     return 0

@@ -120,6 +120,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed; default: 0")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
+    p.add_argument(
+        "--num-samples",
+        type=positive_int,
+        default=1,
+        help="texts drawn per prompt, in one batch (default: 1); each printed under a '--- sample i of N ---' line",
+    )
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
     p.add_argument(
         "--compile",
