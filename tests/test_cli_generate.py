@@ -325,17 +325,22 @@ def test_prompt_and_prompts_file_together_are_refused(tmp_path: Path) -> None:
         read_prompts(argparse.Namespace(prompts_file=str(path), prompt="the question"))
 
 
+def spy_on_generate(monkeypatch, on_call) -> None:
+    """Call on_call(prompts) as the command calls `generate`, before it runs."""
+    real = cli_generate.generate
+
+    def spy(model, prompts, sampling, **kwargs):
+        on_call(prompts)
+        return real(model, prompts, sampling, **kwargs)
+
+    monkeypatch.setattr(cli_generate, "generate", spy)
+
+
 def test_no_stream_writes_nothing_until_generation_ends(trained_run: Path, capsys, monkeypatch) -> None:
     """Streamed, the prompt is written before the first token (and tokens as they come); with --no-stream
     stdout is untouched until generate returns, and the text is the same."""
     before = []
-    real = cli_generate.generate
-
-    def spy(m, p, s, **kw):
-        before.append(capsys.readouterr().out)
-        return real(m, p, s, **kw)
-
-    monkeypatch.setattr(cli_generate, "generate", spy)
+    spy_on_generate(monkeypatch, lambda prompts: before.append(capsys.readouterr().out))
     argv = ["generate", "--run", str(trained_run), "--prompt", "to be", "--greedy", "--max-new-tokens", "4"]
     outs = []
     for stream in ([], ["--no-stream"]):
@@ -387,13 +392,7 @@ def test_num_samples_draws_each_prompt_that_often_in_one_batch(
     trained_run: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:
     rows = []
-    real = cli_generate.generate
-
-    def spy(m, p, s, **kw):
-        rows.append([list(ids) for ids in p])
-        return real(m, p, s, **kw)
-
-    monkeypatch.setattr(cli_generate, "generate", spy)
+    spy_on_generate(monkeypatch, lambda prompts: rows.append([list(ids) for ids in prompts]))
     path = tmp_path / "prompts.txt"
     path.write_text("to be\nthe king\n", encoding="utf-8")
     argv = ["generate", "--run", str(trained_run), "--prompts-file", str(path), "--max-new-tokens", "20"]
@@ -414,13 +413,7 @@ def test_num_samples_of_one_prompt_are_headed_and_not_streamed(
     trained_run: Path, capsys, monkeypatch
 ) -> None:
     before = []
-    real = cli_generate.generate
-
-    def spy(m, p, s, **kw):
-        before.append(capsys.readouterr().out)
-        return real(m, p, s, **kw)
-
-    monkeypatch.setattr(cli_generate, "generate", spy)
+    spy_on_generate(monkeypatch, lambda prompts: before.append(capsys.readouterr().out))
     argv = [
         "generate",
         "--run",
