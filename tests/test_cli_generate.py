@@ -430,8 +430,9 @@ def test_num_samples_of_one_prompt_are_headed_and_not_streamed(
     assert before == [""] and lines[0] == "--- sample 1 of 2 ---" and "--- sample 2 of 2 ---" in lines
 
 
-@pytest.mark.parametrize("greedy", [["--greedy"], ["--temperature", "0"]])
+@pytest.mark.parametrize("greedy", [["--greedy", "--seed", "3"], ["--temperature", "0", "--seed", "3"]])
 def test_num_samples_with_greedy_decoding_is_refused(trained_run: Path, capsys, greedy: list[str]) -> None:
+    """Refused before anything else is said (--seed, ignored by greedy decoding, is not warned of first)."""
     argv = ["generate", "--run", str(trained_run), "--prompt", "to", "--num-samples", "2", *greedy]
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -445,3 +446,14 @@ def test_num_samples_must_be_a_positive_count(trained_run: Path, capsys) -> None
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--run", str(trained_run), "--prompt", "to", "--num-samples", "0"])
     assert exit_info.value.code == 2 and "--num-samples" in capsys.readouterr().err
+
+
+def test_num_samples_cut_a_long_prompt_once_and_warn_once(trained_run: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("to be\n" + " ".join(["to be"] * 100) + "\n", encoding="utf-8")
+    argv = ["generate", "--run", str(trained_run), "--prompts-file", str(path), "--max-new-tokens", "8"]
+    assert main([*argv, "--num-samples", "2", "--truncate-prompt"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("warning:") == 1
+    assert f"the prompt on line 2 of {path} is longer than the context allows" in captured.err
+    assert captured.out.count("--- prompt 2 of 2, sample ") == 2

@@ -211,9 +211,21 @@ def test_translate_nbest_gives_texts_and_scores_best_first_the_first_translate_s
     cfg = SearchConfig(beam_size=3, max_len=6)
     lists = translator.translate_nbest(texts, cfg, 3)
     assert [len(pairs) for pairs in lists] == [3, 3]
-    sources, _ = translator.encode(texts)
-    want = [[(translator.text(h), h.score) for h in hyps] for hyps in translator.nbest(sources, cfg, 3)]
-    assert lists == want
+    for pairs in lists:
+        scores = [score for _, score in pairs]
+        assert all(type(score) is float for score in scores) and scores == sorted(scores, reverse=True)
     assert [pairs[0][0] for pairs in lists] == translator.translate(texts, cfg)
+
+
+def test_translate_nbest_checks_its_arguments_before_it_cuts_and_warns(recwarn) -> None:
+    translator, _ = tiny_translator_and_classifier()
+    long = " ".join(["the market rose and the dog barked"] * 10)  # over the 32-token limit
     with pytest.raises(ValueError, match="n_best 4 is above beam_size 3"):
-        translator.translate_nbest(texts, cfg, 4)
+        translator.translate_nbest([long], SearchConfig(beam_size=3, max_len=6), 4)
+    with pytest.raises(TypeError, match="cfg must be a SearchConfig"):
+        translator.translate_nbest([long], {"beam_size": 3}, 2)
+    assert not recwarn.list  # nothing was said of the text before the refusal
+    translator.translate_nbest([long], SearchConfig(beam_size=3, max_len=6), 2)
+    assert len(recwarn.list) == 1 and "truncated" in str(recwarn.list[0].message)
+    translator.translate_nbest([long], SearchConfig(beam_size=3, max_len=6), 2, warn=False)
+    assert len(recwarn.list) == 1

@@ -131,12 +131,13 @@ class TextStream:
 def run(args: argparse.Namespace) -> int:
     from tformer.runs import require_task
 
-    sampling = sampling_from_args(args)
     samples = args.num_samples
-    if samples > 1 and sampling.temperature == 0:
+    if samples > 1 and (args.greedy or args.temperature == 0):  # (before sampling_from_args warns of the
+        # options greedy decoding ignores)
         raise ValueError(
             f"--num-samples {samples} with greedy decoding would print the same text {samples} times"
         )
+    sampling = sampling_from_args(args)
     prompts, names = read_prompts(args)
     run_ = load_run_arg(args, "generate")
     require_task(run_, "lm", "language-model")

@@ -124,7 +124,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "--num-samples",
         type=positive_int,
         default=1,
-        help="texts drawn per prompt, in one batch (default: 1); each printed under a '--- sample i of N ---' line",
+        help="continuations drawn per prompt, as rows of one batch, each under a '--- sample j of N ---' line "
+        "('--- prompt i of n, sample j of N ---' for several prompts); not streamed; refused with greedy "
+        "decoding (default: 1)",
     )
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print only when done")
     p.add_argument(

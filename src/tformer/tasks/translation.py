@@ -105,11 +105,7 @@ class Translator:
     ) -> list[list[Hypothesis]]:
         """The n_best best hypotheses per source, best first (`tformer.generate.beam.search_nbest`: beam
         search, n_best at most its beam size), as `hypotheses` searches them."""
-        if not isinstance(cfg, SearchConfig):
-            raise TypeError(
-                f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
-            )
-        check_n_best(n_best, cfg.method, cfg.beam_size)  # (also for no sources: not only at the first batch)
+        _check_search(cfg, n_best)  # (also for no sources: not only at the first batch)
         sources = as_token_lists(sources, self.model.cfg.resolved_src_vocab_size, "source")
         device = next(self.model.parameters()).device
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
@@ -152,6 +148,7 @@ class Translator:
     ) -> list[list[tuple[str, float]]]:
         """The n_best best translations per text, best first, each with its score (`nbest`); texts cut as
         `translate` cuts them."""
+        _check_search(cfg, n_best)  # before the texts are cut and warned of
         sources, cut = self.encode(texts)
         if warn:
             warn_truncated(cut, self.max_src_len, self.special)
@@ -161,6 +158,14 @@ class Translator:
         """A hypothesis as one line of text: the byte-level vocabulary can spell line breaks and tabs,
         which become spaces, so a translation file keeps one output line per input line."""
         return self.tgt_tok.decode(hypothesis.tokens).translate(ONE_LINE)
+
+
+def _check_search(cfg: SearchConfig, n_best: int) -> None:
+    if not isinstance(cfg, SearchConfig):
+        raise TypeError(
+            f"cfg must be a SearchConfig (e.g. SearchConfig(beam_size=4)), got {type(cfg).__name__}"
+        )
+    check_n_best(n_best, cfg.method, cfg.beam_size)
 
 
 def seq2seq_loss_sum(
