@@ -35,6 +35,12 @@ def classification_run(bbc_root: Path, tmp_path_factory) -> Path:
     return out
 
 
+def without_cut_note(err: str) -> str:
+    """stderr without the note on outputs cut at the length limit (a tiny model's outputs seldom end; the
+    note's own test is `test_outputs_cut_at_the_length_limit_are_named_by_line`)."""
+    return "".join(line for line in err.splitlines(keepends=True) if "reached the length limit" not in line)
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
@@ -76,12 +82,17 @@ def test_file_dash_reads_stdin_and_a_terminal_is_told_what_is_awaited(
     assert main(["translate", "--run", run, "--file", "-", "--greedy"]) == 0
     captured = capsys.readouterr()
     assert len(captured.out.split("\n")) == 4 and captured.out.split("\n")[1] == ""
-    assert captured.err == "tformer translate: warning: stdin line 2 is empty: skipped\n"  # no prompt: a pipe
+    assert (
+        without_cut_note(captured.err) == "tformer translate: warning: stdin line 2 is empty: skipped\n"
+    )  # a pipe: no prompt
     for file in ([], ["--file", "-"]):  # neither --text nor --file, or --file -: both read stdin
         monkeypatch.setattr("sys.stdin", Terminal("Der Hund.\n"))
         assert main(["translate", "--run", run, "--greedy", *file]) == 0
         captured = capsys.readouterr()
-        assert captured.err == "tformer translate: reading stdin, one text per line (end with Ctrl-D)\n"
+        assert (
+            without_cut_note(captured.err)
+            == "tformer translate: reading stdin, one text per line (end with Ctrl-D)\n"
+        )
         assert len(captured.out.splitlines()) == 1
 
 
@@ -91,16 +102,16 @@ def test_truncation_warnings_name_the_text_or_the_one_line(
     run = str(translation_run)
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Hund " * 60]) == 0
     assert (
-        capsys.readouterr().err
+        without_cut_note(capsys.readouterr().err)
         == "tformer translate: warning: the text is longer than 31 tokens (the model reads 32, the EOS among them): truncated\n"
     )
     monkeypatch.setattr("sys.stdin", io.StringIO("Der Hund.\n" + "Hund " * 60 + "\n"))
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3"]) == 0
-    assert capsys.readouterr().err == (
+    assert without_cut_note(capsys.readouterr().err) == (
         "tformer translate: warning: stdin: line 2 is longer than 31 tokens (the model reads 32, the EOS among them): truncated\n"
     )
     assert main(["translate", "--run", run, "--greedy", "--max-len", "3", "--text", "Der Hund."]) == 0
-    assert capsys.readouterr().err == ""  # nothing cut: nothing said
+    assert without_cut_note(capsys.readouterr().err) == ""  # no source cut: nothing said of sources
 
 
 def test_max_len_warns_only_above_the_context(translation_run: Path, capsys) -> None:
@@ -108,9 +119,62 @@ def test_max_len_warns_only_above_the_context(translation_run: Path, capsys) -> 
     context = load_translator(load_run(translation_run)).model.cfg.max_seq_len
     argv = ["translate", "--run", str(translation_run), "--greedy", "--text", "Der Hund.", "--max-len"]
     assert main([*argv, str(context)]) == 0
-    assert capsys.readouterr().err == ""
+    assert without_cut_note(capsys.readouterr().err) == ""
     assert main([*argv, str(context + 1)]) == 0
     assert f"--max-len {context + 1} is above the model's context" in capsys.readouterr().err
+
+
+def test_outputs_cut_at_the_length_limit_are_named_by_line(
+    translation_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """An output that stopped at the length limit before an end token (Hypothesis.finished False) is cut:
+    one warning after the outputs names its input lines and the limit; outputs that ended say nothing."""
+    from tformer.generate.beam import Hypothesis
+    from tformer.tasks.translation import Translator
+
+    def search(self, sources, cfg, generator=None):  # outputs of sources of 12 tokens or more are cut
+        return [Hypothesis([5], -1.0, -1.0, finished=len(s) < 12) for s in sources]
+
+    def nbest(self, sources, cfg, n_best):  # each list's second is cut
+        return [
+            [Hypothesis([5], -1.0, -1.0, len(s) < 12), Hypothesis([6], -2.0, -2.0, False)] for s in sources
+        ]
+
+    monkeypatch.setattr(Translator, "hypotheses", search)
+    monkeypatch.setattr(Translator, "nbest", nbest)
+    translator = load_translator(load_run(translation_run))
+    context = translator.model.cfg.max_seq_len
+    short, long = "Hund.", "Der alte Hund sieht die Katze."
+    assert [len(translator.encode([text])[0][0]) >= 12 for text in (short, long)] == [False, True]  # premise
+    default = f"1.5 x the source's tokens + 10, at most {context} (--max-len sets one)"
+    path = tmp_path / "in.txt"
+    cases = [  # (input lines, options, the warning's start, the limit in words)
+        ([short, long, "", short, long], [], "the outputs of 2 lines (2, 5)", default),
+        ([short, long], [], "the output of line 2", default),
+        ([short, short], ["--nbest", "2"], "the outputs of 2 lines (1, 2)", default),  # any of a line's list
+        ([long], ["--greedy", "--max-len", "9"], "the output of line 1", "--max-len 9"),
+        (
+            [long],
+            ["--greedy", "--max-len", str(context + 1)],
+            "the output of line 1",
+            f"the context's {context}",
+        ),
+    ]
+    for lines, options, which, limit in cases:
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        assert main(["translate", "--run", str(translation_run), "--file", str(path), *options]) == 0
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert (
+            last
+            == f"tformer translate: warning: {which} reached the length limit, {limit}, before an end token: cut"
+        )
+    argv = ["translate", "--run", str(translation_run), "--text"]
+    assert main([*argv, long]) == 0
+    assert capsys.readouterr().err == (
+        f"tformer translate: warning: the output reached the length limit, {default}, before an end token: cut\n"
+    )
+    assert main([*argv, short]) == 0
+    assert capsys.readouterr().err == ""  # it ended: nothing said
 
 
 def test_nbest_prints_numbered_lines_best_first_the_first_the_one_best(

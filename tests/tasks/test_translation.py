@@ -332,8 +332,15 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     Path(result["translations"]).rmdir()
     from tformer.tasks.translation import format_result
 
-    text = format_result(result | {"sources_truncated": 3})  # what the text output says of the JSON's fields
+    text = format_result(
+        result | {"sources_truncated": 3, "outputs_unfinished": 0}
+    )  # the JSON's fields, said
     assert "| 3 sources longer than the run's max length, truncated\nsacrebleu signature: " in text
+    text = format_result(result | {"sources_truncated": 1, "outputs_unfinished": 2})
+    assert (
+        "| 1 source longer than the run's max length, truncated | 2 outputs cut at the length limit before an "
+        "end token\nsacrebleu signature: "
+    ) in text
 
 
 def test_scores_pair_each_translation_with_its_own_reference(trained_run: Path) -> None:
@@ -643,10 +650,23 @@ def test_the_manifest_counts_the_training_pairs_too_long_for_seq_len(
     assert manifest["train_pairs_too_long"] == too_long and manifest["train_pairs_used"] == len(train)
 
 
-def test_eval_counts_cut_sources_and_takes_the_loss_on_every_fitting_pair(trained_run: Path) -> None:
+def test_eval_counts_cut_sources_and_takes_the_loss_on_every_fitting_pair(
+    trained_run: Path, monkeypatch
+) -> None:
     """evaluate_run with a short data.seq_len: sources_truncated counts the sources over it, loss_pairs
     the pairs that fit, and eval_loss is the loss per target token over all of those, computed here pair by
-    pair (the sample of 100 pairs: more than one loss batch of 64)."""
+    pair (the sample of 100 pairs: more than one loss batch of 64); outputs_unfinished counts the
+    translations the search cut at the length limit (max_len 3: a tiny model's often are)."""
+    from tformer.tasks.translation import Translator
+
+    found = []
+    search = Translator.hypotheses
+
+    def spy(self, *args, **kwargs):
+        found.extend(out := search(self, *args, **kwargs))
+        return out
+
+    monkeypatch.setattr(Translator, "hypotheses", spy)
     run = load_run(trained_run)
     n = 26  # the test pairs are 18..29 source, 15..27 target tokens
     run = dataclasses.replace(
@@ -661,6 +681,8 @@ def test_eval_counts_cut_sources_and_takes_the_loss_on_every_fitting_pair(traine
     fits = [(s, t) for s, t in zip(src, tgt) if len(s) <= n and len(t) <= n - 1]
     assert result["sentences"] == 100
     assert result["sources_truncated"] == sum(len(s) > n for s in src) > 0
+    assert len(found) == 100 and result["outputs_unfinished"] == sum(not h.finished for h in found) > 0
+    assert all(len(h.tokens) == 3 for h in found if not h.finished)  # cut at max_len, the EOS not among them
     assert result["loss_pairs"] == len(fits) and 64 < len(fits) < 100
     model = run.model.eval()
     total, count = 0.0, 0

@@ -4,7 +4,8 @@ Empty lines: an error for --text; skipped with a warning in file / stdin mode, w
 stands for each, so output line n answers input line n. With --nbest N each input line gets N output lines
 (fewer only where fewer outputs exist), `LINE<tab>TEXT<tab>SCORE` best first, LINE its input line's
 number counted from 1; a skipped line gets none. Sources longer than the run's max length are
-truncated, with one warning that counts them. Outputs are printed a chunk of lines at a time (each
+truncated, with one warning that counts them; outputs cut at the length limit before an end token are
+named in one warning after them. Outputs are printed a chunk of lines at a time (each
 chunk searched in length-sorted batches), so a long file shows its first translations early and an
 interrupted run keeps what it printed.
 """
@@ -60,6 +61,21 @@ class Texts:
         which = f"line {shown} is" if len(lines) == 1 else f"{len(lines)} lines are"
         detail = "" if len(lines) == 1 else f" (lines {shown})"
         warn(command, f"{self.where}: {which} longer than {limit_words}: truncated{detail}")
+
+    def warn_unfinished(self, command: str, numbers: Sequence[int], limit: str) -> None:
+        """One warning for the input lines (`numbers`) whose output stopped at the length limit (`limit`, in
+        words) before an end token: cut, often mid-sentence or in a loop that repeats itself."""
+        if not numbers:
+            return
+        from tformer.runs import first_few
+
+        if self.where == "--text":
+            which = "the output"
+        elif len(numbers) == 1:
+            which = f"the output of line {numbers[0]}"
+        else:
+            which = f"the outputs of {len(numbers)} lines ({first_few(numbers)})"
+        warn(command, f"{which} reached the length limit, {limit}, before an end token: cut")
 
 
 def read_texts(args: argparse.Namespace, command: str) -> Texts:
@@ -153,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     device = next(translator.model.parameters()).device
     sampling = search_cfg.method == "sample"
     generator = torch.Generator(device=device).manual_seed(search_cfg.seed) if sampling else None
+    unfinished: list[int] = []  # the input lines with an output cut at the length limit
     for start in range(0, len(sources), CHUNK_LINES):
         chunk, numbers = sources[start : start + CHUNK_LINES], given.numbers[start : start + CHUNK_LINES]
         if n_best is not None:
@@ -162,12 +179,22 @@ def run(args: argparse.Namespace) -> int:
                     end="",
                     flush=True,
                 )
+                unfinished += [number] * any(not h.finished for h in hyps)
             continue
         hyps = translator.hypotheses(chunk, search_cfg, generator=generator)
         for h, number in zip(hyps, numbers):
             out.print(translator.text(h) + (f"\t{h.score:.4f}" if args.scores else ""), number)
+            unfinished += [number] * (not h.finished)
     if n_best is None:
         out.close()
+    if search_cfg.max_len is not None:
+        limit = (
+            f"--max-len {search_cfg.max_len}" if search_cfg.max_len <= context else f"the context's {context}"
+        )
+    else:
+        a, b = search_cfg.max_len_a, search_cfg.max_len_b
+        limit = f"{a:g} x the source's tokens + {b}, at most {context} (--max-len sets one)"
+    given.warn_unfinished("translate", unfinished, limit)
     return 0
 
 

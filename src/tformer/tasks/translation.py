@@ -448,8 +448,9 @@ def evaluate_run(
         pairs = spread(pairs, max_batches * search_cfg.batch_size)
     sources, cut = translator.encode([p.src for p in pairs])
     t0 = time.perf_counter()
-    hyps = [translator.text(h) for h in translator.hypotheses(sources, search_cfg)]
+    found = translator.hypotheses(sources, search_cfg)
     seconds = time.perf_counter() - t0
+    hyps = [translator.text(h) for h in found]
     refs = [p.tgt for p in pairs]
     tokenize = bleu_tokenizer(cfg.data.direction)
     scores = score_translations(hyps, refs, tokenize)
@@ -476,6 +477,7 @@ def evaluate_run(
         "sentences": len(pairs),
         "split_sentences": len(whole),  # more than "sentences": --max-batches took a sample
         "sources_truncated": len(cut),
+        "outputs_unfinished": sum(not h.finished for h in found),  # stopped at the length limit, no EOS
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
         "seq_len": cfg.data.seq_len,
         "search": search_cfg.to_dict(),
@@ -515,6 +517,11 @@ def _sentences_words(result: dict) -> str:
     return f"{result['sentences']} sentences"
 
 
+def unfinished_note(n: int) -> str:
+    """The note a score's text line gets when n translations stopped at the length limit before an end."""
+    return f" | {n} output{'s' if n != 1 else ''} cut at the length limit before an end token" if n else ""
+
+
 def format_result(result: dict) -> str:
     s = result["search"]
     how = (
@@ -527,7 +534,8 @@ def format_result(result: dict) -> str:
         f"{_sentences_words(result)}, {how}): "
         f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
-        f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}\n"
+        f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}"
+        f"{unfinished_note(result.get('outputs_unfinished', 0))}\n"
         f"sacrebleu signature: {result['bleu_signature']}"
         + (f"\ntranslations: {result['translations']}" if result.get("translations") else "")
     )
