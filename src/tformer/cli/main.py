@@ -178,6 +178,14 @@ def _translate_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="print the N best of the beam, best first, as LINE<tab>TEXT<tab>SCORE (N at most --beam)",
     )
+    p.add_argument(
+        "--plot-attention",
+        type=nonempty_text,
+        default=None,
+        metavar="PNG",
+        help="with --text: draw the translation's cross-attention over the source (one panel per decoder "
+        "layer, heads averaged) into this PNG",
+    )
 
 
 @register("classify", "label texts with a trained encoder classifier", "classify:run")

@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
     search_cfg = search_from_args(args)
     n_best = nbest_from_args(args, search_cfg)
+    if args.plot_attention is not None and args.text is None:
+        raise ValueError("--plot-attention draws the attention of one sentence: give it with --text")
     given = read_texts(args, "translate")
     translator = load_translator(load_run_arg(args, "translate"))
     context = translator.model.cfg.max_seq_len
@@ -180,13 +182,17 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 unfinished += [number] * any(not h.finished for h in hyps)
+                best = hyps[0]
             continue
         hyps = translator.hypotheses(chunk, search_cfg, generator=generator)
         for h, number in zip(hyps, numbers):
             out.print(translator.text(h) + (f"\t{h.score:.4f}" if args.scores else ""), number)
             unfinished += [number] * (not h.finished)
+            best = h
     if n_best is None:
         out.close()
+    if args.plot_attention is not None:  # one sentence (--text): its best output, as printed
+        plot_attention(translator, sources[0], best, args.plot_attention)
     if search_cfg.max_len is not None:
         limit = (
             f"--max-len {search_cfg.max_len}" if search_cfg.max_len <= context else f"the context's {context}"
@@ -196,6 +202,20 @@ def run(args: argparse.Namespace) -> int:
         limit = f"{a:g} x the source's tokens + {b}, at most {context} (--max-len sets one)"
     given.warn_unfinished("translate", unfinished, limit)
     return 0
+
+
+def plot_attention(translator, source: list[int], hypothesis, path: str) -> None:
+    """Draw the cross-attention of `hypothesis` (the output for `source`) into the PNG at `path`."""
+    from tformer.eval.attention import cross_attention_map, plot_cross_attention
+
+    amap = cross_attention_map(translator.model, source, hypothesis, translator.src_tok, translator.tgt_tok)
+    layers, heads, rows, cols = amap.weights.shape
+    written = plot_cross_attention(amap, path)
+    print(
+        f"tformer translate: cross-attention of {rows} output over {cols} source tokens ({layers} layers, "
+        f"{heads} heads averaged): {written}",
+        file=sys.stderr,
+    )
 
 
 def nbest_from_args(args: argparse.Namespace, search_cfg: SearchConfig) -> int | None:

@@ -27,6 +27,7 @@ from tformer.data.bpe_dropout import BPEDropout
 from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
+from tformer.eval.attention import AttentionMap, cross_attention_map
 from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, check_n_best, search_nbest
 from tformer.generate.engine import as_token_lists
@@ -153,6 +154,19 @@ class Translator:
         if warn:
             warn_truncated(cut, self.max_src_len, self.special)
         return [[(self.text(h), h.score) for h in hyps] for hyps in self.nbest(sources, cfg, n_best)]
+
+    def attention(self, text: str, cfg: SearchConfig) -> AttentionMap:
+        """The cross-attention of `text`'s translation (searched with `cfg`; a text longer than max_src_len
+        tokens cut, with a warning), per decoder layer and head (`tformer.eval.attention`)."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"text must be one str (attention maps one translation), got {type(text).__name__}"
+            )
+        _check_search(cfg, 1)
+        sources, cut = self.encode([text])
+        warn_truncated(cut, self.max_src_len, self.special)
+        hypothesis = self.hypotheses(sources, cfg)[0]
+        return cross_attention_map(self.model, sources[0], hypothesis, self.src_tok, self.tgt_tok)
 
     def text(self, hypothesis: Hypothesis) -> str:
         """A hypothesis as one line of text: the byte-level vocabulary can spell line breaks and tabs,
