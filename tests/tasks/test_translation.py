@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import random
 import shutil
 import warnings
@@ -21,7 +22,7 @@ from tformer import build_model
 from tformer.cli.main import main
 from tformer.data import load_corpus
 from tformer.data.datasets import IGNORE_INDEX
-from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
+from tformer.eval.bleu import bleu_parts, bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import SearchConfig, sample_search
 from tformer.presets import tiny
 from tformer.runs import find_checkpoint, load_run
@@ -62,6 +63,29 @@ def test_bleu_and_chrf_score_hypotheses_against_references_as_sacrebleu_does() -
     assert abs(swapped.bleu - scores.bleu) > 1 and abs(swapped.chrf - scores.chrf) > 10
     copied = copy_baseline(hyps, refs)  # the sources are the "translation"
     assert copied.bleu == pytest.approx(scores.bleu, abs=1e-9)
+
+
+def test_bleus_parts_are_the_n_gram_precisions_and_brevity_penalty_counted_by_hand() -> None:
+    """Counted here: "the cat sat on the mat today ." against "the cat sat on the mat ." matches 7/8
+    words, 5/7 bigrams, 4/6 trigrams and 3/5 4-grams, is longer (BP 1, ratio 8/7), so BLEU is
+    (7/8 x 5/7 x 4/6 x 3/5) ** (1/4) = 0.25 ** 0.25; "the cat sat on the" matches every n-gram and is
+    short: BP exp(1 - 7/5)."""
+    ref = ["the cat sat on the mat ."]
+    long = score_translations(["the cat sat on the mat today ."], ref)
+    assert long.bleu_precisions == pytest.approx((100 * 7 / 8, 100 * 5 / 7, 100 * 4 / 6, 100 * 3 / 5))
+    assert (long.brevity_penalty, long.length_ratio, long.hyp_len, long.ref_len) == pytest.approx(
+        (1, 8 / 7, 8, 7)
+    )
+    assert long.bleu == pytest.approx(100 * 0.25**0.25)
+    short = score_translations(["the cat sat on the"], ref)
+    assert short.bleu_precisions == pytest.approx((100, 100, 100, 100))
+    assert short.brevity_penalty == pytest.approx(
+        math.exp(1 - 7 / 5)
+    ) and short.length_ratio == pytest.approx(5 / 7)
+    assert short.bleu == pytest.approx(100 * math.exp(1 - 7 / 5))
+    assert bleu_parts(long.bleu_precisions, long.brevity_penalty, long.length_ratio) == (
+        "87.5/71.4/66.7/60.0, BP 1.000, length ratio 1.143"
+    )
 
 
 def test_chinese_references_are_scored_with_sacrebleus_zh_tokenizer() -> None:
@@ -332,6 +356,11 @@ def test_train_translate_eval_cli(trained_run: Path, tmp_path: Path, capsys, mon
     Path(result["translations"]).rmdir()
     from tformer.tasks.translation import format_result
 
+    assert (
+        result["hyp_len"] > 0 and len(result["bleu_precisions"]) == 4 and 0 < result["brevity_penalty"] <= 1
+    )
+    parts = bleu_parts(result["bleu_precisions"], result["brevity_penalty"], result["length_ratio"])
+    assert f"BLEU {result['bleu']:.2f} ({parts}) | chrF" in format_result(result)
     text = format_result(
         result | {"sources_truncated": 3, "outputs_unfinished": 0}
     )  # the JSON's fields, said

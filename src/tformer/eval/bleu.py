@@ -25,9 +25,22 @@ class TranslationScores:
     n: int  # sentences scored
     bleu_signature: str
     chrf_signature: str
+    # BLEU's parts: = brevity_penalty x geometric mean of the n-gram precisions (1- to 4-grams, 0..100,
+    # smoothed where a count is 0); brevity_penalty = exp(1 - ref_len / hyp_len) when the output is shorter
+    # than the references (length_ratio = hyp_len / ref_len < 1), else 1; lengths in BLEU's tokens
+    bleu_precisions: tuple[float, ...]
+    brevity_penalty: float
+    length_ratio: float
+    hyp_len: int
+    ref_len: int
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def bleu_parts(precisions: Sequence[float], brevity_penalty: float, length_ratio: float) -> str:
+    """BLEU's parts in words, as sacrebleu prints them: "42.0/11.0/3.7/1.0, BP 0.847, length ratio 0.858"."""
+    return f"{'/'.join(f'{p:.1f}' for p in precisions)}, BP {brevity_penalty:.3f}, length ratio {length_ratio:.3f}"
 
 
 def bleu_tokenizer(direction: str) -> str:
@@ -92,12 +105,18 @@ def score_translations(
         warn_if_cjk_without_its_tokenizer(references, tokenize)
     bleu, chrf = _metrics(tokenize)
     hyps, refs = list(hypotheses), [list(references)]
+    score = bleu.corpus_score(hyps, refs)
     return TranslationScores(
-        bleu=bleu.corpus_score(hyps, refs).score,
+        bleu=score.score,
         chrf=chrf.corpus_score(hyps, refs).score,
         n=len(hyps),
         bleu_signature=str(bleu.get_signature()),
         chrf_signature=str(chrf.get_signature()),
+        bleu_precisions=tuple(float(p) for p in score.precisions),
+        brevity_penalty=float(score.bp),
+        length_ratio=float(score.ratio),
+        hyp_len=int(score.sys_len),
+        ref_len=int(score.ref_len),
     )
 
 

@@ -28,7 +28,7 @@ from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.attention import AttentionMap, cross_attention_map
-from tformer.eval.bleu import bleu_tokenizer, copy_baseline, score_translations
+from tformer.eval.bleu import bleu_parts, bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, check_n_best, search_nbest
 from tformer.generate.engine import as_token_lists
 from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
@@ -496,6 +496,11 @@ def evaluate_run(
         "seq_len": cfg.data.seq_len,
         "search": search_cfg.to_dict(),
         "bleu": scores.bleu,
+        "bleu_precisions": list(scores.bleu_precisions),
+        "brevity_penalty": scores.brevity_penalty,
+        "length_ratio": scores.length_ratio,
+        "hyp_len": scores.hyp_len,
+        "ref_len": scores.ref_len,
         "chrf": scores.chrf,
         "copy_bleu": copy.bleu,
         "copy_chrf": copy.chrf,
@@ -536,6 +541,12 @@ def unfinished_note(n: int) -> str:
     return f" | {n} output{'s' if n != 1 else ''} cut at the length limit before an end token" if n else ""
 
 
+def _bleu_parts_words(result: dict) -> str:
+    if "bleu_precisions" not in result:  # (a result written before the parts were recorded)
+        return ""
+    return f" ({bleu_parts(result['bleu_precisions'], result['brevity_penalty'], result['length_ratio'])})"
+
+
 def format_result(result: dict) -> str:
     s = result["search"]
     how = (
@@ -546,7 +557,7 @@ def format_result(result: dict) -> str:
     return (
         f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
         f"{_sentences_words(result)}, {how}): "
-        f"BLEU {result['bleu']:.2f} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
+        f"BLEU {result['bleu']:.2f}{_bleu_parts_words(result)} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
         f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}"
         f"{unfinished_note(result.get('outputs_unfinished', 0))}\n"
