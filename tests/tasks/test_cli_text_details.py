@@ -146,33 +146,56 @@ def test_outputs_cut_at_the_length_limit_are_named_by_line(
     context = translator.model.cfg.max_seq_len
     short, long = "Hund.", "Der alte Hund sieht die Katze."
     assert [len(translator.encode([text])[0][0]) >= 12 for text in (short, long)] == [False, True]  # premise
-    default = f"1.5 x the source's tokens + 10, at most {context} (--max-len sets one)"
+    default = f"1.5 x the source's tokens + 10, at most the model's context of {context} (--max-len sets one)"
     path = tmp_path / "in.txt"
-    cases = [  # (input lines, options, the warning's start, the limit in words)
-        ([short, long, "", short, long], [], "the outputs of 2 lines (2, 5)", default),
-        ([short, long], [], "the output of line 2", default),
-        ([short, short], ["--nbest", "2"], "the outputs of 2 lines (1, 2)", default),  # any of a line's list
-        ([long], ["--greedy", "--max-len", "9"], "the output of line 1", "--max-len 9"),
+    cases = [  # (input lines, options, the warning without its "tformer translate: warning: ")
+        (
+            [short, long, "", short, long],
+            [],
+            f"{path}: the outputs of 2 lines reached the length limit, {default}, before an end token: cut "
+            "(lines 2, 5)",
+        ),
+        (
+            [short, long],
+            [],
+            f"{path}: the output of line 2 reached the length limit, {default}, before an end token: cut",
+        ),
+        (  # each list's second is cut
+            [short, long],
+            ["--nbest", "2"],
+            f"{path}: 3 outputs in the 2-best lists of 2 lines reached the length limit, {default}, before an end "
+            "token: cut (lines 1, 2)",
+        ),
+        (
+            [short],
+            ["--nbest", "2"],
+            f"{path}: 1 output in the 2-best list of line 1 reached the length limit, {default}, before an end "
+            "token: cut",
+        ),
+        (
+            [long],
+            ["--greedy", "--max-len", "9"],
+            f"{path}: the output of line 1 reached the length limit, --max-len 9, before an end token: cut",
+        ),
         (
             [long],
             ["--greedy", "--max-len", str(context + 1)],
-            "the output of line 1",
-            f"the context's {context}",
+            f"{path}: the output of line 1 reached the length limit, the model's context of {context} tokens, "
+            "before an end token: cut",
         ),
     ]
-    for lines, options, which, limit in cases:
+    for lines, options, message in cases:
         path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         assert main(["translate", "--run", str(translation_run), "--file", str(path), *options]) == 0
-        last = capsys.readouterr().err.splitlines()[-1]
-        assert (
-            last
-            == f"tformer translate: warning: {which} reached the length limit, {limit}, before an end token: cut"
-        )
+        assert capsys.readouterr().err.splitlines()[-1] == f"tformer translate: warning: {message}"
     argv = ["translate", "--run", str(translation_run), "--text"]
-    assert main([*argv, long]) == 0
-    assert capsys.readouterr().err == (
-        f"tformer translate: warning: the output reached the length limit, {default}, before an end token: cut\n"
-    )
+    for text, options, which in [(long, [], "the output"), (short, ["--nbest", "2"], "1 of the 2 outputs")]:
+        n = len(translator.encode([text])[0][0])  # the limit: 1.5 x the source's tokens + 10, its number
+        assert main([*argv, text, *options]) == 0
+        assert capsys.readouterr().err == (
+            f"tformer translate: warning: {which} reached the length limit, {int(1.5 * n) + 10} tokens (from the "
+            f"source's {n}; --max-len sets one), before an end token: cut\n"
+        )
     assert main([*argv, short]) == 0
     assert capsys.readouterr().err == ""  # it ended: nothing said
 

@@ -38,11 +38,17 @@ def batch(vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])  # multi-head, grouped, multi-query
-def test_recorded_weights_times_v_give_the_fused_kernels_output(n_kv_heads: int) -> None:
+@pytest.mark.parametrize("rotate", [False, True])  # RoPE on the cross-attention's q and k, or not
+def test_recorded_weights_times_v_give_the_fused_kernels_output(n_kv_heads: int, rotate: bool) -> None:
     """Each layer's recorded weights, applied to its V, give what torch's fused attention (the model's
-    kernel) returned for that layer, with RoPE on the cross-attention's q and k and grouped K/V heads."""
+    kernel) returned for that layer, with grouped K/V heads and with RoPE in the cross-attention."""
     torch.manual_seed(0)
-    model = build_model(tiny("encoder_decoder").replace(n_kv_heads=n_kv_heads)).eval()
+    cfg = tiny("encoder_decoder")
+    model = build_model(
+        cfg.replace(n_kv_heads=n_kv_heads, rope=cfg.rope.replace(cross_attention=rotate))
+    ).eval()
+    rotary = [m.rotary for m in model.modules() if isinstance(m, CrossAttention)]
+    assert all(type(r).__name__ != "NoRotary" for r in rotary) == rotate  # the premise
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (v, output) of each kernel call
 
     def keep(module, inputs, output) -> None:
@@ -137,6 +143,28 @@ def test_a_translations_map_has_a_row_per_chosen_token_and_the_source_as_text() 
         translator.attention(["the dog"], cfg)
 
 
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_each_row_is_the_attention_of_the_search_step_that_chose_its_token(method: str) -> None:
+    """Row t of the map (one forward over [BOS] + the output) equals the attention of the newest position
+    at search step t (recorded during the search itself, with the KV cache): the rows are not shifted."""
+    translator, _ = tiny_translator_and_classifier()
+    translator.model.eval()
+    source = translator.encode(["the market rose and the dog barked"])[0][0]
+    cfg = SearchConfig(method=method, beam_size=1, max_len=6, length_penalty=0.0)
+    with record_cross_attention(translator.model) as steps:
+        hypothesis = translator.hypotheses([source], cfg)[0]
+    layers = translator.model.cfg.n_layers
+    tok = translator.tgt_tok
+    amap = cross_attention_map(translator.model, source, hypothesis, translator.src_tok, tok)
+    rows = amap.weights.shape[2]
+    assert rows == len(hypothesis.tokens) + hypothesis.finished and len(steps) >= rows * layers
+    for t in range(rows):  # step t: one call per layer, the newest position's row last
+        for layer in range(layers):
+            torch.testing.assert_close(
+                amap.weights[layer, :, t], steps[t * layers + layer][0, :, -1], atol=1e-6, rtol=1e-5
+            )
+
+
 def test_the_plot_is_written_and_a_long_map_stays_a_readable_size(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     small = AttentionMap(["Der", "▁Hund", "."], ["The", "▁dog", "体"], torch.rand(2, 4, 3, 3, generator=gen))
@@ -145,10 +173,12 @@ def test_the_plot_is_written_and_a_long_map_stays_a_readable_size(tmp_path: Path
     n = MAX_TOKENS_DRAWN + 50  # beyond the labels' limit: drawn without them
     long = AttentionMap(["x"] * n, ["y"] * n, torch.rand(6, 2, n, n, generator=gen).softmax(-1))
     height, width, _ = matplotlib.image.imread(plot_cross_attention(long, tmp_path / "long.png")).shape
-    assert height <= 40 * 110 and width <= (40 + 1.2) * 110
+    assert height < 45 * 110 and width < 45 * 110  # MAX_INCHES 40 a side, plus the margins
 
 
-def test_translate_plots_the_attention_of_one_sentence(dictionary_file: Path, tmp_path: Path, capsys) -> None:
+def test_translate_plots_the_attention_of_one_sentence(
+    dictionary_file: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
     run = tmp_path / "run"
     argv = ["train", "--preset", "tiny-translation", "--set", f"data.path={dictionary_file}"]
     assert main([*argv, "--out", str(run), "--no-progress"]) == 0
@@ -159,8 +189,19 @@ def test_translate_plots_the_attention_of_one_sentence(dictionary_file: Path, tm
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 1 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"heads averaged): {png}\n" in captured.err
-    assert main([*argv, "--nbest", "2", "--plot-attention", str(png)]) == 0  # the best of the list
-    assert len(capsys.readouterr().out.splitlines()) == 2
+    drawn = []  # the hypotheses the maps are made of
+    import tformer.eval.attention as attention
+
+    make_map = attention.cross_attention_map
+    monkeypatch.setattr(attention, "cross_attention_map", lambda *a: drawn.append(a[2]) or make_map(*a))
+    assert (
+        main([*argv, "--beam", "3", "--nbest", "3", "--plot-attention", str(png)]) == 0
+    )  # the best of the list
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert (
+        len(lines) == 3 and len(drawn) == 1 and drawn[0].score == pytest.approx(float(lines[0][2]), abs=1e-4)
+    )
+    assert drawn[0].score > float(lines[1][2])  # the first of the list, not another
     path = tmp_path / "in.txt"
     path.write_text("Der Hund.\n", encoding="utf-8")
     assert main(["translate", "--run", str(run), "--file", str(path), "--plot-attention", str(png)]) == 2
@@ -173,7 +214,7 @@ def test_translate_plots_the_attention_of_one_sentence(dictionary_file: Path, tm
     assert main([*argv, "--plot-attention", str(tmp_path / "a_file" / "x.png")]) == 2
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1  # the translation is printed before the plot fails
-    assert captured.err == (
+    assert captured.err.splitlines()[-1] == (
         f"tformer translate: error: the attention plot could not be written to {tmp_path}/a_file/x.png: "
-        f"{tmp_path}/a_file is a file, not a folder\n"
+        f"{tmp_path}/a_file is a file, not a folder"
     )

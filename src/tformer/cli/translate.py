@@ -62,20 +62,31 @@ class Texts:
         detail = "" if len(lines) == 1 else f" (lines {shown})"
         warn(command, f"{self.where}: {which} longer than {limit_words}: truncated{detail}")
 
-    def warn_unfinished(self, command: str, numbers: Sequence[int], limit: str) -> None:
-        """One warning for the input lines (`numbers`) whose output stopped at the length limit (`limit`, in
-        words) before an end token: cut, often mid-sentence or in a loop that repeats itself."""
-        if not numbers:
+    def warn_unfinished(
+        self, command: str, cut: Sequence[tuple[int, int]], limit: str, n_best: int | None = None
+    ) -> None:
+        """One warning for the outputs that stopped at the length limit (`limit`, in words) before an end
+        token: cut, often mid-sentence or in a loop that repeats itself. `cut`: (input line, how many of its
+        outputs were cut: 1, or up to n_best of its n-best list)."""
+        if not cut:
             return
         from tformer.runs import first_few
 
+        lines, outputs = [number for number, _ in cut], sum(k for _, k in cut)
+        s = "s" if outputs != 1 else ""
         if self.where == "--text":
-            which = "the output"
-        elif len(numbers) == 1:
-            which = f"the output of line {numbers[0]}"
+            which = "the output" if n_best is None else f"{outputs} of the {n_best} outputs"
+        elif n_best is None:
+            which = (
+                f"the output of line {lines[0]}" if len(lines) == 1 else f"the outputs of {len(lines)} lines"
+            )
+        elif len(lines) == 1:
+            which = f"{outputs} output{s} in the {n_best}-best list of line {lines[0]}"
         else:
-            which = f"the outputs of {len(numbers)} lines ({first_few(numbers)})"
-        warn(command, f"{which} reached the length limit, {limit}, before an end token: cut")
+            which = f"{outputs} output{s} in the {n_best}-best lists of {len(lines)} lines"
+        where = "" if self.where == "--text" else f"{self.where}: "
+        detail = f" (lines {first_few(lines)})" if len(lines) > 1 else ""
+        warn(command, f"{where}{which} reached the length limit, {limit}, before an end token: cut{detail}")
 
 
 def read_texts(args: argparse.Namespace, command: str) -> Texts:
@@ -171,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     device = next(translator.model.parameters()).device
     sampling = search_cfg.method == "sample"
     generator = torch.Generator(device=device).manual_seed(search_cfg.seed) if sampling else None
-    unfinished: list[int] = []  # the input lines with an output cut at the length limit
+    unfinished: list[tuple[int, int]] = []  # (input line, its outputs cut at the length limit)
     for start in range(0, len(sources), CHUNK_LINES):
         chunk, numbers = sources[start : start + CHUNK_LINES], given.numbers[start : start + CHUNK_LINES]
         if n_best is not None:
@@ -181,27 +192,40 @@ def run(args: argparse.Namespace) -> int:
                     end="",
                     flush=True,
                 )
-                unfinished += [number] * any(not h.finished for h in hyps)
+                if n_cut := sum(not h.finished for h in hyps):
+                    unfinished.append((number, n_cut))
                 best = hyps[0]
             continue
         hyps = translator.hypotheses(chunk, search_cfg, generator=generator)
         for h, number in zip(hyps, numbers):
             out.print(translator.text(h) + (f"\t{h.score:.4f}" if args.scores else ""), number)
-            unfinished += [number] * (not h.finished)
+            if not h.finished:
+                unfinished.append((number, 1))
             best = h
     if n_best is None:
         out.close()
+    given.warn_unfinished("translate", unfinished, length_limit(search_cfg, context, given, sources), n_best)
     if args.plot_attention is not None:  # one sentence (--text): its best output, as printed
         plot_attention(translator, sources[0], best, args.plot_attention)
-    if search_cfg.max_len is not None:
-        limit = (
-            f"--max-len {search_cfg.max_len}" if search_cfg.max_len <= context else f"the context's {context}"
-        )
-    else:
-        a, b = search_cfg.max_len_a, search_cfg.max_len_b
-        limit = f"{a:g} x the source's tokens + {b}, at most {context} (--max-len sets one)"
-    given.warn_unfinished("translate", unfinished, limit)
     return 0
+
+
+def length_limit(search_cfg: SearchConfig, context: int, given: Texts, sources: list[list[int]]) -> str:
+    """The outputs' length limit in words: --max-len or the model's context; without --max-len the rule
+    (--text: its number for the one source)."""
+    import torch
+
+    if search_cfg.max_len is not None:
+        return (
+            f"--max-len {search_cfg.max_len}"
+            if search_cfg.max_len <= context
+            else f"the model's context of {context} tokens"
+        )
+    if given.where == "--text":
+        n = int(search_cfg.max_lens(torch.tensor([len(sources[0])]), context)[0])
+        return f"{n} tokens (from the source's {len(sources[0])}; --max-len sets one)"
+    a, b = search_cfg.max_len_a, search_cfg.max_len_b
+    return f"{a:g} x the source's tokens + {b}, at most the model's context of {context} (--max-len sets one)"
 
 
 def plot_attention(translator, source: list[int], hypothesis, path: str) -> None:
@@ -212,8 +236,8 @@ def plot_attention(translator, source: list[int], hypothesis, path: str) -> None
     layers, heads, rows, cols = amap.weights.shape
     written = plot_cross_attention(amap, path)
     print(
-        f"tformer translate: cross-attention of {rows} output over {cols} source tokens ({layers} layers, "
-        f"{heads} heads averaged): {written}",
+        f"tformer translate: cross-attention of {rows} output tokens over {cols} source tokens ({layers} "
+        f"layer{'s' if layers != 1 else ''}, {heads} head{'s' if heads != 1 else ''} averaged): {written}",
         file=sys.stderr,
     )
 

@@ -36,8 +36,8 @@ class _Recording(nn.Module):
         self.kernel, self.sink = kernel, sink
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-        n_rep = q.shape[1] // k.shape[1]
-        self.sink.append(attention_weights(q.detach(), repeat_kv(k.detach(), n_rep), mask))
+        n_rep = q.shape[1] // k.shape[1]  # q k^T in fp32 too (a bf16 model's products would round it)
+        self.sink.append(attention_weights(q.detach().float(), repeat_kv(k.detach().float(), n_rep), mask))
         return self.kernel(q, k, v, mask)
 
 
@@ -45,7 +45,9 @@ class _Recording(nn.Module):
 def record_cross_attention(model: nn.Module) -> Iterator[list[Tensor]]:
     """Within the block, every call of a cross-attention layer of `model` appends its weights, (B, H, T, S)
     in fp32, to the list this yields (for one forward: one tensor per decoder layer, first layer first).
-    The layers' kernels are restored on leaving, also after an error."""
+    The layers' kernels are restored on leaving, also after an error. Under tensor parallelism a rank
+    records its own heads only; a training forward under activation checkpointing records the recomputed
+    calls again."""
     layers = [m for m in model.modules() if isinstance(m, CrossAttention)]
     if not layers:
         raise ValueError(
@@ -113,6 +115,12 @@ def cross_attention_map(
             model(src, tgt)
     finally:
         model.train(was_training)
+    layers = sum(isinstance(m, CrossAttention) for m in model.modules())
+    if len(sink) != layers:  # a layer that bypassed its kernel, or called it twice
+        raise RuntimeError(
+            f"the forward recorded {len(sink)} cross-attention calls for {layers} layers: this model's "
+            "cross-attention does not run through its kernels once per layer (no map can be drawn)"
+        )
     weights = torch.stack([w[0] for w in sink]).cpu()  # (layers, H, T, S)
     return AttentionMap(token_pieces(src_tok, source), token_pieces(tgt_tok, rows), weights)
 
@@ -120,10 +128,7 @@ def cross_attention_map(
 def plot_cross_attention(amap: AttentionMap, path: str | Path, title: str = "") -> Path:
     """Write the map as a PNG: one panel per decoder layer, the heads' mean, source tokens across and output
     tokens down, darker where more attention went."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # (not pyplot: the caller's backend and figures are left alone)
 
     from tformer.eval.classification import MAX_INCHES, _drawable_chars, _tick_label
 
@@ -132,35 +137,30 @@ def plot_cross_attention(amap: AttentionMap, path: str | Path, title: str = "") 
     chars = _drawable_chars()
     panel_w = min(1.0 + 0.22 * cols, MAX_INCHES / n_layers)
     height = min(1.6 + 0.22 * rows, MAX_INCHES)
-    fig, axes = plt.subplots(
-        1, n_layers, figsize=(panel_w * n_layers + 1.2, height), squeeze=False, layout="constrained"
-    )
-    for layer, ax in enumerate(axes[0]):
+    fig = Figure(figsize=(panel_w * n_layers + 1.2, height), layout="constrained")
+    axes = fig.subplots(1, n_layers, squeeze=False)[0]
+    x_labels = cols <= MAX_TOKENS_DRAWN and 0.15 * cols <= panel_w  # else they would overlap
+    for layer, ax in enumerate(axes):
         image = ax.imshow(means[layer], cmap="Greys", vmin=0.0, vmax=1.0, aspect="auto")
-        if cols <= MAX_TOKENS_DRAWN:
+        if x_labels:
             ax.set_xticks(range(cols), [_tick_label(s, chars) for s in amap.source], rotation=90)
-        if rows <= MAX_TOKENS_DRAWN and layer == 0:
-            ax.set_yticks(range(rows), [_tick_label(t, chars) for t in amap.target])
-        elif rows <= MAX_TOKENS_DRAWN:
-            ax.set_yticks(range(rows), [])
+        if rows <= MAX_TOKENS_DRAWN:
+            ax.set_yticks(range(rows), [_tick_label(t, chars) for t in amap.target] if layer == 0 else [])
         ax.set_title(f"layer {layer + 1}", fontsize=9)
         ax.set_xlabel("source")
-    axes[0][0].set_ylabel("output")
+    axes[0].set_ylabel("output")
     heads = amap.weights.shape[1]
     fig.suptitle(title or f"cross-attention, mean of {heads} head{'s' if heads != 1 else ''}", fontsize=10)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, pad=0.01)
+    fig.colorbar(image, ax=axes.tolist(), fraction=0.03, pad=0.01)
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():  # tokens are escaped where glyphs are missing: nothing left to say
             warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, format="png")
     except OSError as err:
-        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        why = (
-            f"{blocking} is a file, not a folder" if blocking else err.strerror or str(err)
-        )  # mkdir: "File exists"
+        why = err.strerror or str(err)
+        if blocking := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
+            why = f"{blocking} is a file, not a folder"  # (mkdir under a file says only "File exists")
         raise OSError(f"the attention plot could not be written to {path}: {why}") from err
-    finally:
-        plt.close(fig)
     return path
