@@ -457,7 +457,10 @@ def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path, monkeypa
     assert main(["eval", "--run", str(trained_run), "--text-file", str(tmp_path), "--json"]) == 2
     assert "is a directory, not a file" in capsys.readouterr().err
     assert main(["eval", "--run", str(trained_run), "--text-file", str(short), "--split", "val"]) == 2
-    assert "give --split or --text-file, not both" in capsys.readouterr().err
+    assert (
+        "give one of --split, --text-file and --pairs-file, not --split and --text-file"
+        in capsys.readouterr().err
+    )
 
 
 def test_help_does_not_import_torch() -> None:

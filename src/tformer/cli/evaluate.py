@@ -17,13 +17,19 @@ LM_MAX_BATCHES = 1000  # a language model's split sampled by default (batches of
 def run(args: argparse.Namespace) -> int:
     from tformer.tasks.lm import evaluate_lm
 
-    if args.text_file is not None and args.split is not None:
-        raise ValueError("give --split or --text-file, not both")
+    given = [flag for flag, value in (("--split", args.split), ("--text-file", args.text_file),
+                                      ("--pairs-file", args.pairs_file)) if value is not None]  # fmt: skip
+    if len(given) > 1:
+        raise ValueError(f"give one of --split, --text-file and --pairs-file, not {' and '.join(given)}")
     args.split = args.split or "test"
     run_ = load_run_arg(args, "eval")
     cfg = run_.train_config
     if cfg.task != "lm":
         return run_task_eval(run_, args)
+    if args.pairs_file is not None:
+        raise ValueError(
+            "--pairs-file is for translation runs; this is an lm run (--text-file scores a text)"
+        )
     if args.text_file is not None:
         path = Path(args.text_file)
         text = read_input_file(path)
@@ -79,13 +85,45 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_task_eval(run_, args: argparse.Namespace) -> int:
-    """Translation and classification runs: their task module's evaluate_run / format_result."""
+    """Translation and classification runs: their task module's evaluate_run / format_result (a
+    translation run's evaluate_pairs with --pairs-file)."""
     import importlib
 
+    task = run_.train_config.task
     if args.text_file is not None:
-        raise ValueError(f"--text-file is for language-model runs; this is a {run_.train_config.task} run")
-    module = importlib.import_module(f"tformer.tasks.{run_.train_config.task}")
-    result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
+        raise ValueError(f"--text-file is for language-model runs; this is a {task} run")
+    if args.pairs_file is not None and task != "translation":
+        raise ValueError(f"--pairs-file is for translation runs; this is a {task} run")
+    module = importlib.import_module(f"tformer.tasks.{task}")
+    if args.pairs_file is not None:
+        path = Path(args.pairs_file)
+        pairs, name = read_pairs_file(path), input_name(path)
+        stem = "stdin" if name == "stdin" else path.stem
+        result = module.evaluate_pairs(run_, pairs, f"pairs_{stem}", max_batches=args.max_batches)
+        result["data"] = f"pairs file {name}"
+    else:
+        result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
     check_finite_scores(result)
     print(json.dumps(result) if args.json else module.format_result(result))
     return 0
+
+
+def read_pairs_file(path: str | Path) -> list[tuple[str, str]]:
+    """A test set of the user's: one `source<TAB>reference` pair per line (empty lines skipped; any other
+    line without exactly one tab, or with an empty side, is an error naming it)."""
+    path = Path(path).expanduser()
+    pairs = []
+    for number, line in enumerate(read_input_file(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        sides = line.split("\t")
+        if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():
+            what = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
+            raise ValueError(
+                f"{input_name(path)} line {number}: expected one source<TAB>reference pair, found {what}: "
+                f"{line[:60]!r}"
+            )
+        pairs.append((sides[0], sides[1]))
+    if not pairs:
+        raise ValueError(f"{input_name(path)} holds no source<TAB>reference pair")
+    return pairs

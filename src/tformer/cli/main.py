@@ -217,6 +217,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         help="evaluate on this text file (- reads stdin) instead of a split",
     )
     p.add_argument(
+        "--pairs-file",
+        type=nonempty_text,
+        default=None,
+        help="a translation run: score it on this file of source<TAB>reference lines (- reads stdin) instead "
+        "of a split",
+    )
+    p.add_argument(
         "--max-batches",
         type=positive_int,
         default=None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,16 +27,15 @@ from tformer.data.corpus_base import Corpus, Pair
 from tformer.data.datasets import Seq2SeqBatch, Seq2SeqCollator, Seq2SeqDataset, pad_sequences
 from tformer.data.tokenizer import Tokenizer
 from tformer.eval.attention import AttentionMap, cross_attention_map
-from tformer.eval.bleu import bleu_parts, bleu_tokenizer, copy_baseline, score_translations
+from tformer.eval.bleu import bleu_tokenizer, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, check_n_best, search_nbest
 from tformer.generate.engine import as_token_lists
-from tformer.runs import LoadedRun, check_texts, require_task, truncated_note, warn_truncated, weights_words
+from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
     check_data_unchanged,
     load_task_corpus,
     train_tokenizer,
-    warn_if_split_changed,
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum, fuses_loss, loss_unit, perplexity, target_count
@@ -441,126 +439,10 @@ def load_translator(run: LoadedRun | str | Path) -> Translator:
     return Translator(run.model, src_tok, run.tokenizer, cfg.data.seq_len)
 
 
-def evaluate_run(
-    run: LoadedRun | str | Path,
-    split: str = "test",
-    search_cfg: SearchConfig = TEST_SEARCH,
-    max_batches: int | None = None,
-) -> dict:
-    """Beam-search BLEU / chrF of a run (or its path) on a split of its corpus, with the copy-the-source
-    baseline and the loss; the translations go to <run>/translations_<split>.txt (where max_batches took a
-    sample of the split: translations_<split>_sample.txt; a file that cannot be written is warned about)."""
-    check_eval_args(max_batches, split)
-    run = require_task(run, "translation", "translation")
-    cfg = run.train_config
-    translator = load_translator(run)
-    corpus = load_translation_corpus(cfg.data)
-    warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
-    limit = cfg.data.max_train_docs if split == "train" else None  # the train split as the run trained on it
-    pairs = whole = list(corpus[split])[:limit]
-    if max_batches is not None:  # a sample of the whole split, as the LM and classification evaluations take
-        pairs = spread(pairs, max_batches * search_cfg.batch_size)
-    sources, cut = translator.encode([p.src for p in pairs])
-    t0 = time.perf_counter()
-    found = translator.hypotheses(sources, search_cfg)
-    seconds = time.perf_counter() - t0
-    hyps = [translator.text(h) for h in found]
-    refs = [p.tgt for p in pairs]
-    tokenize = bleu_tokenizer(cfg.data.direction)
-    scores = score_translations(hyps, refs, tokenize)
-    copy = copy_baseline([p.src for p in pairs], refs, tokenize)
-    ds = Seq2SeqDataset.from_texts(
-        pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
-    )
-    collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
-    loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
-    if len(ds):
-        device = next(run.model.parameters()).device
-        loss = evaluate_loss(run.model, ds, collate, 64, 10**9, device, cfg.fused_loss)
-    name = f"translations_{split}{'' if len(pairs) == len(whole) else '_sample'}{run.file_suffix()}.txt"
-    out = run_dir_of(run.checkpoint) / name
-    try:
-        out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    except OSError as err:
-        warnings.warn(f"the translations were not written to {out}: {err.strerror or err}", stacklevel=2)
-        out = None
-    return {
-        "data": f"{cfg.data.corpus} {cfg.data.direction} {split} split",
-        "checkpoint_step": run.step,
-        "averaged_steps": list(run.averaged_steps),
-        "sentences": len(pairs),
-        "split_sentences": len(whole),  # more than "sentences": --max-batches took a sample
-        "sources_truncated": len(cut),
-        "outputs_unfinished": sum(not h.finished for h in found),  # stopped at the length limit, no EOS
-        "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
-        "seq_len": cfg.data.seq_len,
-        "search": search_cfg.to_dict(),
-        "bleu": scores.bleu,
-        "bleu_precisions": list(scores.bleu_precisions),
-        "brevity_penalty": scores.brevity_penalty,
-        "length_ratio": scores.length_ratio,
-        "hyp_len": scores.hyp_len,
-        "ref_len": scores.ref_len,
-        "chrf": scores.chrf,
-        "copy_bleu": copy.bleu,
-        "copy_chrf": copy.chrf,
-        **loss,
-        "sentences_per_s": len(pairs) / max(seconds, 1e-9),
-        "bleu_signature": scores.bleu_signature,
-        "chrf_signature": scores.chrf_signature,
-        "translations": str(out) if out else None,
-    }
-
-
-def _loss_words(result: dict) -> str:
-    if result["eval_loss"] is None:
-        return "loss: no pair fits data.seq_len"
-    left_out = result["sentences"] - result["loss_pairs"]
-    others = (
-        f" (the other {left_out} are longer than {result.get('seq_len', 'data.seq_len')} tokens)"
-        if left_out
-        else ""
-    )
-    return f"loss {result['eval_loss']:.4f} nats/token on {result['loss_pairs']} pairs{others}"
-
-
 def _scored_words(report: dict) -> str:
     n = report.get("bleu_sentences")
     return "" if n is None else f" (on {n} validation sentences)"
 
 
-def _sentences_words(result: dict) -> str:
-    whole = result.get("split_sentences", result["sentences"])
-    if result["sentences"] < whole:
-        return f"{result['sentences']} of the split's {whole} sentences, --max-batches"
-    return f"{result['sentences']} sentences"
-
-
-def unfinished_note(n: int) -> str:
-    """The note a score's text line gets when n translations stopped at the length limit before an end."""
-    return f" | {n} output{'s' if n != 1 else ''} cut at the length limit before an end token" if n else ""
-
-
-def _bleu_parts_words(result: dict) -> str:
-    if "bleu_precisions" not in result:  # (a result written before the parts were recorded)
-        return ""
-    return f" ({bleu_parts(result['bleu_precisions'], result['brevity_penalty'], result['length_ratio'])})"
-
-
-def format_result(result: dict) -> str:
-    s = result["search"]
-    how = (
-        f"beam {s['beam_size']}, length penalty {s['length_penalty']}"
-        if s["method"] == "beam"
-        else s["method"]
-    )
-    return (
-        f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
-        f"{_sentences_words(result)}, {how}): "
-        f"BLEU {result['bleu']:.2f}{_bleu_parts_words(result)} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
-        f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
-        f"| {result['sentences_per_s']:.1f} sentences/s{truncated_note(result['sources_truncated'], 'source')}"
-        f"{unfinished_note(result.get('outputs_unfinished', 0))}\n"
-        f"sacrebleu signature: {result['bleu_signature']}"
-        + (f"\ntranslations: {result['translations']}" if result.get("translations") else "")
-    )
+# Scoring a trained run on a split or on pairs builds on everything above; its names are offered here too.
+from tformer.tasks.translation_eval import evaluate_pairs, evaluate_run, format_result  # noqa: E402, F401
