@@ -39,7 +39,7 @@ def test_a_file_of_the_test_split_scores_as_the_split_does(run: Path, tmp_path: 
     mine = eval_json(capsys, "--run", str(run), "--pairs-file", str(path), "--max-batches", "2")
     assert mine["data"] == f"pairs file {path}" and split["data"].endswith("test split")
     assert mine["sentences"] == 64 and mine["split_sentences"] == len(test)
-    differ = {"data", "sentences_per_s", "translations"}
+    differ = {"data", "scored", "sentences_per_s", "translations"}
     assert {k: v for k, v in mine.items() if k not in differ} == {
         k: v for k, v in split.items() if k not in differ
     }
@@ -47,7 +47,7 @@ def test_a_file_of_the_test_split_scores_as_the_split_does(run: Path, tmp_path: 
     assert Path(mine["translations"]).read_text() == Path(split["translations"]).read_text()
     assert main(["eval", "--run", str(run), "--pairs-file", str(path), "--max-batches", "1"]) == 0
     assert (
-        f"pairs file {path} (step 4, 32 of its {len(test)} sentences, --max-batches"
+        f"pairs file {path} (step 4, 32 of the pairs' {len(test)} sentences, --max-batches"
         in capsys.readouterr().out
     )
 
@@ -56,8 +56,9 @@ def test_every_pair_is_scored_repeats_too_and_stdin_is_read(run: Path, monkeypat
     pairs = [("Der Hund.", "The dog."), ("Die Katze.", "The cat.")] * 2 + [("Der Mann.", "The man.")]
     result = evaluate_pairs(run, pairs)
     assert result["sentences"] == result["split_sentences"] == 5 and result["data"] == "pairs"
+    assert result["scored"] == "pairs"
     lines = Path(result["translations"]).read_text().splitlines()
-    assert Path(result["translations"]).name == "translations_pairs.txt" and len(lines) == 5
+    assert Path(result["translations"]).name == "translations_pairs.txt" and len(lines) == 5  # no name
     assert lines[0] == lines[2] and lines[1] == lines[3]  # the repeats translated (and scored) again
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{s}\t{t}\n" for s, t in pairs)))
     from_stdin = eval_json(capsys, "--run", str(run), "--pairs-file", "-")
@@ -81,6 +82,10 @@ def test_every_pair_is_scored_repeats_too_and_stdin_is_read(run: Path, monkeypat
             "line 2: expected one source<TAB>reference pair, found an empty side: 'Der Hund.\\t '",
         ),
         ("\n\n", "holds no source<TAB>reference pair"),
+        (
+            "Der Hund.\tThe dog.\n \t \n",
+            "line 2: expected one source<TAB>reference pair, found an empty side: ' \\t '",
+        ),
     ],
 )
 def test_a_bad_pairs_file_is_named_with_its_line(
@@ -100,6 +105,8 @@ def test_pairs_file_with_a_split_or_on_another_task_is_refused(run: Path, tmp_pa
     assert capsys.readouterr().err == (
         "tformer eval: error: give one of --split, --text-file and --pairs-file, not --split and --pairs-file\n"
     )
+    assert main(["eval", "--run", str(run), "--text-file", str(path), "--pairs-file", str(path)]) == 2
+    assert "not --text-file and --pairs-file\n" in capsys.readouterr().err
     lm = tmp_path / "lm"
     assert main(tiny_lm_argv(lm, "shakespeare", 2)) == 0
     capsys.readouterr()
@@ -107,6 +114,46 @@ def test_pairs_file_with_a_split_or_on_another_task_is_refused(run: Path, tmp_pa
     assert capsys.readouterr().err == (
         "tformer eval: error: --pairs-file is for translation runs; this is an lm run (--text-file scores a text)\n"
     )
+
+
+def test_pairs_file_on_a_classification_run_is_refused(bbc_root: Path, tmp_path: Path, capsys) -> None:
+    cls = tmp_path / "cls"
+    argv = ["train", "--preset", "tiny-classification", "--set", f"data.path={bbc_root}", "--set", "steps=2"]
+    assert main([*argv, "--out", str(cls), "--no-progress"]) == 0
+    capsys.readouterr()
+    path = tmp_path / "pairs.tsv"
+    path.write_text("Der Hund.\tThe dog.\n", encoding="utf-8")
+    assert main(["eval", "--run", str(cls), "--pairs-file", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        "tformer eval: error: --pairs-file is for translation runs; this is a classification run\n"
+    )
+
+
+def test_the_scoring_module_imports_first_or_second() -> None:
+    """tasks.translation offers translation_eval's names; either module can be the first imported."""
+    import subprocess
+    import sys
+
+    for first in ("tformer.tasks.translation_eval", "tformer.tasks.translation"):
+        code = f"import {first}; from tformer.tasks.translation import evaluate_pairs, evaluate_run, format_result"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    import tformer.tasks.translation as translation
+
+    with pytest.raises(AttributeError, match="has no attribute 'evaluate_everything'"):
+        translation.evaluate_everything  # noqa: B018
+
+
+def test_a_file_name_with_a_backslash_is_kept_apart_from_the_split_files(
+    run: Path, tmp_path: Path, capsys
+) -> None:
+    path = tmp_path / "news\\test.tsv"
+    path.write_text("Der Hund.\tThe dog.\nDie Katze.\tThe cat.\n", encoding="utf-8")
+    result = eval_json(capsys, "--run", str(run), "--pairs-file", str(path))
+    assert Path(result["translations"]).name == "translations_pairs_news_test.txt"
+    assert evaluate_pairs(run, [("Der Hund.", "The dog.")], name="test")["translations"].endswith(
+        "translations_pairs_test.txt"
+    )  # not the test split's translations_test.txt
 
 
 def test_evaluate_pairs_names_bad_arguments(run: Path) -> None:
@@ -118,7 +165,7 @@ def test_evaluate_pairs_names_bad_arguments(run: Path) -> None:
         evaluate_pairs(run, [("a", "b"), ("a", "b", "c")])
     with pytest.raises(ValueError, match="pair 0 has an empty reference"):
         evaluate_pairs(run, [("Der Hund.", "  ")])
-    with pytest.raises(ValueError, match="name must be a non-empty str usable in a file name"):
+    with pytest.raises(ValueError, match="name must be a non-empty str usable in a file name .or None."):
         evaluate_pairs(run, [("Der Hund.", "The dog.")], name="../x")
     with pytest.raises(ValueError, match="max_batches must be an integer >= 1"):
         evaluate_pairs(run, [("Der Hund.", "The dog.")], max_batches=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
@@ -22,10 +23,11 @@ def run(args: argparse.Namespace) -> int:
     if len(given) > 1:
         raise ValueError(f"give one of --split, --text-file and --pairs-file, not {' and '.join(given)}")
     args.split = args.split or "test"
+    pairs = None if args.pairs_file is None else read_pairs_file(args.pairs_file)  # (before the model loads)
     run_ = load_run_arg(args, "eval")
     cfg = run_.train_config
     if cfg.task != "lm":
-        return run_task_eval(run_, args)
+        return run_task_eval(run_, args, pairs)
     if args.pairs_file is not None:
         raise ValueError(
             "--pairs-file is for translation runs; this is an lm run (--text-file scores a text)"
@@ -84,22 +86,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_task_eval(run_, args: argparse.Namespace) -> int:
+def run_task_eval(run_, args: argparse.Namespace, pairs: list[tuple[str, str]] | None) -> int:
     """Translation and classification runs: their task module's evaluate_run / format_result (a
-    translation run's evaluate_pairs with --pairs-file)."""
+    translation run's evaluate_pairs on the --pairs-file's `pairs`)."""
     import importlib
 
     task = run_.train_config.task
     if args.text_file is not None:
         raise ValueError(f"--text-file is for language-model runs; this is a {task} run")
-    if args.pairs_file is not None and task != "translation":
+    if pairs is not None and task != "translation":
         raise ValueError(f"--pairs-file is for translation runs; this is a {task} run")
     module = importlib.import_module(f"tformer.tasks.{task}")
-    if args.pairs_file is not None:
+    if pairs is not None:
         path = Path(args.pairs_file)
-        pairs, name = read_pairs_file(path), input_name(path)
-        stem = "stdin" if name == "stdin" else path.stem
-        result = module.evaluate_pairs(run_, pairs, f"pairs_{stem}", max_batches=args.max_batches)
+        name = input_name(path)
+        stem = "stdin" if name == "stdin" else re.sub(r"[/\\\0]", "_", path.stem) or "file"
+        result = module.evaluate_pairs(run_, pairs, stem, max_batches=args.max_batches)
         result["data"] = f"pairs file {name}"
     else:
         result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
@@ -114,7 +116,7 @@ def read_pairs_file(path: str | Path) -> list[tuple[str, str]]:
     path = Path(path).expanduser()
     pairs = []
     for number, line in enumerate(read_input_file(path).split("\n"), 1):
-        if not line.strip():
+        if not line.strip() and "\t" not in line:  # (a tab alone is a pair with two empty sides)
             continue
         sides = line.split("\t")
         if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():

@@ -204,7 +204,8 @@ def _classify_args(p: argparse.ArgumentParser) -> None:
 
 @register(
     "eval",
-    "evaluate a trained run on a split: LM perplexity, translation BLEU / chrF, classification accuracy",
+    "evaluate a trained run on a split or a file of your own: LM perplexity, translation BLEU / chrF, "
+    "classification accuracy",
     "evaluate:run",
 )
 def _eval_args(p: argparse.ArgumentParser) -> None:
@@ -214,7 +215,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "--text-file",
         type=nonempty_text,
         default=None,
-        help="evaluate on this text file (- reads stdin) instead of a split",
+        help="a language-model run: score it on this text file (- reads stdin) instead of a split",
     )
     p.add_argument(
         "--pairs-file",
@@ -227,7 +228,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "--max-batches",
         type=positive_int,
         default=None,
-        help="score a sample of at most this many batches, spread over the split (default: a language "
+        help="score a sample of at most this many batches, spread over the split or file (default: a language "
         "model's 1000 batches of windows; translation and classification score the whole split; a "
         "translation batch is 32 sentences, a classification batch the run's batch_size texts)",
     )

@@ -444,5 +444,14 @@ def _scored_words(report: dict) -> str:
     return "" if n is None else f" (on {n} validation sentences)"
 
 
-# Scoring a trained run on a split or on pairs builds on everything above; its names are offered here too.
-from tformer.tasks.translation_eval import evaluate_pairs, evaluate_run, format_result  # noqa: E402, F401
+_SCORING = ("evaluate_pairs", "evaluate_run", "format_result", "unfinished_note")
+
+
+def __getattr__(name: str):
+    """Scoring a trained run (tformer.tasks.translation_eval, which builds on this module) is offered here
+    too, looked up on first use so that either module can be imported first."""
+    if name in _SCORING:
+        from tformer.tasks import translation_eval
+
+        return getattr(translation_eval, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

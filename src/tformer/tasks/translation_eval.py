@@ -42,19 +42,19 @@ def evaluate_run(
     limit = cfg.data.max_train_docs if split == "train" else None  # the train split as the run trained on it
     whole = list(corpus[split])[:limit]
     data = f"{cfg.data.corpus} {cfg.data.direction} {split} split"
-    return _evaluate(run, whole, data, f"translations_{split}", search_cfg, max_batches)
+    return _evaluate(run, whole, data, f"translations_{split}", search_cfg, max_batches, "split")
 
 
 def evaluate_pairs(
     run: LoadedRun | str | Path,
     pairs: Sequence[tuple[str, str]],
-    name: str = "pairs",
+    name: str | None = None,
     search_cfg: SearchConfig = TEST_SEARCH,
     max_batches: int | None = None,
 ) -> dict:
     """`evaluate_run` on pairs of the caller's own, (source, reference) each, every one scored (repeats
-    too, as in a test set); the result's "data" is `name` and the translations go to
-    <run>/translations_<name>.txt."""
+    too, as in a test set); the result's "data" is `name` (or "pairs") and the translations go to
+    <run>/translations_pairs_<name>.txt (translations_pairs.txt without a name)."""
     check_eval_args(max_batches)
     run = require_task(run, "translation", "translation")
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
@@ -66,10 +66,13 @@ def evaluate_pairs(
             raise TypeError(f"pair {i} must be a (source, reference) pair of two str, got {pair!r:.80}")
         if not pair[0].strip() or not pair[1].strip():
             raise ValueError(f"pair {i} has an empty {'source' if not pair[0].strip() else 'reference'}")
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\\0"):
-        raise ValueError(f"name must be a non-empty str usable in a file name, got {name!r}")
-    whole = [Pair(f"{name}:{i + 1}", src.strip(), ref.strip()) for i, (src, ref) in enumerate(pairs)]
-    return _evaluate(run, whole, name, f"translations_{name}", search_cfg, max_batches)
+    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
+        raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")
+    whole = [
+        Pair(f"{name or 'pairs'}:{i + 1}", src.strip(), ref.strip()) for i, (src, ref) in enumerate(pairs)
+    ]
+    out_stem = "translations_pairs" + (f"_{name}" if name else "")
+    return _evaluate(run, whole, name or "pairs", out_stem, search_cfg, max_batches, "pairs")
 
 
 def _evaluate(
@@ -79,8 +82,10 @@ def _evaluate(
     out_stem: str,
     search_cfg: SearchConfig,
     max_batches: int | None,
+    kind: str,
 ) -> dict:
-    """Translate, score and write the translations of `whole` (a sample of it with max_batches)."""
+    """Translate, score and write the translations of `whole` (a sample of it with max_batches), a split
+    or the caller's pairs (`kind`)."""
     cfg = run.train_config
     translator = load_translator(run)
     pairs = whole
@@ -108,7 +113,7 @@ def _evaluate(
     try:
         out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     except OSError as err:
-        warnings.warn(f"the translations were not written to {out}: {err.strerror or err}", stacklevel=2)
+        warnings.warn(f"the translations were not written to {out}: {err.strerror or err}", stacklevel=3)
         out = None
     return {
         "data": data,
@@ -116,6 +121,7 @@ def _evaluate(
         "averaged_steps": list(run.averaged_steps),
         "sentences": len(pairs),
         "split_sentences": len(whole),  # more than "sentences": --max-batches took a sample
+        "scored": kind,  # "split" or "pairs" (the caller's own)
         "sources_truncated": len(cut),
         "outputs_unfinished": sum(not h.finished for h in found),  # stopped at the length limit, no EOS
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
@@ -153,7 +159,7 @@ def _loss_words(result: dict) -> str:
 def _sentences_words(result: dict) -> str:
     whole = result.get("split_sentences", result["sentences"])
     if result["sentences"] < whole:
-        whose = "the split's" if result["data"].endswith(" split") else "its"
+        whose = "the pairs'" if result.get("scored") == "pairs" else "the split's"
         return f"{result['sentences']} of {whose} {whole} sentences, --max-batches"
     return f"{result['sentences']} sentences"
 
