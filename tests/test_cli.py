@@ -458,7 +458,7 @@ def test_eval_on_a_text_file(trained_run: Path, capsys, tmp_path: Path, monkeypa
     assert "is a directory, not a file" in capsys.readouterr().err
     assert main(["eval", "--run", str(trained_run), "--text-file", str(short), "--split", "val"]) == 2
     assert (
-        "give one of --split, --text-file and --pairs-file, not --split and --text-file"
+        "give one of --split, --text-file, --pairs-file and --labelled-file, not --split and --text-file"
         in capsys.readouterr().err
     )
 

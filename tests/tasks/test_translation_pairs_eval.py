@@ -103,7 +103,8 @@ def test_pairs_file_with_a_split_or_on_another_task_is_refused(run: Path, tmp_pa
     path.write_text("Der Hund.\tThe dog.\n", encoding="utf-8")
     assert main(["eval", "--run", str(run), "--split", "val", "--pairs-file", str(path)]) == 2
     assert capsys.readouterr().err == (
-        "tformer eval: error: give one of --split, --text-file and --pairs-file, not --split and --pairs-file\n"
+        "tformer eval: error: give one of --split, --text-file, --pairs-file and --labelled-file, not --split and "
+        "--pairs-file\n"
     )
     assert main(["eval", "--run", str(run), "--text-file", str(path), "--pairs-file", str(path)]) == 2
     assert "not --text-file and --pairs-file\n" in capsys.readouterr().err

@@ -19,18 +19,28 @@ def run(args: argparse.Namespace) -> int:
     from tformer.tasks.lm import evaluate_lm
 
     given = [flag for flag, value in (("--split", args.split), ("--text-file", args.text_file),
-                                      ("--pairs-file", args.pairs_file)) if value is not None]  # fmt: skip
+                                      ("--pairs-file", args.pairs_file), ("--labelled-file", args.labelled_file))
+             if value is not None]  # fmt: skip
     if len(given) > 1:
-        raise ValueError(f"give one of --split, --text-file and --pairs-file, not {' and '.join(given)}")
+        raise ValueError(
+            f"give one of --split, --text-file, --pairs-file and --labelled-file, not {' and '.join(given)}"
+        )
     args.split = args.split or "test"
-    pairs = None if args.pairs_file is None else read_pairs_file(args.pairs_file)  # (before the model loads)
+    # read before the model loads: (source, reference) or (label, text) pairs
+    if args.pairs_file is not None:
+        items = read_tab_file(args.pairs_file, "source<TAB>reference pair", split_at_every_tab=True)
+    elif args.labelled_file is not None:
+        items = read_tab_file(args.labelled_file, "label<TAB>text line", split_at_every_tab=False)
+    else:
+        items = None
     run_ = load_run_arg(args, "eval")
     cfg = run_.train_config
     if cfg.task != "lm":
-        return run_task_eval(run_, args, pairs)
-    if args.pairs_file is not None:
+        return run_task_eval(run_, args, items)
+    if items is not None:
+        flag = given[0]
         raise ValueError(
-            "--pairs-file is for translation runs; this is an lm run (--text-file scores a text)"
+            f"{flag} is for {FILE_TASKS[flag]} runs; this is an lm run (--text-file scores a text)"
         )
     if args.text_file is not None:
         path = Path(args.text_file)
@@ -86,23 +96,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_task_eval(run_, args: argparse.Namespace, pairs: list[tuple[str, str]] | None) -> int:
-    """Translation and classification runs: their task module's evaluate_run / format_result (a
-    translation run's evaluate_pairs on the --pairs-file's `pairs`)."""
+FILE_TASKS = {"--pairs-file": "translation", "--labelled-file": "classification"}
+
+
+def run_task_eval(run_, args: argparse.Namespace, items: list[tuple[str, str]] | None) -> int:
+    """Translation and classification runs: their task module's evaluate_run / format_result (on the
+    --pairs-file's or --labelled-file's `items`: evaluate_pairs / evaluate_labelled)."""
     import importlib
 
     task = run_.train_config.task
     if args.text_file is not None:
         raise ValueError(f"--text-file is for language-model runs; this is a {task} run")
-    if pairs is not None and task != "translation":
-        raise ValueError(f"--pairs-file is for translation runs; this is a {task} run")
+    flag = "--pairs-file" if args.pairs_file is not None else "--labelled-file"
+    if items is not None and task != FILE_TASKS[flag]:
+        raise ValueError(f"{flag} is for {FILE_TASKS[flag]} runs; this is a {task} run")
     module = importlib.import_module(f"tformer.tasks.{task}")
-    if pairs is not None:
-        path = Path(args.pairs_file)
+    if items is not None:
+        path = Path(args.pairs_file or args.labelled_file)
         name = input_name(path)
         stem = "stdin" if name == "stdin" else re.sub(r"[/\\\0]", "_", path.stem) or "file"
-        result = module.evaluate_pairs(run_, pairs, stem, max_batches=args.max_batches)
-        result["data"] = f"pairs file {name}"
+        score = module.evaluate_pairs if task == "translation" else module.evaluate_labelled
+        result = score(run_, items, stem, max_batches=args.max_batches)
+        result["data"] = f"{'pairs' if task == 'translation' else 'labelled'} file {name}"
     else:
         result = module.evaluate_run(run_, args.split, max_batches=args.max_batches)
     check_finite_scores(result)
@@ -110,22 +125,22 @@ def run_task_eval(run_, args: argparse.Namespace, pairs: list[tuple[str, str]] |
     return 0
 
 
-def read_pairs_file(path: str | Path) -> list[tuple[str, str]]:
-    """A test set of the user's: one `source<TAB>reference` pair per line (empty lines skipped; any other
-    line without exactly one tab, or with an empty side, is an error naming it)."""
+def read_tab_file(path: str | Path, what: str, split_at_every_tab: bool) -> list[tuple[str, str]]:
+    """A test set of the user's, two fields a line: `source<TAB>reference` pairs (exactly one tab), or
+    `label<TAB>text` lines (split at the first tab: a text may hold more). Empty lines are skipped; any
+    other line without a tab where one is needed, or with an empty field, is an error naming it."""
     path = Path(path).expanduser()
-    pairs = []
+    items = []
     for number, line in enumerate(read_input_file(path).split("\n"), 1):
-        if not line.strip() and "\t" not in line:  # (a tab alone is a pair with two empty sides)
+        if not line.strip() and "\t" not in line:  # (a tab alone holds two empty fields)
             continue
-        sides = line.split("\t")
+        sides = line.split("\t") if split_at_every_tab else line.split("\t", 1)
         if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():
-            what = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
+            found = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
             raise ValueError(
-                f"{input_name(path)} line {number}: expected one source<TAB>reference pair, found {what}: "
-                f"{line[:60]!r}"
+                f"{input_name(path)} line {number}: expected one {what}, found {found}: {line[:60]!r}"
             )
-        pairs.append((sides[0], sides[1]))
-    if not pairs:
-        raise ValueError(f"{input_name(path)} holds no source<TAB>reference pair")
-    return pairs
+        items.append((sides[0], sides[1]))
+    if not items:
+        raise ValueError(f"{input_name(path)} holds no {what}")
+    return items

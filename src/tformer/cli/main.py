@@ -225,6 +225,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "of a split",
     )
     p.add_argument(
+        "--labelled-file",
+        type=nonempty_text,
+        default=None,
+        help="a classification run: score it on this file of label<TAB>text lines (- reads stdin) instead of "
+        "a split",
+    )
+    p.add_argument(
         "--max-batches",
         type=positive_int,
         default=None,

@@ -304,20 +304,67 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     confusion_val.png; a sample of the split, max_batches, to eval_confusion_<split>_sample.png)."""
     check_eval_args(max_batches, split)
     run = require_task(run, "classification", "classification")
-    classifier = load_classifier(run)
     cfg = run.train_config
     corpus = load_task_corpus(cfg.data, "classification")
     warn_if_split_changed(run_dir_of(run.checkpoint), corpus, split)
-    index = {label: i for i, label in enumerate(classifier.labels)}
     docs = corpus[split]
     if split == "train":  # as the run trained on it (data.max_train_docs)
         docs = spread(docs, cfg.data.max_train_docs)
+    unknown = f"the {split} split holds labels the run never trained on"
+    cure = "restore the data's label names, or train a new run on it"
+    return _evaluate(run, docs, f"{cfg.data.corpus} {split} split", split, max_batches, (unknown, cure))
+
+
+def evaluate_labelled(
+    run: LoadedRun | str | Path,
+    items: Sequence[tuple[str, str]],
+    name: str | None = None,
+    max_batches: int | None = None,
+) -> dict:
+    """`evaluate_run` on labelled texts of the caller's own, (label, text) each, every one scored (repeats
+    too, as in a test set), each label one of the run's classes; the result's "data" is `name` (or
+    "labelled texts") and the matrix goes to <run>/eval_confusion_labelled[_<name>].png."""
+    check_eval_args(max_batches)
+    run = require_task(run, "classification", "classification")
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"items must be a list of (label, text) pairs, got {type(items).__name__}")
+    if not items:
+        raise ValueError("no labelled texts to score")
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(t, str) for t in item)):
+            raise TypeError(f"item {i} must be a (label, text) pair of two str, got {item!r:.80}")
+        if not item[1].strip():
+            raise ValueError(f"item {i} has an empty text")
+    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
+        raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")
+    docs = [
+        Document(f"{name or 'labelled'}:{i + 1}", text.strip(), label)
+        for i, (label, text) in enumerate(items)
+    ]
+    unknown = "the labelled texts hold labels the run never trained on"
+    cure = "use the run's class names"
+    where = "labelled" + (f"_{name}" if name else "")
+    return _evaluate(run, docs, name or "labelled texts", where, max_batches, (unknown, cure))
+
+
+def _evaluate(
+    run: LoadedRun,
+    docs: Sequence[Document],
+    data: str,
+    where: str,
+    max_batches: int | None,
+    unknown_words: tuple[str, str],
+) -> dict:
+    """Score `docs` (a sample of them with max_batches); the matrix goes to eval_confusion_<where>[...].png."""
+    classifier = load_classifier(run)
+    cfg = run.train_config
+    index = {label: i for i, label in enumerate(classifier.labels)}
     unknown = sorted({d.label for d in docs} - index.keys())
     if unknown:  # a label folder renamed or added since the run trained: no class of the model is it
+        what, cure = unknown_words
         raise ValueError(
-            f"the {split} split holds labels the run never trained on: {', '.join(map(repr, unknown))} "
-            f"(its classes: {', '.join(map(repr, classifier.labels))}); restore the data's label names, or "
-            "train a new run on it"
+            f"{what}: {', '.join(map(repr, unknown))} (its classes: {', '.join(map(repr, classifier.labels))}); "
+            f"{cure}"
         )
     ids, cut = classifier.encode([d.text for d in docs])
     ds = ClassificationDataset(ids, [index[d.label] for d in docs], classifier.max_len)
@@ -326,10 +373,10 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
     check_finite_scores(result)  # before a matrix of NaN replaces one
     sample = "_sample" if scores.n < len(docs) else ""  # --max-batches: never in place of the whole split's
     png = write_confusion(
-        scores, run_dir_of(run.checkpoint), split, prefix="eval_", suffix=sample + run.file_suffix(), run=run
+        scores, run_dir_of(run.checkpoint), where, prefix="eval_", suffix=sample + run.file_suffix(), run=run
     )
     return {
-        "data": f"{cfg.data.corpus} {split} split",
+        "data": data,
         "checkpoint_step": run.step,
         "averaged_steps": list(run.averaged_steps),
         "texts_truncated": len(
@@ -338,6 +385,7 @@ def evaluate_run(run: LoadedRun | str | Path, split: str = "test", max_batches: 
         **result,
         "n": scores.n,
         "texts": len(docs),  # the split's (n: those scored, fewer with max_batches)
+        "scored": "labelled" if where.startswith("labelled") else "split",  # the caller's texts, or a split
         "per_class": scores.per_class,
         "confusion": scores.to_dict()["confusion"],
         "labels": list(scores.labels),
@@ -357,7 +405,8 @@ def one_line_label(label: str) -> str:
 
 def format_result(result: dict) -> str:
     n, texts = result["n"], result.get("texts", result["n"])  # a sample of the split (--max-batches): said
-    scored = f"{n} of the split's {texts} texts, --max-batches" if n < texts else f"{n} texts"
+    whose = "the labelled texts'" if result.get("scored") == "labelled" else "the split's"
+    scored = f"{n} of {whose} {texts} texts, --max-batches" if n < texts else f"{n} texts"
     lines = [
         f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
         f"{scored}): accuracy "
