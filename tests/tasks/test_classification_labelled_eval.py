@@ -136,11 +136,11 @@ def test_labelled_file_on_another_task_or_beside_a_split_is_refused(
 def test_evaluate_labelled_names_bad_arguments(run: Path) -> None:
     with pytest.raises(TypeError, match="items must be a list of .label, text. pairs, got str"):
         evaluate_labelled(run, "business\tMarkets rose.")
-    with pytest.raises(ValueError, match="no labelled texts to score"):
+    with pytest.raises(ValueError, match="no items to score"):
         evaluate_labelled(run, [])
-    with pytest.raises(TypeError, match="item 1 must be a .label, text. pair of two str"):
+    with pytest.raises(TypeError, match=r"items\[1\] must be a .label, text. pair of two str"):
         evaluate_labelled(run, [("business", "a"), ("business", 3)])
-    with pytest.raises(ValueError, match="item 0 has an empty text"):
+    with pytest.raises(ValueError, match=r"items\[0\] has an empty text"):
         evaluate_labelled(run, [("business", " ")])
     with pytest.raises(ValueError, match="name must be a non-empty str usable in a file name"):
         evaluate_labelled(run, [("business", "Markets rose.")], name="a/b")

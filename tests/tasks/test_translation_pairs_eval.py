@@ -162,9 +162,9 @@ def test_evaluate_pairs_names_bad_arguments(run: Path) -> None:
         evaluate_pairs(run, "Der Hund.\tThe dog.")
     with pytest.raises(ValueError, match="no pairs to score"):
         evaluate_pairs(run, [])
-    with pytest.raises(TypeError, match="pair 1 must be a .source, reference. pair of two str"):
+    with pytest.raises(TypeError, match=r"pairs\[1\] must be a .source, reference. pair of two str"):
         evaluate_pairs(run, [("a", "b"), ("a", "b", "c")])
-    with pytest.raises(ValueError, match="pair 0 has an empty reference"):
+    with pytest.raises(ValueError, match=r"pairs\[0\] has an empty reference"):
         evaluate_pairs(run, [("Der Hund.", "  ")])
     with pytest.raises(ValueError, match="name must be a non-empty str usable in a file name .or None."):
         evaluate_pairs(run, [("Der Hund.", "The dog.")], name="../x")

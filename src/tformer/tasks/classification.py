@@ -48,7 +48,7 @@ from tformer.tasks.corpus import (
     write_manifest,
 )
 from tformer.tasks.losses import cross_entropy_sum, loss_unit
-from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, spread
+from tformer.tasks.stream import BatchStream, bucketed_train_stream, check_eval_args, check_own_items, spread
 from tformer.tasks.translation import run_dir_of
 from tformer.train.config import TrainConfig, require_task_arch
 
@@ -326,17 +326,7 @@ def evaluate_labelled(
     "labelled texts") and the matrix goes to <run>/eval_confusion_labelled[_<name>].png."""
     check_eval_args(max_batches)
     run = require_task(run, "classification", "classification")
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise TypeError(f"items must be a list of (label, text) pairs, got {type(items).__name__}")
-    if not items:
-        raise ValueError("no labelled texts to score")
-    for i, item in enumerate(items):
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(t, str) for t in item)):
-            raise TypeError(f"item {i} must be a (label, text) pair of two str, got {item!r:.80}")
-        if not item[1].strip():
-            raise ValueError(f"item {i} has an empty text")
-    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
-        raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")
+    check_own_items(items, "items", ("label", "text"), name)
     docs = [
         Document(f"{name or 'labelled'}:{i + 1}", text.strip(), label)
         for i, (label, text) in enumerate(items)

@@ -35,6 +35,25 @@ def check_eval_args(max_batches: int | None, split: str = "val") -> None:
         raise ValueError(f"unknown split {split!r}; the splits are {', '.join(SPLITS)}")
 
 
+def check_own_items(items: object, arg: str, fields: tuple[str, str], name: object) -> None:
+    """A caller's own test set, refused by name unless it is a non-empty list of pairs of two non-empty
+    str (`fields` names them: ("source", "reference"), ("label", "text")), and `name` None or a str
+    usable in a file name."""
+    pair = f"({fields[0]}, {fields[1]})"
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"{arg} must be a list of {pair} pairs, got {type(items).__name__}")
+    if not items:
+        raise ValueError(f"no {arg} to score")
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(t, str) for t in item)):
+            raise TypeError(f"{arg}[{i}] must be a {pair} pair of two str, got {item!r:.80}")
+        for field, text in zip(fields, item):
+            if not text.strip():
+                raise ValueError(f"{arg}[{i}] has an empty {field}")
+    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
+        raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")
+
+
 class BatchStream:
     """`next_batch(device)` walks epochs forever; `state_dict()` says where the next batch comes from."""
 

@@ -15,7 +15,7 @@ from tformer.eval.bleu import bleu_parts, bleu_tokenizer, copy_baseline, score_t
 from tformer.generate.beam import SearchConfig
 from tformer.runs import LoadedRun, require_task, truncated_note, weights_words
 from tformer.tasks.corpus import warn_if_split_changed
-from tformer.tasks.stream import check_eval_args, spread
+from tformer.tasks.stream import check_eval_args, check_own_items, spread
 from tformer.tasks.translation import (
     TEST_SEARCH,
     evaluate_loss,
@@ -57,17 +57,7 @@ def evaluate_pairs(
     <run>/translations_pairs_<name>.txt (translations_pairs.txt without a name)."""
     check_eval_args(max_batches)
     run = require_task(run, "translation", "translation")
-    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a list of (source, reference) pairs, got {type(pairs).__name__}")
-    if not pairs:
-        raise ValueError("no pairs to score")
-    for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise TypeError(f"pair {i} must be a (source, reference) pair of two str, got {pair!r:.80}")
-        if not pair[0].strip() or not pair[1].strip():
-            raise ValueError(f"pair {i} has an empty {'source' if not pair[0].strip() else 'reference'}")
-    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
-        raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")
+    check_own_items(pairs, "pairs", ("source", "reference"), name)
     whole = [
         Pair(f"{name or 'pairs'}:{i + 1}", src.strip(), ref.strip()) for i, (src, ref) in enumerate(pairs)
     ]
