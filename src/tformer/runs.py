@@ -43,26 +43,28 @@ class LoadedRun:
     step: int
     src_tokenizer: Tokenizer | None = None  # a translation run's separate source vocabulary
     averaged_steps: tuple[int, ...] = ()  # load_run(..., average=N): the steps whose weights were averaged
+    ensemble: tuple[str, ...] = ()  # the checkpoints of the other runs whose models `model` ensembles with
 
     def weights_words(self) -> str:
         """Whose weights these are, for a result line: "step 2800", or "step 2800, the mean of the 5
-        checkpoints of steps 2400-2800"."""
-        return weights_words(self.step, self.averaged_steps)
+        checkpoints of steps 2400-2800" (", in an ensemble with 2 more runs")."""
+        return weights_words(self.step, self.averaged_steps, self.ensemble)
 
     def file_suffix(self) -> str:
-        """What files written from averaged weights add to their name ("_mean5"), so they never replace
-        those of the newest checkpoint alone."""
-        return f"_mean{len(self.averaged_steps)}" if self.averaged_steps else ""
+        """What files written from averaged or ensembled weights add to their name ("_mean5", "_ens3"), so
+        they never replace those of the newest checkpoint alone."""
+        mean = f"_mean{len(self.averaged_steps)}" if self.averaged_steps else ""
+        return mean + (f"_ens{len(self.ensemble) + 1}" if self.ensemble else "")
 
 
-def weights_words(step: int, averaged_steps: Sequence[int] = ()) -> str:
-    """`LoadedRun.weights_words` from a result's "checkpoint_step" and "averaged_steps"."""
-    if not averaged_steps:
-        return f"step {step}"
-    return (
-        f"step {step}, the mean of the {len(averaged_steps)} checkpoints of steps "
-        f"{averaged_steps[0]}-{averaged_steps[-1]}"
-    )
+def weights_words(step: int, averaged_steps: Sequence[int] = (), ensemble: Sequence[str] = ()) -> str:
+    """`LoadedRun.weights_words` from a result's "checkpoint_step", "averaged_steps" and "ensemble"."""
+    words = f"step {step}"
+    if averaged_steps:
+        words += f", the mean of the {len(averaged_steps)} checkpoints of steps {averaged_steps[0]}-{averaged_steps[-1]}"
+    if ensemble:
+        words += f", in an ensemble with {len(ensemble)} more run{'s' if len(ensemble) != 1 else ''}"
+    return words
 
 
 COMMAND_OF_TASK = {

@@ -144,11 +144,23 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_ensemble_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ensemble",
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="a translation run: search with these runs' models too, their next-token probabilities averaged "
+        "with --run's (runs of the same vocabularies; --average applies to each)",
+    )
+
+
 @register(
     "translate", "translate text with a trained encoder-decoder (beam search by default)", "translate:run"
 )
 def _translate_args(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
+    add_ensemble_argument(p)
     p.add_argument("--text", default=None, help="one sentence")
     p.add_argument(
         "--file",
@@ -210,6 +222,7 @@ def _classify_args(p: argparse.ArgumentParser) -> None:
 )
 def _eval_args(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
+    add_ensemble_argument(p)
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="default: test")
     p.add_argument(
         "--text-file",

@@ -242,4 +242,22 @@ def load_run_arg(args, command: str):
                 f"{first}`tformer train --out {shlex.quote(str(run_dir))} --resume` continues it)"
             )
         print(f"tformer {command}: note: {note}", file=sys.stderr)
+    if getattr(args, "ensemble", None):
+        run = ensemble_arg(args, command, run)
+    return run
+
+
+def ensemble_arg(args, command: str, run):
+    """--ensemble: the other runs' models joined to `run`'s (a translation run), each loaded as --run is
+    (--average N applies to each); one stderr line names them."""
+    from tformer.runs import load_run
+
+    if run.train_config.task != "translation":
+        raise ValueError(f"--ensemble is for translation runs; this is a {run.train_config.task} run")
+    from tformer.tasks.translation import ensemble_of
+
+    device = getattr(args, "device", "cpu")
+    run = ensemble_of(run, [load_run(path, device=device, average=args.average) for path in args.ensemble])
+    names = ", ".join(shlex.quote(str(p)) for p in (run.checkpoint, *run.ensemble))
+    print(f"tformer {command}: an ensemble of {len(run.ensemble) + 1} runs' models: {names}", file=sys.stderr)
     return run

@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     n_best = nbest_from_args(args, search_cfg)
     if args.plot_attention is not None and args.text is None:
         raise ValueError("--plot-attention draws the attention of one sentence: give it with --text")
+    if args.plot_attention is not None and args.ensemble:
+        raise ValueError("--plot-attention draws one model's attention: leave out --ensemble")
     given = read_texts(args, "translate")
     translator = load_translator(load_run_arg(args, "translate"))
     context = translator.model.cfg.max_seq_len

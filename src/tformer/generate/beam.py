@@ -44,6 +44,7 @@ from tformer.generate.sampling import make_generator, sample_next
 from tformer.model.attention import Memory
 from tformer.model.checks import check_finite_outputs, check_not_meta
 from tformer.model.decode_step import Seq2SeqDecodeStep
+from tformer.model.ensemble import Ensemble, mean_log_probs
 from tformer.model.linear import decoding_layout
 from tformer.model.masks import Mask
 from tformer.schema import Config, require_bool
@@ -192,8 +193,34 @@ class FullPrefixSteps(CachedSteps):
         self._follow(row_sentence)
 
 
+class EnsembleSteps:
+    """The steps of an `Ensemble`'s members side by side: each member feeds its rows through its own
+    encoder output and cache; the next-token log-probabilities are the log of their mean probability."""
+
+    def __init__(self, members: list[CachedSteps]) -> None:
+        self.members = members
+
+    def logits(self, prefix: Tensor) -> Tensor:
+        return mean_log_probs([m.logits(prefix) for m in self.members])
+
+    def select(self, index: Tensor, row_sentence: Tensor) -> None:
+        for m in self.members:
+            m.select(index, row_sentence)
+
+
+def make_steps(
+    model: nn.Module, src: Tensor, src_mask: Tensor | None, capacity: int, cached: bool, flat: bool
+) -> CachedSteps | EnsembleSteps:
+    """The stepper of a search: the source encoded once, then cached steps (or the uncached slow twin);
+    for an `Ensemble`, one per member."""
+    if isinstance(model, Ensemble):
+        return EnsembleSteps([make_steps(m, src, src_mask, capacity, cached, flat) for m in model.members])
+    steps = CachedSteps if cached else FullPrefixSteps
+    return steps(model, model.encode(src, src_mask), capacity, flat and cached)
+
+
 def _next_log_probs(
-    steps: CachedSteps, prefix: Tensor, banned: Sequence[int], eos_id: int, min_len: int
+    steps: CachedSteps | EnsembleSteps, prefix: Tensor, banned: Sequence[int], eos_id: int, min_len: int
 ) -> Tensor:
     """Log-probabilities of the next token (R, V): banned ids never, EOS not before min_len tokens."""
     logits = steps.logits(prefix)
@@ -389,10 +416,7 @@ def _beam(
     _check(model, src, src_mask, max_lens)
     banned = _check_ids(model, bos_id, eos_id, banned)  # an id outside the vocabulary had indexed past it
     k = beam_size
-    memory = model.encode(src, src_mask)
-    steps = (CachedSteps if cached else FullPrefixSteps)(
-        model, memory, int(max_lens.max()) + 1, flat and cached
-    )
+    steps = make_steps(model, src, src_mask, int(max_lens.max()) + 1, cached, flat)
     alive = torch.arange(b, device=device)  # (N,) source sentence of each searching sentence
     scores = torch.zeros(b, 1, device=device)  # (N, beams) log-probabilities of the live beams
     prefix = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (R, t + 1)
@@ -491,7 +515,7 @@ def sample_search(
     max_lens = _as_lens(max_len, b, device)
     _check(model, src, src_mask, max_lens)
     banned = _check_ids(model, bos_id, eos_id, banned)
-    steps = CachedSteps(model, model.encode(src, src_mask), int(max_lens.max()) + 1, flat)
+    steps = make_steps(model, src, src_mask, int(max_lens.max()) + 1, True, flat)
     if generator is None:
         generator = make_generator(seed, device)
     alive = torch.arange(b, device=device)  # (N,)

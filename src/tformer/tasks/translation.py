@@ -13,6 +13,7 @@ reports the copy-the-source baseline beside it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from tformer.eval.attention import AttentionMap, cross_attention_map
 from tformer.eval.bleu import bleu_tokenizer, score_translations
 from tformer.generate.beam import Hypothesis, SearchConfig, check_n_best, search_nbest
 from tformer.generate.engine import as_token_lists
+from tformer.model.ensemble import Ensemble
 from tformer.runs import LoadedRun, check_texts, require_task, warn_truncated
 from tformer.schema import ConfigError
 from tformer.tasks.corpus import (
@@ -437,6 +439,25 @@ def load_translator(run: LoadedRun | str | Path) -> Translator:
     elif cfg.data.tokenizer == "separate":  # a checkpoint that did not keep it: the run directory's file
         src_tok = _source_tokenizer(run_dir_of(run.checkpoint) / SRC_TOKENIZER)
     return Translator(run.model, src_tok, run.tokenizer, cfg.data.seq_len)
+
+
+def ensemble_of(run: LoadedRun | str | Path, others: Sequence[LoadedRun | str | Path]) -> LoadedRun:
+    """`run` with its model and those of `others` as one `Ensemble` (next-token probabilities averaged):
+    translation runs of the same source and target vocabularies, e.g. the same data settings with other
+    seeds, models or regularisers. The result's `ensemble` names the other runs' checkpoints."""
+    if isinstance(others, (str, Path)) or not isinstance(others, Sequence):
+        raise TypeError(f"others must be a list of runs, got {type(others).__name__}")
+    runs = [require_task(r, "translation", "translation") for r in (run, *others)]
+    first = load_translator(runs[0])
+    for r in runs[1:]:
+        other = load_translator(r)
+        if other.tgt_tok != first.tgt_tok or other.src_tok != first.src_tok:
+            raise ValueError(
+                f"{r.checkpoint} has other vocabularies than {runs[0].checkpoint}: the runs of an ensemble share "
+                "their tokenizers (runs trained on the same data with the same data settings do)"
+            )
+    model = Ensemble([r.model for r in runs])
+    return dataclasses.replace(runs[0], model=model, ensemble=tuple(str(r.checkpoint) for r in runs[1:]))
 
 
 def _scored_words(report: dict) -> str:

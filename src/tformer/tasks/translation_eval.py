@@ -97,7 +97,8 @@ def _evaluate(
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
         device = next(run.model.parameters()).device
-        loss = evaluate_loss(run.model, ds, collate, 64, 10**9, device, cfg.fused_loss)
+        fused = cfg.fused_loss and not run.ensemble  # an ensemble's loss is scored from its log-probabilities
+        loss = evaluate_loss(run.model, ds, collate, 64, 10**9, device, fused)
     name = f"{out_stem}{'' if len(pairs) == len(whole) else '_sample'}{run.file_suffix()}.txt"
     out = run_dir_of(run.checkpoint) / name
     try:
@@ -109,6 +110,7 @@ def _evaluate(
         "data": data,
         "checkpoint_step": run.step,
         "averaged_steps": list(run.averaged_steps),
+        "ensemble": list(run.ensemble),  # the other runs' checkpoints, where the model is an ensemble
         "sentences": len(pairs),
         "split_sentences": len(whole),  # more than "sentences": --max-batches took a sample
         "scored": kind,  # "split" or "pairs" (the caller's own)
@@ -173,7 +175,7 @@ def format_result(result: dict) -> str:
         else s["method"]
     )
     return (
-        f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()))}, "
+        f"{result['data']} ({weights_words(result['checkpoint_step'], result.get('averaged_steps', ()), result.get('ensemble', ()))}, "
         f"{_sentences_words(result)}, {how}): "
         f"BLEU {result['bleu']:.2f}{_bleu_parts_words(result)} | chrF {result['chrf']:.2f} | copy-the-source baseline BLEU "
         f"{result['copy_bleu']:.2f}, chrF {result['copy_chrf']:.2f} | {_loss_words(result)} "
