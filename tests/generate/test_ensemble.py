@@ -88,6 +88,7 @@ def test_an_ensemble_of_evaluated_models_stays_in_evaluation_mode_after_a_search
     with torch.no_grad():
         assert torch.equal(ensemble(src, tgt, mask), ensemble(src, tgt, mask))  # no dropout
     assert Ensemble([a.train(), b.train()]).training
+    assert not Ensemble([a.train(), b.eval()]).training and a.training  # the members' modes left alone
 
 
 def test_bad_members_are_named() -> None:

@@ -62,6 +62,12 @@ def test_a_labelled_file_is_read_a_text_a_line_split_at_its_first_tab(
     from_stdin = eval_json(capsys, "--run", str(run), "--labelled-file", "-", "--max-batches", "1")
     assert from_stdin["data"] == "labelled file stdin"
     assert Path(from_stdin["confusion_png"]).name == "eval_confusion_labelled_stdin_sample.png"
+    spaced = [(f" {label} ", text) for label, text in items]  # spaces around a label: the label
+    assert evaluate_labelled(loaded, spaced, name="mine")["accuracy"] == expected["accuracy"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{label}\t{text}\r" for label, text in items)))
+    assert eval_json(capsys, "--run", str(run), "--labelled-file", "-")["n"] == len(
+        items
+    )  # lines ended by \r
     assert main(["eval", "--run", str(run), "--labelled-file", str(path), "--max-batches", "1"]) == 0
     assert f"(step 2, 8 of the labelled texts' {len(items)} texts, --max-batches)" in capsys.readouterr().out
 

@@ -95,3 +95,48 @@ def test_runs_an_ensemble_cannot_join_are_named(
     )
     with pytest.raises(TypeError, match="others must be a list of runs"):
         ensemble_of(a, a)
+
+
+def test_runs_of_another_context_join_and_the_loss_takes_the_shortest(
+    runs, dictionary_file: Path, tmp_path
+) -> None:
+    """A member of a shorter context (data.seq_len and model.max_seq_len 22): the ensemble reads what every
+    member can, in the search and in the loss (which had been built at the first run's 32 and failed)."""
+    a, _ = runs
+    short = train(dictionary_file, tmp_path / "short", "data.seq_len=22", "model.max_seq_len=22")
+    result = evaluate_run(ensemble_of(load_run(a), [load_run(short)]), max_batches=1)
+    assert result["seq_len"] == 22 and result["eval_loss"] is not None and result["sentences"] == 32
+
+
+def test_the_other_direction_an_empty_list_and_an_ensemble_are_refused(
+    runs, dictionary_file: Path, tmp_path
+) -> None:
+    a, b = runs
+    back = train(dictionary_file, tmp_path / "back", "data.direction=en-de")
+    assert load_run(back).tokenizer == load_run(a).tokenizer  # the premise: one joint vocabulary
+    with pytest.raises(
+        ValueError, match="has data.direction 'en-de', .* 'de-en': the runs of an ensemble translate"
+    ):
+        ensemble_of(load_run(a), [load_run(back)])
+    with pytest.raises(ValueError, match="an ensemble needs at least one other run"):
+        ensemble_of(load_run(a), [])
+    with pytest.raises(ValueError, match="is already an ensemble: give all the runs in one call"):
+        ensemble_of(ensemble_of(load_run(a), [load_run(b)]), [load_run(b)])
+
+
+def test_every_member_gets_the_notes_run_gets(runs, dictionary_file: Path, tmp_path, capsys) -> None:
+    """A member named by an older checkpoint, or averaged, is said as --run would be."""
+    _, b = runs
+    c = train(dictionary_file, tmp_path / "c", "save_every=2")  # checkpoints of steps 2 and 4
+    older = c / "checkpoints" / "step_000002"
+    capsys.readouterr()
+    assert main(["translate", "--run", str(b), "--ensemble", str(older), "--text", "Der Hund."]) == 0
+    assert (
+        f"tformer translate: note: {older}: the weights of step 2 of the run's 4\n" in capsys.readouterr().err
+    )
+    again = f"{c}/."  # the same run as a member, named another way
+    argv = ["translate", "--run", str(c), "--ensemble", again, "--average", "2", "--text", "Der Hund."]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tformer translate: weights: the mean of the checkpoints of steps 2, 4\n" in err
+    assert f"tformer translate: weights of {again}: the mean of the checkpoints of steps 2, 4\n" in err

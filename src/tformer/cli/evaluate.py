@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from tformer.cli.options import input_name, load_run_arg, read_input_file, warn
+from tformer.cli.options import input_lines, input_name, load_run_arg, read_input_file, warn
 from tformer.data.datasets import PackedLMDataset
 from tformer.model.checks import check_finite_scores
 
@@ -131,7 +131,7 @@ def read_tab_file(path: str | Path, what: str, split_at_every_tab: bool) -> list
     other line without a tab where one is needed, or with an empty field, is an error naming it."""
     path = Path(path).expanduser()
     items = []
-    for number, line in enumerate(read_input_file(path).split("\n"), 1):
+    for number, line in enumerate(input_lines(read_input_file(path)), 1):
         if not line.strip() and "\t" not in line:  # (a tab alone holds two empty fields)
             continue
         sides = line.split("\t") if split_at_every_tab else line.split("\t", 1)

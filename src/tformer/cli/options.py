@@ -212,18 +212,31 @@ def warn(command: str, message: str) -> None:
 
 def load_run_arg(args, command: str):
     """The run `--run` names, averaged over `--average` checkpoints; where averaged, one stderr line says
-    which (stdout stays the command's output)."""
+    which (stdout stays the command's output). With `--ensemble`, the other runs' models joined to it."""
+    run = _load_one(args.run, args, command)
+    if getattr(args, "ensemble", None):
+        run = ensemble_arg(args, command, run)
+    return run
+
+
+def _load_one(path: str, args, command: str):
+    """One run as --run loads it, with the notes --run gets (averaged steps, a checkpoint short of the
+    run's planned steps); every command that loads a run (generate, eval, translate, classify, export)
+    comes here, once per run of an ensemble."""
     from tformer.runs import load_run
 
-    run = load_run(args.run, device=getattr(args, "device", "cpu"), average=args.average)
+    run = load_run(path, device=getattr(args, "device", "cpu"), average=args.average)
     if run.averaged_steps:
         steps = ", ".join(map(str, run.averaged_steps))
-        print(f"tformer {command}: weights: the mean of the checkpoints of steps {steps}", file=sys.stderr)
+        whose = "" if path == args.run else f" of {path}"
+        print(
+            f"tformer {command}: weights{whose}: the mean of the checkpoints of steps {steps}",
+            file=sys.stderr,
+        )
     planned = run.train_config.steps
-    # a run stopped early (Ctrl-C, a kill), still training, or a checkpoint asked for by name; every
-    # command that loads a run (generate, eval, translate, classify, export) comes here
+    # a run stopped early (Ctrl-C, a kill), still training, or a checkpoint asked for by name
     if run.step < planned:
-        if Path(args.run).resolve() == run.checkpoint.resolve():
+        if Path(path).resolve() == run.checkpoint.resolve():
             note = f"the weights of step {run.step} of the run's {planned}"
         else:
             from tformer.train.checkpoint import CHECKPOINTS_DIR, unfinished_checkpoints
@@ -241,23 +254,24 @@ def load_run_arg(args, command: str):
                 f"the checkpoint used is of step {run.step} of the run's {planned} (if the run stopped early, "
                 f"{first}`tformer train --out {shlex.quote(str(run_dir))} --resume` continues it)"
             )
+        if path != args.run:
+            note = f"{path}: {note}"
         print(f"tformer {command}: note: {note}", file=sys.stderr)
-    if getattr(args, "ensemble", None):
-        run = ensemble_arg(args, command, run)
     return run
 
 
 def ensemble_arg(args, command: str, run):
     """--ensemble: the other runs' models joined to `run`'s (a translation run), each loaded as --run is
-    (--average N applies to each); one stderr line names them."""
-    from tformer.runs import load_run
+    (--average N applies to each, with the same notes); one stderr line names them."""
+    from tformer.runs import TASK_NOUN
 
     if run.train_config.task != "translation":
-        raise ValueError(f"--ensemble is for translation runs; this is a {run.train_config.task} run")
+        raise ValueError(
+            f"--ensemble is for translation runs; this is a {TASK_NOUN[run.train_config.task]} run"
+        )
     from tformer.tasks.translation import ensemble_of
 
-    device = getattr(args, "device", "cpu")
-    run = ensemble_of(run, [load_run(path, device=device, average=args.average) for path in args.ensemble])
+    run = ensemble_of(run, [_load_one(path, args, command) for path in args.ensemble])
     names = ", ".join(shlex.quote(str(p)) for p in (run.checkpoint, *run.ensemble))
     print(f"tformer {command}: an ensemble of {len(run.ensemble) + 1} runs' models: {names}", file=sys.stderr)
     return run

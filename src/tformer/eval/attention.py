@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from tformer.data.tokenizer import Tokenizer
 from tformer.generate.beam import Hypothesis
 from tformer.model.attention import CrossAttention, attention_weights, repeat_kv
+from tformer.model.ensemble import Ensemble
 from tformer.model.masks import Mask
 
 MAX_TOKENS_DRAWN = 128  # a longer side is drawn without its token labels (they would overlap)
@@ -101,6 +102,8 @@ def cross_attention_map(
 ) -> AttentionMap:
     """The cross-attention of `hypothesis` (a search's output for the source ids `source`, EOS last), from
     one forward of the model over the source and [BOS] + the output's tokens, in eval mode."""
+    if isinstance(model, Ensemble):
+        raise ValueError("a cross-attention map draws one model's attention; an ensemble has one per member")
     source = list(source)
     rows = list(hypothesis.tokens) + [tgt_tok.eos_id] * hypothesis.finished  # the tokens each row chose
     if not source or not rows:

@@ -42,7 +42,7 @@ class Ensemble(nn.Module):
         self.cfg = members[0].cfg.replace(max_seq_len=min(m.cfg.max_seq_len for m in members))
         # in evaluation mode unless every member trains (loaded runs are evaluated): a search restores the
         # mode it found, and an ensemble left in training mode would have put its members' dropout back on
-        self.train(all(m.training for m in members))
+        self.training = all(m.training for m in members)  # (the members' own modes left as they are)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -72,6 +72,9 @@ class Ensemble(nn.Module):
 
 
 def mean_log_probs(logits: Sequence[Tensor]) -> Tensor:
-    """log(1/n sum_i softmax(logits_i)) over the last dimension, in fp32."""
-    logp = torch.stack([torch.log_softmax(x.float(), dim=-1) for x in logits])
-    return torch.logsumexp(logp, dim=0) - math.log(len(logits))
+    """log(1/n sum_i softmax(logits_i)) over the last dimension, in fp32 (summed pairwise: two (..., V)
+    tensors at a time, not n)."""
+    total = torch.log_softmax(logits[0].float(), dim=-1)
+    for x in logits[1:]:
+        total = torch.logaddexp(total, torch.log_softmax(x.float(), dim=-1))
+    return total - math.log(len(logits))

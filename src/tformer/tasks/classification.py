@@ -327,8 +327,9 @@ def evaluate_labelled(
     check_eval_args(max_batches)
     run = require_task(run, "classification", "classification")
     check_own_items(items, "items", ("label", "text"), name)
+    classes = set(run_labels(run))  # a label as written, else without its surrounding spaces ("sport ")
     docs = [
-        Document(f"{name or 'labelled'}:{i + 1}", text.strip(), label)
+        Document(f"{name or 'labelled'}:{i + 1}", text.strip(), label if label in classes else label.strip())
         for i, (label, text) in enumerate(items)
     ]
     unknown = "the labelled texts hold labels the run never trained on"

@@ -447,9 +447,20 @@ def ensemble_of(run: LoadedRun | str | Path, others: Sequence[LoadedRun | str | 
     seeds, models or regularisers. The result's `ensemble` names the other runs' checkpoints."""
     if isinstance(others, (str, Path)) or not isinstance(others, Sequence):
         raise TypeError(f"others must be a list of runs, got {type(others).__name__}")
+    if not others:
+        raise ValueError("an ensemble needs at least one other run")
     runs = [require_task(r, "translation", "translation") for r in (run, *others)]
+    if nested := next((r for r in runs if isinstance(r.model, Ensemble)), None):
+        raise ValueError(f"{nested.checkpoint} is already an ensemble: give all the runs in one call")
     first = load_translator(runs[0])
     for r in runs[1:]:
+        for field in ("corpus", "direction"):  # a de-en and an en-de run can share a joint vocabulary
+            mine, theirs = getattr(runs[0].train_config.data, field), getattr(r.train_config.data, field)
+            if mine != theirs:
+                raise ValueError(
+                    f"{r.checkpoint} has data.{field} {theirs!r}, {runs[0].checkpoint} {mine!r}: the runs of an "
+                    "ensemble translate the same corpus's direction"
+                )
         other = load_translator(r)
         if other.tgt_tok != first.tgt_tok or other.src_tok != first.src_tok:
             raise ValueError(

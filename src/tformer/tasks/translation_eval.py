@@ -13,6 +13,7 @@ from tformer.data.corpus_base import Pair
 from tformer.data.datasets import Seq2SeqCollator, Seq2SeqDataset
 from tformer.eval.bleu import bleu_parts, bleu_tokenizer, copy_baseline, score_translations
 from tformer.generate.beam import SearchConfig
+from tformer.model.ensemble import Ensemble
 from tformer.runs import LoadedRun, require_task, truncated_note, weights_words
 from tformer.tasks.corpus import warn_if_split_changed
 from tformer.tasks.stream import check_eval_args, check_own_items, spread
@@ -90,14 +91,13 @@ def _evaluate(
     tokenize = bleu_tokenizer(cfg.data.direction)
     scores = score_translations(hyps, refs, tokenize)
     copy = copy_baseline([p.src for p in pairs], refs, tokenize)
-    ds = Seq2SeqDataset.from_texts(
-        pairs, translator.src_tok, cfg.data.seq_len, cfg.data.seq_len, translator.tgt_tok
-    )
+    seq_len = min(cfg.data.seq_len, run.model.cfg.max_seq_len)  # (an ensemble's: what every member reads)
+    ds = Seq2SeqDataset.from_texts(pairs, translator.src_tok, seq_len, seq_len, translator.tgt_tok)
     collate = Seq2SeqCollator(translator.tgt_tok.pad_id, translator.tgt_tok.bos_id, translator.tgt_tok.eos_id)
     loss = {"eval_loss": None, "perplexity": None}  # no pair fits data.seq_len: no loss (BLEU stands)
     if len(ds):
         device = next(run.model.parameters()).device
-        fused = cfg.fused_loss and not run.ensemble  # an ensemble's loss is scored from its log-probabilities
+        fused = cfg.fused_loss and not isinstance(run.model, Ensemble)  # (scored from its log-probabilities)
         loss = evaluate_loss(run.model, ds, collate, 64, 10**9, device, fused)
     name = f"{out_stem}{'' if len(pairs) == len(whole) else '_sample'}{run.file_suffix()}.txt"
     out = run_dir_of(run.checkpoint) / name
@@ -117,7 +117,7 @@ def _evaluate(
         "sources_truncated": len(cut),
         "outputs_unfinished": sum(not h.finished for h in found),  # stopped at the length limit, no EOS
         "loss_pairs": len(ds),  # the pairs that fit data.seq_len, on which the loss is measured
-        "seq_len": cfg.data.seq_len,
+        "seq_len": seq_len,
         "search": search_cfg.to_dict(),
         "bleu": scores.bleu,
         "bleu_precisions": list(scores.bleu_precisions),
