@@ -1,10 +1,12 @@
-"""The peers of tformer's dense benchmark model, built once for every script: Hugging Face Llama and
-x-transformers' Decoder.
+"""The peers of tformer's benchmark models, built once for every script: Hugging Face Llama and
+x-transformers' Decoder for the decoder LM, Hugging Face Marian for the encoder-decoder's searches.
 
 `s` is a script's shape dict (vocab, d_model, layers, heads, d_ff). The HF model's weights map onto
 tformer's `llama_like` model by renaming (the mapping the parity tests use, tests/model/helpers.py);
 tformer's map onto x-transformers' with `tformer_state_for_x_transformers`, which
-tests/model/test_parity.py checks (logits equal to 1e-5).
+tests/model/test_parity.py checks (logits equal to 1e-5). A Hugging Face `MarianMTModel` maps onto
+tformer's Post-Norm encoder-decoder with `marian_state_for_tformer` and `tformer_marian_config`, which
+tests/generate/test_hf_seq2seq_reference.py checks (logits, greedy and beam search).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 
-from tformer import build_model
+from tformer import ModelConfig, build_model
 from tformer.presets import llama_like
 
 HF_TO_TFORMER = {
@@ -121,4 +123,129 @@ def tformer_state_for_x_transformers(model: nn.Module) -> dict[str, torch.Tensor
         out[ffn + "1.ff.0.proj.weight"] = up
         out[ffn + "1.ff.0.proj.bias"] = torch.zeros(up.shape[0])
         out[ffn + "1.ff.2.weight"] = state[b + "ffn.down_proj.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------- Hugging Face Marian
+MARIAN_BLOCK_NAMES = {  # tformer's name in a block -> Marian's
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.o_proj": "self_attn.out_proj",
+    "cross_attn.q_proj": "encoder_attn.q_proj",
+    "cross_attn.k_proj": "encoder_attn.k_proj",
+    "cross_attn.v_proj": "encoder_attn.v_proj",
+    "cross_attn.o_proj": "encoder_attn.out_proj",
+    "attn_norm": "self_attn_layer_norm",
+    "cross_norm": "encoder_attn_layer_norm",
+    "ffn_norm": "final_layer_norm",
+    "ffn.up_proj": "fc1",
+    "ffn.down_proj": "fc2",
+}
+
+
+EMBEDDINGS = {  # tformer's embeddings and output layer -> Marian's
+    "tok_embed.weight": "model.decoder.embed_tokens.weight",
+    "decoder.tok_embed.weight": "model.decoder.embed_tokens.weight",
+    "src_embed.weight": "model.encoder.embed_tokens.weight",
+    "encoder.tok_embed.weight": "model.encoder.embed_tokens.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def hf_marian(s: dict, max_seq_len: int, **config) -> nn.Module:
+    """HF `MarianMTModel` (sdpa) of tformer's Post-Norm encoder-decoder shape: ReLU FFN, embeddings
+    scaled by sqrt(d_model) (shared by the encoder, the decoder and the output layer unless
+    `tie_word_embeddings=False`), pad 0, the
+    decoder starting from id 1, EOS 2, no EOS forced at the length limit; `config`: extra MarianConfig
+    fields (they override the ones above)."""
+    fields = dict(
+        vocab_size=s["vocab"],
+        d_model=s["d_model"],
+        encoder_layers=s["layers"],
+        decoder_layers=s["layers"],
+        encoder_attention_heads=s["heads"],
+        decoder_attention_heads=s["heads"],
+        encoder_ffn_dim=s["d_ff"],
+        decoder_ffn_dim=s["d_ff"],
+        max_position_embeddings=max_seq_len,
+        activation_function="relu",
+        dropout=0.0,
+        scale_embedding=True,
+        pad_token_id=0,
+        decoder_start_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        forced_eos_token_id=None,
+    )
+    cfg = transformers.MarianConfig(**{**fields, **config})
+    return transformers.MarianMTModel._from_config(cfg, attn_implementation="sdpa")
+
+
+def tformer_marian_config(hf_config) -> ModelConfig:
+    """The tformer `ModelConfig` of a Marian config (Post-Norm, sinusoidal positions, ReLU; the
+    encoder's, the decoder's and the output layer's embeddings all one or all apart, as
+    `tie_word_embeddings` has them in `transformers` 5)."""
+    same = (
+        hf_config.encoder_attention_heads == hf_config.decoder_attention_heads
+        and hf_config.encoder_ffn_dim == hf_config.decoder_ffn_dim
+        and hf_config.share_encoder_decoder_embeddings
+        and hf_config.activation_function == "relu"
+    )
+    if not same:
+        raise ValueError(
+            "only Marian configs with one head count and FFN width, shared embeddings and ReLU map onto tformer"
+        )
+    return ModelConfig(
+        arch="encoder_decoder",
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.d_model,
+        n_layers=hf_config.decoder_layers,
+        n_encoder_layers=hf_config.encoder_layers,
+        n_heads=hf_config.decoder_attention_heads,
+        d_ff=hf_config.decoder_ffn_dim,
+        max_seq_len=hf_config.max_position_embeddings,
+        dropout=0.0,
+        norm="layernorm",
+        norm_placement="post",
+        positions="sinusoidal",
+        ffn="relu",
+        embed_scale=hf_config.scale_embedding,
+        share_embeddings=hf_config.tie_word_embeddings,  # HF ties all three or none
+        tie_embeddings=hf_config.tie_word_embeddings,
+    )
+
+
+def marian_hidden_order(d_model: int) -> torch.Tensor:
+    """Marian's feature of each of tformer's model features. tformer's sinusoids interleave (feature 2i
+    holds sin of frequency i, 2i + 1 its cos, as the paper writes them); Marian's put every sin first
+    (feature i) and every cos after (d/2 + i). The same network in another order of its d_model features:
+    every weight that reads or writes them, every norm and the embeddings are reordered alike."""
+    k = torch.arange(d_model)
+    return torch.where(k % 2 == 0, k // 2, d_model // 2 + k // 2)
+
+
+def marian_state_for_tformer(hf: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """HF Marian's weights as a state dict of tformer's model built from `tformer_marian_config`, its
+    d_model features in tformer's order (`marian_hidden_order`). The final logits bias must be zero
+    (tformer's output layer has none)."""
+    theirs = hf.state_dict()
+    if theirs["final_logits_bias"].any():
+        raise ValueError("Marian's final_logits_bias is not zero: tformer's output layer has no bias")
+    order = marian_hidden_order(hf.config.d_model)
+    out = {}
+    for name in model.state_dict():
+        if name in EMBEDDINGS:
+            out[name] = theirs[EMBEDDINGS[name]][:, order]
+            continue
+        stack, _, i, rest = name.split(".", 3)  # encoder|decoder, blocks, i, attn.q_proj.weight
+        module, kind = rest.rsplit(".", 1)
+        tensor = theirs[f"model.{stack}.layers.{i}.{MARIAN_BLOCK_NAMES[module]}.{kind}"]
+        if module.endswith("norm") or (module.endswith(("o_proj", "down_proj")) and kind == "bias"):
+            tensor = tensor[order]  # a norm or an output bias: one value per model feature
+        elif module.endswith(("o_proj", "down_proj")):
+            tensor = tensor[order, :]  # writes the model features
+        elif kind == "weight":
+            tensor = tensor[:, order]  # q, k, v, FFN up: read them
+        out[name] = tensor
     return out
