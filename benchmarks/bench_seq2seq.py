@@ -11,6 +11,13 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          vs the uncached slow twin, on the fp32 Pre-Norm model: 32 sources of 24 tokens, EOS banned so
          every hypothesis runs to its max length of 32 (random weights would stop at random points).
          With --run DIR, also on that trained translation run's test sentences (real EOS behaviour).
+  search tformer's beam search (beam 4) and greedy search vs Hugging Face `MarianMTModel.generate`
+         (sdpa, its KV cache) at the same shape and the same weights: a random HF Marian (Post-Norm,
+         sinusoidal positions, ReLU, tied embeddings scaled by sqrt(d_model)) copied into tformer's
+         Post-Norm model (benchmarks/peers.py, checked by tests/generate/test_hf_seq2seq_reference.py),
+         the same 32 sources, EOS held back for 32 tokens on both sides (HF: `min_new_tokens`), then one
+         more token (EOS or not) ends every output.
+         Both return the same tokens (checked, in the JSON): the same work.
 
 Both sides do the same work per step: shared source/target embedding scaled by sqrt(d_model) plus
 sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout have no exact twin in
@@ -29,6 +36,7 @@ decoder self over the full T, not halved for causality, and cross over S).
     python benchmarks/bench_seq2seq.py                 # ~5-10 minutes on 2 cores, writes results/seq2seq.json
     python benchmarks/bench_seq2seq.py --quick         # < 1 minute smoke check (tiny shapes)
     python benchmarks/bench_seq2seq.py --run runs/translation   # adds beam speed on a trained run
+    python benchmarks/bench_seq2seq.py --only search   # one section (fp32, bf16, beam, search)
 
 On a busy machine two threads can run several times slower than one (each op waits for a core the
 other processes hold): the JSON records the foreign CPU share; `--threads 1` measures the one-core case.
@@ -54,6 +62,7 @@ from harness import (  # noqa: E402
     MatmulPeak,
     cpu_info,
     linear_train_shapes,
+    paired_median,
     print_table,
     round_robin,
     setup,
@@ -63,13 +72,14 @@ from harness import (  # noqa: E402
 )
 
 from tformer import ModelConfig, build_model  # noqa: E402
-from tformer.generate.beam import beam_search  # noqa: E402
+from tformer.generate.beam import SearchConfig, beam_search, search  # noqa: E402
 from tformer.model.positions import sinusoidal_table  # noqa: E402
 
 DEVICE = torch.device("cpu")  # main() sets --device
 FULL = dict(vocab=8192, d_model=512, layers=6, heads=8, d_ff=2048, batch=16, src=128, tgt=128, rounds=6)
 QUICK = dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128, batch=4, src=16, tgt=16, rounds=2)
 SLOW_BF16 = dict(batch=1, src=32, tgt=32, rounds=2)
+SECTIONS = ("fp32", "bf16", "beam", "search")
 BEAM = dict(sentences=32, src=24, max_len=32, beam=4, alpha=0.6, rounds=3)
 COLUMNS = [
     ("name", "variant", "s"),
@@ -303,6 +313,91 @@ def beam_section(s: dict, run: str | None) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- search vs HF generate
+def search_section(s: dict) -> dict:
+    from peers import hf_marian, marian_state_for_tformer, tformer_marian_config
+
+    torch.manual_seed(0)
+    hf = hf_marian(s, max(BEAM["src"], BEAM["max_len"] + 1)).eval().to(DEVICE)
+    ours = build_model(tformer_marian_config(hf.config)).eval()
+    ours.load_state_dict(marian_state_for_tformer(hf, ours))
+    ours.to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, s["vocab"], (BEAM["sentences"], BEAM["src"]), generator=g).to(DEVICE)
+    mask = torch.ones_like(src, dtype=torch.bool)
+    # pad and the decoder's start never; EOS not before the n_new-th token: every output is n_new + 1 long
+    banned, n_new = [0, 1], BEAM["max_len"]
+
+    def tformer_search(
+        beams: int,
+    ):  # as `Translator` searches: fast_decode on (row-blocked linears on the CPU)
+        method = "beam" if beams > 1 else "greedy"
+        cfg = SearchConfig(
+            method=method, beam_size=beams, length_penalty=0.0, max_len=n_new + 1, min_len=n_new
+        )
+        return [h.tokens for h in search(ours, src, mask, cfg, bos_id=1, eos_id=2, banned=banned)]
+
+    def hf_search(beams: int):
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=src,
+                attention_mask=mask.long(),
+                num_beams=beams,
+                do_sample=False,
+                length_penalty=0.0,
+                early_stopping="never",
+                max_new_tokens=n_new + 1,
+                min_new_tokens=n_new,
+                suppress_tokens=banned,
+            )
+        return [[t for t in seq if t != 2] for seq in out[:, 1:].tolist()]  # tformer's tokens leave EOS out
+
+    same = {f"beam {k}" if k > 1 else "greedy": tformer_search(k) == hf_search(k) for k in (BEAM["beam"], 1)}
+    variants = {
+        f"tformer beam {BEAM['beam']}": lambda: tformer_search(BEAM["beam"]),
+        f"HF generate beam {BEAM['beam']}": lambda: hf_search(BEAM["beam"]),
+        "tformer greedy": lambda: tformer_search(1),
+        "HF generate greedy": lambda: hf_search(1),
+    }
+    print(f"\n[search] HF MarianMTModel vs tformer, same weights; same outputs: {same}", file=sys.stderr)
+    with LoadMeter() as meter:
+        times = round_robin(variants, rounds=2 * BEAM["rounds"])
+    rows = []
+    for ours_name, peer in (
+        (f"tformer beam {BEAM['beam']}", f"HF generate beam {BEAM['beam']}"),
+        ("tformer greedy", "HF generate greedy"),
+    ):
+        for name in (ours_name, peer):
+            rows.append(
+                {
+                    "name": name,
+                    "best_s": min(times[name]),
+                    "sentences_per_s": BEAM["sentences"] / min(times[name]),
+                    "speedup_best": min(times[peer]) / min(times[name]),
+                    "speedup_paired_median": paired_median(times, peer, name),
+                }
+            )
+    cols = [
+        ("name", "search", "s"),
+        ("best_s", "best s", ".2f"),
+        ("sentences_per_s", "sentences/s", ".1f"),
+        ("speedup_paired_median", "x HF (paired)", ".2f"),
+        ("speedup_best", "x HF (best)", ".2f"),
+    ]
+    print_table(
+        f"search vs HF generate, {BEAM['sentences']} x {BEAM['src']} source tokens -> {n_new}; {meter.line()}",
+        rows,
+        cols,
+    )
+    return {
+        "setup": {**BEAM, "peer": "transformers.MarianMTModel"},
+        "same_outputs": same,
+        "rows": rows,
+        "times_s": times,
+        "load": meter.result,
+    }
+
+
 def trained_beam(run: str) -> dict:
     from tformer.data.corpora import load_corpus
     from tformer.generate.beam import SearchConfig
@@ -332,6 +427,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, a smoke check")
     p.add_argument("--run", default=None, help="a trained translation run: also time beam search on it")
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument(
+        "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections (default all)"
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda: both models and the batches on the GPU")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, the machine's cores)")
     p.add_argument("--out", default=None, help="JSON file name under benchmarks/results/")
@@ -341,13 +439,18 @@ def main() -> None:
     DEVICE = use_device(args.device)
     s = QUICK if args.quick else FULL
     info = cpu_info()
-    results = {"cpu": info, "fp32": train_section(s, "fp32", "full shape" if not args.quick else "quick")}
-    if not args.skip_bf16:
+    results = {"cpu": info}
+    if "fp32" in args.only:
+        results["fp32"] = train_section(s, "fp32", "full shape" if not args.quick else "quick")
+    if "bf16" in args.only and not args.skip_bf16:
         slow = DEVICE.type == "cpu" and not info["native_bf16_matmul"] and not args.quick
         shape = {**s, **SLOW_BF16} if slow else s
         note = "batch 1 x 32: this CPU has no native bf16 matmul" if slow else "same shape as fp32"
         results["bf16"] = train_section(shape, "bf16", note)
-    results["beam"] = beam_section(s, args.run)
+    if "beam" in args.only:
+        results["beam"] = beam_section(s, args.run)
+    if "search" in args.only:
+        results["search"] = search_section(s)
     write_json(args.out or ("seq2seq_quick.json" if args.quick else "seq2seq.json"), results)
 
 
