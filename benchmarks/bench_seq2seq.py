@@ -17,7 +17,10 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          Post-Norm model (benchmarks/peers.py, checked by tests/generate/test_hf_seq2seq_reference.py),
          the same 32 sources, EOS held back for 32 tokens on both sides (HF: `min_new_tokens`), then one
          more token (EOS or not) ends every output.
-         Both return the same tokens (checked, in the JSON): the same work.
+         Both return the same tokens (checked, in the JSON): the same work. With --run DIR of a
+         Post-Norm translation run (`--set model.norm_placement=post`), also on its first 200 test
+         sentences in batches of 32 by source length, its model written into a Marian: real EOS,
+         canonical beam search (alpha 0) on both sides, outputs compared sentence by sentence.
 
 Both sides do the same work per step: shared source/target embedding scaled by sqrt(d_model) plus
 sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout have no exact twin in
@@ -314,7 +317,7 @@ def beam_section(s: dict, run: str | None) -> dict:
 
 
 # ----------------------------------------------------------------------------- search vs HF generate
-def search_section(s: dict) -> dict:
+def search_section(s: dict, run: str | None) -> dict:
     from peers import hf_marian, marian_state_for_tformer, tformer_marian_config
 
     torch.manual_seed(0)
@@ -362,6 +365,114 @@ def search_section(s: dict) -> dict:
     print(f"\n[search] HF MarianMTModel vs tformer, same weights; same outputs: {same}", file=sys.stderr)
     with LoadMeter() as meter:
         times = round_robin(variants, rounds=2 * BEAM["rounds"])
+    rows = search_rows(times, BEAM["sentences"])
+    print_table(
+        f"search vs HF generate, {BEAM['sentences']} x {BEAM['src']} source tokens -> {n_new}; {meter.line()}",
+        rows,
+        SEARCH_COLUMNS,
+    )
+    out = {
+        "setup": {**BEAM, "peer": "transformers.MarianMTModel"},
+        "same_outputs": same,
+        "rows": rows,
+        "times_s": times,
+        "load": meter.result,
+    }
+    if run:
+        out["trained_run"] = trained_search(run)
+    return out
+
+
+def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
+    """tformer's search vs HF Marian's `generate` on a trained Post-Norm translation run's first test
+    sentences (its model written into a MarianMTModel, `peers.marian_of_tformer`): real sentences, real
+    EOS. Both take the same batches (sorted by source length) and the same rule (alpha 0, HF's
+    canonical beam search), the length limit the model's context; the outputs are compared."""
+    from peers import marian_of_tformer
+
+    from tformer.data.corpora import load_corpus
+    from tformer.data.datasets import pad_sequences
+    from tformer.runs import load_run
+    from tformer.tasks.translation import load_translator
+
+    loaded = load_run(run, device=DEVICE)
+    translator, cfg = load_translator(loaded), loaded.train_config
+    model, tok = translator.model.eval(), translator.tgt_tok
+    try:
+        hf = marian_of_tformer(model, tok.pad_id, tok.bos_id, tok.eos_id).to(DEVICE)
+    except ValueError as e:
+        print(f"trained run {run}: no Marian twin ({e}); skipped", file=sys.stderr)
+        return {"run": run, "skipped": str(e)}
+    texts = [p.src for p in load_corpus(cfg.data.corpus, direction=cfg.data.direction)["test"][:sentences]]
+    sources, _ = translator.encode(texts)
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    batches = [
+        [
+            t.to(DEVICE)
+            for t in pad_sequences([torch.tensor(sources[i]) for i in order[j : j + batch]], tok.pad_id)
+        ]
+        for j in range(0, len(order), batch)
+    ]
+    limit = model.cfg.max_seq_len - 1  # generated tokens, EOS included: the decoder's positions end there
+    banned = [tok.pad_id, tok.bos_id]
+
+    def tformer_search(beams: int):
+        method = "beam" if beams > 1 else "greedy"
+        cfg = SearchConfig(method=method, beam_size=beams, length_penalty=0.0, max_len=limit, min_len=1)
+        return [
+            h.tokens
+            for src, mask in batches
+            for h in search(model, src, mask, cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, banned=banned)
+        ]
+
+    def hf_search(beams: int):
+        out = []
+        for src, mask in batches:
+            with torch.no_grad():
+                seqs = hf.generate(
+                    input_ids=src,
+                    attention_mask=mask.long(),
+                    num_beams=beams,
+                    do_sample=False,
+                    length_penalty=0.0,
+                    early_stopping="never",
+                    max_new_tokens=limit,
+                    min_new_tokens=1,
+                    suppress_tokens=banned,
+                )
+            for seq in seqs[:, 1:].tolist():
+                out.append(seq[: seq.index(tok.eos_id)] if tok.eos_id in seq else seq)
+        return out
+
+    same = {}
+    for k in (BEAM["beam"], 1):
+        a, b = tformer_search(k), hf_search(k)
+        same[f"beam {k}" if k > 1 else "greedy"] = sum(x == y for x, y in zip(a, b))
+    print(f"\n[search] trained run {run}: outputs equal to HF's for {same} of {len(texts)}", file=sys.stderr)
+    times = round_robin(
+        {
+            f"tformer beam {BEAM['beam']}": lambda: tformer_search(BEAM["beam"]),
+            f"HF generate beam {BEAM['beam']}": lambda: hf_search(BEAM["beam"]),
+            "tformer greedy": lambda: tformer_search(1),
+            "HF generate greedy": lambda: hf_search(1),
+        },
+        rounds=BEAM["rounds"] + 1,
+        warmup=0,
+    )
+    rows = search_rows(times, len(texts))
+    print_table(f"trained run {run}: {len(texts)} test sentences, batches of {batch}", rows, SEARCH_COLUMNS)
+    return {
+        "run": run,
+        "sentences": len(texts),
+        "batch": batch,
+        "max_len": limit,
+        "same_outputs": same,
+        "rows": rows,
+        "times_s": times,
+    }
+
+
+def search_rows(times: dict[str, list[float]], sentences: int) -> list[dict]:
     rows = []
     for ours_name, peer in (
         (f"tformer beam {BEAM['beam']}", f"HF generate beam {BEAM['beam']}"),
@@ -372,30 +483,21 @@ def search_section(s: dict) -> dict:
                 {
                     "name": name,
                     "best_s": min(times[name]),
-                    "sentences_per_s": BEAM["sentences"] / min(times[name]),
+                    "sentences_per_s": sentences / min(times[name]),
                     "speedup_best": min(times[peer]) / min(times[name]),
                     "speedup_paired_median": paired_median(times, peer, name),
                 }
             )
-    cols = [
-        ("name", "search", "s"),
-        ("best_s", "best s", ".2f"),
-        ("sentences_per_s", "sentences/s", ".1f"),
-        ("speedup_paired_median", "x HF (paired)", ".2f"),
-        ("speedup_best", "x HF (best)", ".2f"),
-    ]
-    print_table(
-        f"search vs HF generate, {BEAM['sentences']} x {BEAM['src']} source tokens -> {n_new}; {meter.line()}",
-        rows,
-        cols,
-    )
-    return {
-        "setup": {**BEAM, "peer": "transformers.MarianMTModel"},
-        "same_outputs": same,
-        "rows": rows,
-        "times_s": times,
-        "load": meter.result,
-    }
+    return rows
+
+
+SEARCH_COLUMNS = [
+    ("name", "search", "s"),
+    ("best_s", "best s", ".2f"),
+    ("sentences_per_s", "sentences/s", ".1f"),
+    ("speedup_paired_median", "x HF (paired)", ".2f"),
+    ("speedup_best", "x HF (best)", ".2f"),
+]
 
 
 def trained_beam(run: str) -> dict:
@@ -450,7 +552,7 @@ def main() -> None:
     if "beam" in args.only:
         results["beam"] = beam_section(s, args.run)
     if "search" in args.only:
-        results["search"] = search_section(s)
+        results["search"] = search_section(s, args.run)
     write_json(args.out or ("seq2seq_quick.json" if args.quick else "seq2seq.json"), results)
 
 

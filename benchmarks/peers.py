@@ -225,6 +225,36 @@ def marian_hidden_order(d_model: int) -> torch.Tensor:
     return torch.where(k % 2 == 0, k // 2, d_model // 2 + k // 2)
 
 
+def marian_names(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(tformer's name, Marian's name, which axes hold model features) for every tensor of tformer's
+    model: "cols" (the weight reads them: q, k, v, FFN up, embeddings), "rows" (writes them: attention
+    out, FFN down), "vector" (one value per feature: norms, output biases), "" (none: q/k/v/up biases)."""
+    names = []
+    for name in model.state_dict():
+        if name in EMBEDDINGS:
+            names.append((name, EMBEDDINGS[name], "cols"))
+            continue
+        stack, _, i, rest = name.split(".", 3)  # encoder|decoder, blocks, i, attn.q_proj.weight
+        module, kind = rest.rsplit(".", 1)
+        writes = module.endswith(("o_proj", "down_proj"))
+        if module.endswith("norm") or (writes and kind == "bias"):
+            axes = "vector"
+        elif writes:
+            axes = "rows"
+        else:
+            axes = "cols" if kind == "weight" else ""
+        names.append((name, f"model.{stack}.layers.{i}.{MARIAN_BLOCK_NAMES[module]}.{kind}", axes))
+    return names
+
+
+def _reorder(tensor: torch.Tensor, axes: str, order: torch.Tensor) -> torch.Tensor:
+    if axes == "cols":
+        return tensor[:, order]
+    if axes in ("rows", "vector"):
+        return tensor[order]
+    return tensor
+
+
 def marian_state_for_tformer(hf: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
     """HF Marian's weights as a state dict of tformer's model built from `tformer_marian_config`, its
     d_model features in tformer's order (`marian_hidden_order`). The final logits bias must be zero
@@ -233,19 +263,67 @@ def marian_state_for_tformer(hf: nn.Module, model: nn.Module) -> dict[str, torch
     if theirs["final_logits_bias"].any():
         raise ValueError("Marian's final_logits_bias is not zero: tformer's output layer has no bias")
     order = marian_hidden_order(hf.config.d_model)
-    out = {}
-    for name in model.state_dict():
-        if name in EMBEDDINGS:
-            out[name] = theirs[EMBEDDINGS[name]][:, order]
-            continue
-        stack, _, i, rest = name.split(".", 3)  # encoder|decoder, blocks, i, attn.q_proj.weight
-        module, kind = rest.rsplit(".", 1)
-        tensor = theirs[f"model.{stack}.layers.{i}.{MARIAN_BLOCK_NAMES[module]}.{kind}"]
-        if module.endswith("norm") or (module.endswith(("o_proj", "down_proj")) and kind == "bias"):
-            tensor = tensor[order]  # a norm or an output bias: one value per model feature
-        elif module.endswith(("o_proj", "down_proj")):
-            tensor = tensor[order, :]  # writes the model features
-        elif kind == "weight":
-            tensor = tensor[:, order]  # q, k, v, FFN up: read them
-        out[name] = tensor
-    return out
+    return {ours: _reorder(theirs[name], axes, order) for ours, name, axes in marian_names(model)}
+
+
+MARIAN_FIELDS = (  # what decides the function a tformer encoder-decoder computes
+    "arch",
+    "vocab_size",
+    "resolved_src_vocab_size",
+    "share_embeddings",
+    "tie_embeddings",
+    "d_model",
+    "n_layers",
+    "resolved_n_encoder_layers",
+    "n_heads",
+    "resolved_n_kv_heads",
+    "resolved_head_dim",
+    "d_ff",
+    "norm",
+    "norm_eps",
+    "norm_placement",
+    "positions",
+    "ffn",
+    "bias",
+    "embed_scale",
+    "moe",
+)
+
+
+def marian_of_tformer(model: nn.Module, pad_id: int, bos_id: int, eos_id: int) -> nn.Module:
+    """The HF `MarianMTModel` (sdpa, fp32, evaluation mode) that computes what tformer's Post-Norm
+    encoder-decoder `model` does: `marian_state_for_tformer` the other way. The decoder starts from
+    `bos_id`; the model must be one Marian can express (`tformer_marian_config` of its config must give
+    the model's config back)."""
+    cfg = model.cfg
+    shape = dict(
+        vocab=cfg.vocab_size, d_model=cfg.d_model, layers=cfg.n_layers, heads=cfg.n_heads, d_ff=cfg.d_ff
+    )
+    hf = hf_marian(
+        shape,
+        cfg.max_seq_len,
+        encoder_layers=cfg.resolved_n_encoder_layers,
+        tie_word_embeddings=cfg.tie_embeddings,
+        scale_embedding=cfg.embed_scale,
+        pad_token_id=pad_id,
+        decoder_start_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    back = tformer_marian_config(hf.config)
+    differ = [f for f in MARIAN_FIELDS if getattr(back, f) != getattr(cfg, f)]
+    if differ:
+        raise ValueError(
+            f"Marian cannot express this model's {', '.join(f'{f}={getattr(cfg, f)!r}' for f in differ)}"
+        )
+    inverse = torch.argsort(marian_hidden_order(cfg.d_model))
+    state = model.state_dict()
+    theirs = {name: _reorder(state[ours], axes, inverse) for ours, name, axes in marian_names(model)}
+    theirs["model.shared.weight"] = theirs["model.encoder.embed_tokens.weight"]
+    missing, unexpected = hf.load_state_dict(theirs, strict=False)
+    left = set(missing) - {
+        "final_logits_bias",
+        *(f"model.{s}.embed_positions.weight" for s in ("encoder", "decoder")),
+    }
+    if left or unexpected:
+        raise ValueError(f"Marian's weights do not match: missing {sorted(left)}, unexpected {unexpected}")
+    return hf.eval()

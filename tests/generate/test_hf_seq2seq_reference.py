@@ -10,8 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.peers import hf_marian, marian_hidden_order, marian_state_for_tformer, tformer_marian_config
-from tformer import build_model
+from benchmarks.peers import (
+    hf_marian,
+    marian_hidden_order,
+    marian_of_tformer,
+    marian_state_for_tformer,
+    tformer_marian_config,
+)
+from tformer import ModelConfig, build_model
 from tformer.generate.beam import beam_search, beam_search_nbest, sample_search
 
 PAD, BOS, EOS = 0, 1, 2
@@ -95,6 +101,56 @@ def test_logits_equal_hf_marian(tied: bool) -> None:
     assert scale > 1.0  # logits of some spread: a zero model would pass too easily
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(scale))
     print(f"max |diff| vs HF Marian (tied={tied}):", (got - expected).abs().max().item(), "of", scale.item())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@torch.no_grad()
+def test_a_tformer_model_as_marian_gives_its_logits(tied: bool) -> None:
+    """The other way (the benchmark's trained runs): tformer's Post-Norm model, 2 encoder and 3 decoder
+    layers, written into a Marian that gives tformer's logits."""
+    cfg = ModelConfig(
+        arch="encoder_decoder",
+        vocab_size=SHAPE["vocab"],
+        d_model=32,
+        n_layers=3,
+        n_encoder_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_seq_len=40,
+        norm_placement="post",
+        share_embeddings=tied,
+        tie_embeddings=tied,
+        embed_scale=tied,
+        init="normal",
+        init_std=0.2,
+    )
+    torch.manual_seed(0)
+    ours = build_model(cfg).eval()
+    for name, p in ours.named_parameters():
+        if "norm" in name:
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    hf = marian_of_tformer(ours, PAD, BOS, EOS)
+    assert hf.config.encoder_layers == 2 and hf.config.decoder_layers == 3
+    src, mask = sources()
+    tgt = torch.randint(
+        EOS + 1, SHAPE["vocab"], (src.shape[0], 7), generator=torch.Generator().manual_seed(5)
+    )
+    tgt[:, 0] = BOS
+    expected = ours(src, tgt, mask)
+    got = hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
+    scale = float(expected.abs().max())
+    assert scale > 1.0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_a_model_marian_cannot_express_is_refused_by_name() -> None:
+    cfg = ModelConfig(
+        arch="encoder_decoder", vocab_size=SHAPE["vocab"], d_model=32, n_layers=2, n_heads=4, d_ff=64
+    )
+    with pytest.raises(ValueError, match="norm_placement='pre'"):
+        marian_of_tformer(build_model(cfg.replace(norm_placement="pre")), PAD, BOS, EOS)
+    with pytest.raises(ValueError, match="ffn='gelu'"):
+        marian_of_tformer(build_model(cfg.replace(ffn="gelu")), PAD, BOS, EOS)
 
 
 @pytest.mark.parametrize("min_len", [0, 3])
