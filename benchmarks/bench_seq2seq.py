@@ -20,7 +20,9 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          Both return the same tokens (checked, in the JSON): the same work. With --run DIR of a
          Post-Norm translation run (`--set model.norm_placement=post`), also on its first 200 test
          sentences in batches of 32 by source length, its model written into a Marian: real EOS,
-         canonical beam search (alpha 0) on both sides, outputs compared sentence by sentence.
+         canonical beam search (alpha 0) on both sides, outputs compared sentence by sentence. There
+         the work differs by design: tformer drops a sentence from its batch when its search is over,
+         HF computes a finished sentence's rows until the whole batch is done.
 
 Both sides do the same work per step: shared source/target embedding scaled by sqrt(d_model) plus
 sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout have no exact twin in
@@ -36,7 +38,7 @@ FLOPs for MFU: 6 x matmul parameters (embedding lookup excluded, output projecti
 token of each side, plus attention 12 x d_model x keys per query per layer (encoder self over S,
 decoder self over the full T, not halved for causality, and cross over S).
 
-    python benchmarks/bench_seq2seq.py                 # ~5-10 minutes on 2 cores, writes results/seq2seq.json
+    python benchmarks/bench_seq2seq.py                 # ~7-12 minutes on 2 cores, writes results/seq2seq.json
     python benchmarks/bench_seq2seq.py --quick         # < 1 minute smoke check (tiny shapes)
     python benchmarks/bench_seq2seq.py --run runs/translation   # adds beam speed on a trained run
     python benchmarks/bench_seq2seq.py --only search   # one section (fp32, bf16, beam, search)
@@ -338,7 +340,9 @@ def search_section(s: dict, run: str | None) -> dict:
         cfg = SearchConfig(
             method=method, beam_size=beams, length_penalty=0.0, max_len=n_new + 1, min_len=n_new
         )
-        return [h.tokens for h in search(ours, src, mask, cfg, bos_id=1, eos_id=2, banned=banned)]
+        return [
+            (h.tokens, h.finished) for h in search(ours, src, mask, cfg, bos_id=1, eos_id=2, banned=banned)
+        ]
 
     def hf_search(beams: int):
         with torch.no_grad():
@@ -353,7 +357,7 @@ def search_section(s: dict, run: str | None) -> dict:
                 min_new_tokens=n_new,
                 suppress_tokens=banned,
             )
-        return [[t for t in seq if t != 2] for seq in out[:, 1:].tolist()]  # tformer's tokens leave EOS out
+        return hf_outputs(out, eos_id=2)
 
     same = {f"beam {k}" if k > 1 else "greedy": tformer_search(k) == hf_search(k) for k in (BEAM["beam"], 1)}
     variants = {
@@ -364,7 +368,7 @@ def search_section(s: dict, run: str | None) -> dict:
     }
     print(f"\n[search] HF MarianMTModel vs tformer, same weights; same outputs: {same}", file=sys.stderr)
     with LoadMeter() as meter:
-        times = round_robin(variants, rounds=2 * BEAM["rounds"])
+        times = round_robin(variants, rounds=8)  # a multiple of the 4 variants
     rows = search_rows(times, BEAM["sentences"])
     print_table(
         f"search vs HF generate, {BEAM['sentences']} x {BEAM['src']} source tokens -> {n_new}; {meter.line()}",
@@ -372,7 +376,16 @@ def search_section(s: dict, run: str | None) -> dict:
         SEARCH_COLUMNS,
     )
     out = {
-        "setup": {**BEAM, "peer": "transformers.MarianMTModel"},
+        "setup": {
+            "sentences": BEAM["sentences"],
+            "src": BEAM["src"],
+            "beam": BEAM["beam"],
+            "length_penalty": 0.0,
+            "min_len": n_new,
+            "max_len": n_new + 1,
+            "rounds": 8,
+            "peer": "transformers.MarianMTModel",
+        },
         "same_outputs": same,
         "rows": rows,
         "times_s": times,
@@ -420,7 +433,7 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
         method = "beam" if beams > 1 else "greedy"
         cfg = SearchConfig(method=method, beam_size=beams, length_penalty=0.0, max_len=limit, min_len=1)
         return [
-            h.tokens
+            (h.tokens, h.finished)
             for src, mask in batches
             for h in search(model, src, mask, cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, banned=banned)
         ]
@@ -440,8 +453,7 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
                     min_new_tokens=1,
                     suppress_tokens=banned,
                 )
-            for seq in seqs[:, 1:].tolist():
-                out.append(seq[: seq.index(tok.eos_id)] if tok.eos_id in seq else seq)
+            out += hf_outputs(seqs, tok.eos_id)
         return out
 
     same = {}
@@ -449,27 +461,43 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
         a, b = tformer_search(k), hf_search(k)
         same[f"beam {k}" if k > 1 else "greedy"] = sum(x == y for x, y in zip(a, b))
     print(f"\n[search] trained run {run}: outputs equal to HF's for {same} of {len(texts)}", file=sys.stderr)
-    times = round_robin(
-        {
-            f"tformer beam {BEAM['beam']}": lambda: tformer_search(BEAM["beam"]),
-            f"HF generate beam {BEAM['beam']}": lambda: hf_search(BEAM["beam"]),
-            "tformer greedy": lambda: tformer_search(1),
-            "HF generate greedy": lambda: hf_search(1),
-        },
-        rounds=BEAM["rounds"] + 1,
-        warmup=0,
-    )
+    with LoadMeter() as meter:
+        times = round_robin(
+            {
+                f"tformer beam {BEAM['beam']}": lambda: tformer_search(BEAM["beam"]),
+                f"HF generate beam {BEAM['beam']}": lambda: hf_search(BEAM["beam"]),
+                "tformer greedy": lambda: tformer_search(1),
+                "HF generate greedy": lambda: hf_search(1),
+            },
+            rounds=4,  # a multiple of the 4 variants
+            warmup=0,
+        )
     rows = search_rows(times, len(texts))
-    print_table(f"trained run {run}: {len(texts)} test sentences, batches of {batch}", rows, SEARCH_COLUMNS)
+    title = f"trained run {run}: {len(texts)} test sentences, batches of {batch}; {meter.line()}"
+    print_table(title, rows, SEARCH_COLUMNS)
     return {
         "run": run,
         "sentences": len(texts),
         "batch": batch,
         "max_len": limit,
+        "min_len": 1,
+        "length_penalty": 0.0,
         "same_outputs": same,
         "rows": rows,
         "times_s": times,
+        "load": meter.result,
     }
+
+
+def hf_outputs(sequences: torch.Tensor, eos_id: int) -> list[tuple[list[int], bool]]:
+    """HF `generate`'s sequences as tformer's hypotheses read: (the tokens before the first EOS, ended
+    with EOS), after the decoder's start token (padding follows an EOS; a sequence without one ran to the
+    limit and has none)."""
+    out = []
+    for seq in sequences[:, 1:].tolist():
+        ended = eos_id in seq
+        out.append((seq[: seq.index(eos_id)] if ended else seq, ended))
+    return out
 
 
 def search_rows(times: dict[str, list[float]], sentences: int) -> list[dict]:

@@ -219,10 +219,10 @@ def tformer_marian_config(hf_config) -> ModelConfig:
 def marian_hidden_order(d_model: int) -> torch.Tensor:
     """Marian's feature of each of tformer's model features. tformer's sinusoids interleave (feature 2i
     holds sin of frequency i, 2i + 1 its cos, as the paper writes them); Marian's put every sin first
-    (feature i) and every cos after (d/2 + i). The same network in another order of its d_model features:
+    (feature i) and every cos after (ceil(d/2) + i). The same network in another order of its d_model features:
     every weight that reads or writes them, every norm and the embeddings are reordered alike."""
     k = torch.arange(d_model)
-    return torch.where(k % 2 == 0, k // 2, d_model // 2 + k // 2)
+    return torch.where(k % 2 == 0, k // 2, (d_model + 1) // 2 + k // 2)  # an odd d: one sin more than cos
 
 
 def marian_names(model: nn.Module) -> list[tuple[str, str, str]]:

@@ -300,6 +300,32 @@ def test_min_len_keeps_eos_back_for_beam_greedy_and_sampling() -> None:
         SearchConfig(min_len=-1)
 
 
+def test_greedy_search_moves_its_rows_only_when_a_sentence_ends(monkeypatch) -> None:
+    """Rows are selected (the KV cache copied) only at the steps where some sentences end and others
+    go on; the outputs equal each sentence searched alone."""
+    from tformer.generate import beam as beam_module
+
+    model, (src, mask) = seq2seq(), sources(b=4)
+    max_lens = torch.tensor([2, 5, 5, 9])
+    calls = []
+    original = beam_module.CachedSteps.select
+    monkeypatch.setattr(
+        beam_module.CachedSteps,
+        "select",
+        lambda self, index, rows: calls.append(len(index)) or original(self, index, rows),
+    )
+    together = sample_search(model, src, mask, bos_id=BOS, eos_id=EOS, max_len=max_lens)
+    ends = [len(h.tokens) + h.finished for h in together]  # the step at which each sentence ended
+    assert len(calls) == len(set(ends)) - 1  # not at the last step, and not at a step where none ended
+    monkeypatch.setattr(beam_module.CachedSteps, "select", original)
+    for i, hyp in enumerate(together):
+        alone = sample_search(
+            model, src[i : i + 1], mask[i : i + 1], bos_id=BOS, eos_id=EOS, max_len=int(max_lens[i])
+        )
+        assert (hyp.tokens, hyp.finished) == (alone[0].tokens, alone[0].finished)
+        assert hyp.log_prob == pytest.approx(alone[0].log_prob, abs=1e-5)
+
+
 def test_sampling_is_seeded_and_greedy_ignores_the_seed() -> None:
     model = seq2seq()
     src, mask = sources()

@@ -75,13 +75,14 @@ def hf_generate(hf, src, mask, *, beams: int, min_len: int, banned: list[int], n
     return outputs, scores
 
 
-def test_hidden_order_is_a_permutation_that_maps_the_sinusoids() -> None:
+@pytest.mark.parametrize("d", [32, 7])
+def test_hidden_order_is_a_permutation_that_maps_the_sinusoids(d: int) -> None:
+    """An odd width too: Marian's sin block is then one feature longer than its cos block."""
     from tformer.model.positions import sinusoidal_table
 
-    d = 32
     order = marian_hidden_order(d)
     assert sorted(order.tolist()) == list(range(d))
-    hf, _ = marian_pair(tied=True)
+    hf = hf_marian({**SHAPE, "d_model": d, "heads": 1}, 64)
     theirs = hf.model.encoder.embed_positions.weight[:20]
     torch.testing.assert_close(theirs[:, order], sinusoidal_table(20, d), rtol=0, atol=1e-6)
 
@@ -103,18 +104,18 @@ def test_logits_equal_hf_marian(tied: bool) -> None:
     print(f"max |diff| vs HF Marian (tied={tied}):", (got - expected).abs().max().item(), "of", scale.item())
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize(("tied", "d", "heads"), [(True, 32, 4), (False, 32, 4), (True, 7, 1)])
 @torch.no_grad()
-def test_a_tformer_model_as_marian_gives_its_logits(tied: bool) -> None:
+def test_a_tformer_model_as_marian_gives_its_logits(tied: bool, d: int, heads: int) -> None:
     """The other way (the benchmark's trained runs): tformer's Post-Norm model, 2 encoder and 3 decoder
-    layers, written into a Marian that gives tformer's logits."""
+    layers (and an odd width), written into a Marian that gives tformer's logits."""
     cfg = ModelConfig(
         arch="encoder_decoder",
         vocab_size=SHAPE["vocab"],
-        d_model=32,
+        d_model=d,
         n_layers=3,
         n_encoder_layers=2,
-        n_heads=4,
+        n_heads=heads,
         d_ff=64,
         max_seq_len=40,
         norm_placement="post",

@@ -116,27 +116,3 @@ def test_reorder_selects_the_cross_attention_rows_and_names_their_source() -> No
     cache.use_source(new_source)  # the reordered memory is this cache's source now
     with pytest.raises(ValueError, match="another encoder memory"):
         cache.use_source(source)  # the old one is not
-
-
-def test_reorder_that_keeps_every_row_in_place_copies_nothing() -> None:
-    """Greedy search and sampling reorder by 0, 1, ..., B - 1 every step while no sentence has stopped:
-    the buffers stay the same tensors (nothing copied), the source is still named; any other index of
-    the same length (a swap) is selected as before."""
-    torch.manual_seed(0)
-    cache, source = KVCache(2, 8), torch.randn(3, 5, 4)
-    cache.use_source(source)
-    for layer in range(2):
-        cache.update(layer, torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4))
-        cache.cross(layer, lambda: (torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)))
-    before = filled_kv(cache)
-    buffers = [*cache.k, *cache.v, *(t for kv in cache.cross_kv for t in kv)]
-    same_source = source.clone()
-    cache.reorder(torch.arange(3), same_source)
-    assert all(
-        a is b for a, b in zip([*cache.k, *cache.v, *(t for kv in cache.cross_kv for t in kv)], buffers)
-    )
-    assert cache.cross_source is same_source
-    swap = torch.tensor([1, 0, 2])
-    cache.reorder(swap)
-    assert all(torch.equal(g, w.index_select(0, swap)) for g, w in zip(filled_kv(cache), before))
-    assert cache.k[0] is not buffers[0]

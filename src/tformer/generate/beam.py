@@ -527,12 +527,16 @@ def sample_search(
         nxt = sample_next(logp, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         log_prob = log_prob + logp.gather(1, nxt[:, None]).squeeze(1)
         ended = (nxt == eos_id) | (max_lens[alive] == t)
-        for i in ended.nonzero().flatten().tolist():
+        ended_rows = ended.nonzero().flatten().tolist()
+        for i in ended_rows:
             eos = int(nxt[i]) == eos_id
             tokens = prefix[i, 1:].tolist() + ([] if eos else [int(nxt[i])])
             out[int(alive[i])] = Hypothesis(tokens, float(log_prob[i]), float(log_prob[i]), eos)
-        if bool(ended.all()):
+        if len(ended_rows) == len(alive):
             break
+        if not ended_rows:  # every row goes on: the cache and the memory rows stay as they are (no copy)
+            prefix = torch.cat([prefix, nxt[:, None]], dim=1)
+            continue
         keep = (~ended).nonzero().flatten()  # (N',)
         alive, log_prob = alive[keep], log_prob[keep]
         prefix = torch.cat([prefix[keep], nxt[keep, None]], dim=1)

@@ -141,25 +141,15 @@ class KVCache:
             raise TypeError(
                 f"source must be the memory states (a tensor) or None, got {type(source).__name__}"
             )
-        if not self._keeps_every_row(index):
-            for i in range(len(self.k)):
-                if self.k[i] is not None:
-                    self.k[i], self.v[i] = self.k[i].index_select(0, index), self.v[i].index_select(0, index)
-                if self.cross_kv[i] is not None:
-                    k, v = self.cross_kv[i]
-                    self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i].index_select(0, index)
+                self.v[i] = self.v[i].index_select(0, index)
+            if self.cross_kv[i] is not None:
+                k, v = self.cross_kv[i]
+                self.cross_kv[i] = (k.index_select(0, index), v.index_select(0, index))
         if any(kv is not None for kv in self.cross_kv):
             self.cross_source = source
-
-    def _keeps_every_row(self, index: Tensor) -> bool:
-        """index is 0, 1, ..., B - 1 (greedy search and sampling while no sentence has stopped): nothing
-        to copy."""
-        held = next(
-            (t for t in self.k + [kv[0] for kv in self.cross_kv if kv is not None] if t is not None), None
-        )
-        if held is None or index.shape[0] != held.shape[0]:
-            return False
-        return torch.equal(index, torch.arange(held.shape[0], device=index.device, dtype=index.dtype))
 
     def _check_rows(self, index: object) -> None:
         """`index` must pick rows this cache holds: a 1-D integer tensor on its device, each in [0, B)."""
