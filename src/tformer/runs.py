@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -51,10 +52,18 @@ class LoadedRun:
         return weights_words(self.step, self.averaged_steps, self.ensemble)
 
     def file_suffix(self) -> str:
-        """What files written from averaged or ensembled weights add to their name ("_mean5", "_ens3"), so
-        they never replace those of the newest checkpoint alone."""
+        """What files written from averaged or ensembled weights add to their name ("_mean5",
+        "_ens3-1f0c9a2b"), so they never replace those of the newest checkpoint alone. An ensemble's
+        names end in a digest of its other members' checkpoints (in any order): another ensemble from
+        the same first run writes files of its own."""
         mean = f"_mean{len(self.averaged_steps)}" if self.averaged_steps else ""
-        return mean + (f"_ens{len(self.ensemble) + 1}" if self.ensemble else "")
+        return mean + (f"_ens{len(self.ensemble) + 1}-{path_digest(*self.ensemble)}" if self.ensemble else "")
+
+
+def path_digest(*paths: str | Path) -> str:
+    """8 hex digits naming a set of files or folders by their resolved paths (in any order)."""
+    resolved = sorted(str(Path(p).resolve()) for p in paths)
+    return hashlib.sha256("\n".join(resolved).encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
 def weights_words(step: int, averaged_steps: Sequence[int] = (), ensemble: Sequence[str] = ()) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,11 @@ def test_a_labelled_file_is_read_a_text_a_line_split_at_its_first_tab(
     result = eval_json(capsys, "--run", str(run), "--labelled-file", str(path))
     expected = evaluate_labelled(loaded, items, name="mine")
     assert result["data"] == f"labelled file {path}" and result["n"] == result["texts"] == len(items)
-    assert {k: v for k, v in result.items() if k != "data"} == {
-        k: v for k, v in expected.items() if k != "data"
+    assert {k: v for k, v in result.items() if k not in ("data", "confusion_png")} == {
+        k: v for k, v in expected.items() if k not in ("data", "confusion_png")
     }
+    # the file's outputs: its stem and a digest of its path (a mine.tsv elsewhere writes its own)
+    assert re.fullmatch(r"eval_confusion_labelled_mine-[0-9a-f]{8}\.png", Path(result["confusion_png"]).name)
     monkeypatch.setattr("sys.stdin", io.StringIO(path.read_text(encoding="utf-8")))
     from_stdin = eval_json(capsys, "--run", str(run), "--labelled-file", "-", "--max-batches", "1")
     assert from_stdin["data"] == "labelled file stdin"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,15 @@ def runs(dictionary_file: Path, tmp_path_factory) -> tuple[Path, Path]:
 def test_the_ensembles_loss_is_below_its_members_mean_and_its_files_are_its_own(runs, capsys) -> None:
     """-log of a mean probability is at most the mean of the -logs (Jensen): the ensemble's test loss lies
     below the mean of its members' (computed here from the members' own results), and its translations
-    file carries _ens2."""
+    file carries _ens2 and a digest of the other members (another 2-run ensemble writes its own)."""
     a, b = runs
     alone = [evaluate_run(load_run(r), max_batches=1) for r in runs]
     both = evaluate_run(ensemble_of(load_run(a), [load_run(b)]), max_batches=1)
     assert both["eval_loss"] < sum(r["eval_loss"] for r in alone) / 2
     assert both["ensemble"] == [str(load_run(b).checkpoint)] and alone[0]["ensemble"] == []
-    assert Path(both["translations"]).name == "translations_test_sample_ens2.txt"
+    assert re.fullmatch(r"translations_test_sample_ens2-[0-9a-f]{8}\.txt", Path(both["translations"]).name)
+    itself = evaluate_run(ensemble_of(load_run(a), [load_run(a)]), max_batches=1)  # another 2-run ensemble
+    assert Path(itself["translations"]).name != Path(both["translations"]).name
     assert main(["eval", "--run", str(a), "--ensemble", str(b), "--max-batches", "1"]) == 0
     captured = capsys.readouterr()
     assert "(step 4, in an ensemble with 1 more run, 32 of the split's" in captured.out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def test_a_file_of_the_test_split_scores_as_the_split_does(run: Path, tmp_path: 
     assert {k: v for k, v in mine.items() if k not in differ} == {
         k: v for k, v in split.items() if k not in differ
     }
-    assert Path(mine["translations"]).name == "translations_pairs_newstest_sample.txt"
+    assert re.fullmatch(
+        r"translations_pairs_newstest-[0-9a-f]{8}_sample\.txt", Path(mine["translations"]).name
+    )
     assert Path(mine["translations"]).read_text() == Path(split["translations"]).read_text()
     assert main(["eval", "--run", str(run), "--pairs-file", str(path), "--max-batches", "1"]) == 0
     assert (
@@ -151,10 +154,32 @@ def test_a_file_name_with_a_backslash_is_kept_apart_from_the_split_files(
     path = tmp_path / "news\\test.tsv"
     path.write_text("Der Hund.\tThe dog.\nDie Katze.\tThe cat.\n", encoding="utf-8")
     result = eval_json(capsys, "--run", str(run), "--pairs-file", str(path))
-    assert Path(result["translations"]).name == "translations_pairs_news_test.txt"
+    assert re.fullmatch(r"translations_pairs_news_test-[0-9a-f]{8}\.txt", Path(result["translations"]).name)
     assert evaluate_pairs(run, [("Der Hund.", "The dog.")], name="test")["translations"].endswith(
         "translations_pairs_test.txt"
     )  # not the test split's translations_test.txt
+
+
+def test_same_named_files_in_two_folders_keep_their_outputs_apart(run: Path, tmp_path: Path, capsys) -> None:
+    """The outputs of a pairs file are named by its stem and a digest of its path: a second test.tsv in
+    another folder does not overwrite the first one's translations."""
+    written = {}
+    for folder, pairs in (
+        ("a", "Der Hund.\tThe dog.\n"),
+        ("b", "Die Katze.\tThe cat.\nDer Mann.\tThe man.\n"),
+    ):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "test.tsv"
+        path.write_text(pairs, encoding="utf-8")
+        written[folder] = Path(
+            eval_json(capsys, "--run", str(run), "--pairs-file", str(path))["translations"]
+        )
+    assert written["a"] != written["b"] and written["a"].name.startswith("translations_pairs_test-")
+    assert len(written["a"].read_text().splitlines()) == 1 and len(written["b"].read_text().splitlines()) == 2
+    again = eval_json(
+        capsys, "--run", str(run), "--pairs-file", str(tmp_path / "a" / ".." / "a" / "test.tsv")
+    )
+    assert Path(again["translations"]) == written["a"]  # the same file by another spelling: the same name
 
 
 def test_evaluate_pairs_names_bad_arguments(run: Path) -> None:

@@ -114,7 +114,11 @@ def run_task_eval(run_, args: argparse.Namespace, items: list[tuple[str, str]] |
     if items is not None:
         path = Path(args.pairs_file or args.labelled_file)
         name = input_name(path)
-        stem = "stdin" if name == "stdin" else re.sub(r"[/\\\0]", "_", path.stem) or "file"
+        from tformer.runs import path_digest
+
+        # a file's outputs carry a digest of its path: same-named files in two folders keep theirs apart
+        plain = re.sub(r"[/\\\0]", "_", path.stem) or "file"
+        stem = "stdin" if name == "stdin" else f"{plain}-{path_digest(path)}"
         score = module.evaluate_pairs if task == "translation" else module.evaluate_labelled
         result = score(run_, items, stem, max_batches=args.max_batches)
         result["data"] = f"{'pairs' if task == 'translation' else 'labelled'} file {name}"
