@@ -24,6 +24,10 @@ Sections (each a round-robin of its variants, see harness.py for the method):
          the work differs by design: tformer drops a sentence from its batch when its search is over,
          HF computes a finished sentence's rows until the whole batch is done.
 
+Post-Norm has a third side, Hugging Face's `MarianMTModel` (sdpa) holding tformer's weights
+(`peers.marian_of_tformer`, tested to give tformer's logits): its ratio is printed and recorded as
+`tformer_post_vs_hf_marian`.
+
 Both sides do the same work per step: shared source/target embedding scaled by sqrt(d_model) plus
 sinusoidal positions, dropout 0 (torch's attention-weight and FFN-inner dropout have no exact twin in
 tformer, so both are off), an output projection tied to the embedding, the same cross-entropy on fp32
@@ -186,6 +190,20 @@ class TorchSeq2Seq(nn.Module):
         return self.head(self.core(x, y, tgt_mask=mask, tgt_is_causal=True))  # (B, T, V)
 
 
+class MarianSeq2Seq(nn.Module):
+    """HF `MarianMTModel` holding a tformer Post-Norm model's weights (`peers.marian_of_tformer`), called as
+    the other two are: (source, target input) -> logits. No padding, so no masks but the causal one."""
+
+    def __init__(self, ours: nn.Module) -> None:
+        super().__init__()
+        from peers import marian_of_tformer
+
+        self.hf = marian_of_tformer(ours, pad_id=0, bos_id=1, eos_id=2).train()
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=src, decoder_input_ids=tgt, use_cache=False).logits  # (B, T, V)
+
+
 def train_step(model: nn.Module, batch, optimizer, autocast) -> None:
     src, tgt_in, tgt_out = batch
     with autocast():
@@ -215,7 +233,10 @@ def train_variants(s: dict, dtype: str) -> tuple[dict, dict, tuple]:
     for placement in ("post", "pre"):
         peer, ours = TorchSeq2Seq(s, placement), tformer_model(s, placement)
         copy_peer_weights(peer, ours)
-        for name, model in ((f"torch nn.Transformer {placement}", peer), (f"tformer {placement}", ours)):
+        models_of = [(f"torch nn.Transformer {placement}", peer), (f"tformer {placement}", ours)]
+        if placement == "post":  # HF's Post-Norm translation model, with the same weights
+            models_of.append(("HF Marian post", MarianSeq2Seq(ours)))
+        for name, model in models_of:
             model.to(DEVICE)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             models[name] = model
@@ -276,12 +297,22 @@ def train_section(s: dict, dtype: str, note: str) -> dict:
             d["first_loss"] = losses[row.name]
             rows.append(d)
     print_table(f"training step, {dtype} ({note}); {meter.line()}", rows, COLUMNS)
+    vs_hf = {
+        "speedup_paired_median": paired_median(times, "HF Marian post", "tformer post"),
+        "speedup_best": min(times["HF Marian post"]) / min(times["tformer post"]),
+    }
+    print(
+        f"tformer post vs HF Marian post: {vs_hf['speedup_paired_median']:.3f}x paired, "
+        f"{vs_hf['speedup_best']:.3f}x best",
+        flush=True,
+    )
     return {
         "shape": s,
         "note": note,
         "train_gflop_per_step": flops / 1e9,
         "matmul_peak_gflops": peak_gflops,
         "rows": rows,
+        "tformer_post_vs_hf_marian": vs_hf,
         "times_s": times,
         "load": meter.result,
     }
