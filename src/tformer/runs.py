@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -140,9 +141,17 @@ def check_texts(texts: Iterable[str]) -> list[str]:
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"text {i} is a {type(text).__name__}, not a str")
-        if not text.strip():
-            raise ValueError(f"text {i} is empty")
+        if is_blank(text):
+            raise ValueError(
+                f"text {i} is empty{'' if not text.strip() else ' (nothing but invisible characters)'}"
+            )
     return texts
+
+
+def is_blank(text: str) -> bool:
+    """Nothing but whitespace and invisible format characters (zero-width spaces and joiners, byte-order
+    marks: Unicode category Cf): no text to translate or classify."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 def find_checkpoint(path: str | Path) -> Path:

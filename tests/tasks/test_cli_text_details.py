@@ -297,6 +297,27 @@ def test_classify_json_lines_are_flushed_and_warnings_named_by_classify(
     assert capsys.readouterr().err == f"tformer classify: warning: {path} line 2 is empty: skipped\n"
 
 
+def test_a_text_of_invisible_characters_only_is_empty(
+    classification_run: Path, tmp_path: Path, capsys
+) -> None:
+    """A zero-width space or a byte-order mark alone is no text: an error for --text, a skipped line in a
+    file, an error in Python, as spaces are (they had been classified)."""
+    from tformer.runs import load_run
+    from tformer.tasks.classification import load_classifier
+
+    for text in ("\u200b", "\ufeff", " \u200b\u2060 "):
+        assert main(["classify", "--run", str(classification_run), "--text", text]) == 2
+        assert "error: the text is empty" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="text 0 is empty"):
+            load_classifier(load_run(classification_run)).classify([text])
+    path = tmp_path / "texts.txt"
+    path.write_text("software computer\n\u200b\nminister \u200belection\n", encoding="utf-8")
+    assert main(["classify", "--run", str(classification_run), "--file", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["line"] for line in captured.out.splitlines()] == [1, 3]  # line 3 keeps its ZWSP
+    assert captured.err == f"tformer classify: warning: {path} line 2 is empty: skipped\n"
+
+
 def test_classify_batch_size_reaches_the_classifier(classification_run: Path, monkeypatch, capsys) -> None:
 
     sizes: list[int] = []

@@ -382,6 +382,24 @@ def test_a_fresh_run_that_cannot_write_its_config_leaves_no_directory(tmp_path: 
     assert not (tmp_path / "made").exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_or_hang_up_before_training_starts_cleans_up_as_a_ctrl_c_does(
+    sig: int, corpus_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """SIGTERM / SIGHUP while the run is being set up (here: while the metrics log opens, after the
+    vocabulary is trained) raise Stopped with the signal, so the directory the run made is removed; they
+    had ended the process at once, leaving config.json, data.json and tokenizer.json behind. The
+    handlers are the process's own again afterwards."""
+    from tformer.train.metrics import MetricsLog
+
+    before = signal.getsignal(sig)
+    monkeypatch.setattr(MetricsLog, "truncate_after", lambda self, step: os.kill(os.getpid(), sig))
+    with pytest.raises(Stopped) as stopped:
+        Trainer(small_config(corpus_dir, steps=3), tmp_path / "new" / "run", "lm", progress=False)
+    assert stopped.value.signum == sig and not (tmp_path / "new").exists()
+    assert signal.getsignal(sig) is before
+
+
 def test_a_ctrl_c_before_training_starts_leaves_no_directory(
     corpus_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:

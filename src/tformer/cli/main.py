@@ -332,9 +332,17 @@ class Parser(argparse.ArgumentParser):
 def _torchrun_rank() -> int:
     """This process's rank under torchrun (WORLD_SIZE > 1), else 0."""
     try:
-        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+        return int(os.environ.get("RANK", "0")) if _torchrun_world() > 1 else 0
     except ValueError:  # not numbers: not torchrun's
         return 0
+
+
+def _torchrun_world() -> int:
+    """WORLD_SIZE, 1 where it is unset or not a number (the command's own check names it)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _words(err: Exception) -> str:
@@ -457,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as err:
         # under torchrun, a rank waiting in a collective when another rank failed, exited or hung: one line
         # (the other rank's error, if it raised one, is printed by that rank; torchrun names a killed one)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if _torchrun_world() > 1:
             why = None
             if any(peer in str(err) for peer in PEER_GONE):
                 why = "another rank failed or exited (its error, if it raised one, is above)"

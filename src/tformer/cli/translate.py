@@ -29,6 +29,7 @@ from tformer.cli.options import (
     warn,
 )
 from tformer.generate.beam import SearchConfig
+from tformer.runs import is_blank
 
 CHUNK_LINES = 512  # input lines searched (sorted by length) and printed together
 
@@ -95,7 +96,7 @@ def read_texts(args: argparse.Namespace, command: str) -> Texts:
     if args.text is not None and args.file is not None:
         raise ValueError("give --text or --file, not both (or neither, to read stdin)")
     if args.text is not None:
-        if not args.text.strip():
+        if is_blank(args.text):  # spaces, or invisible characters only (a zero-width space, a BOM)
             raise ValueError("the text is empty: give --text with some words (or --file FILE)")
         return Texts([utf8_text(args.text, "--text").strip()], [1], 1, "--text")
     if args.file is not None and args.file != "-":
@@ -107,7 +108,7 @@ def read_texts(args: argparse.Namespace, command: str) -> Texts:
         lines, where = input_lines(read_stdin()), "stdin"
     texts, numbers = [], []
     for n, line in enumerate(lines, 1):
-        if line.strip():
+        if not is_blank(line):
             texts.append(line.strip())
             numbers.append(n)
         else:

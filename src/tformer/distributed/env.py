@@ -166,7 +166,15 @@ class ProcessGroup(Local):
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE (torchrun sets it), 1 where it is unset; an error naming it where it is not a number."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"the environment variable WORLD_SIZE={value!r} is not a whole number (torchrun sets it; unset it "
+            "to run in one process)"
+        ) from None
 
 
 def init_distributed(parallel: ParallelConfig, device: str = "auto") -> Local:

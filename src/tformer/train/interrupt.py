@@ -97,6 +97,32 @@ class StopRequests:
         return self.signum or int(signal.SIGINT)  # another rank's: most likely the same Ctrl-C
 
 
+class RaiseOnSignals:
+    """Context manager for work with nothing to save yet (a run being set up: its data read, its
+    vocabulary trained): SIGTERM and SIGHUP raise `Stopped`, a KeyboardInterrupt as Ctrl-C's is, so the
+    cleanup a Ctrl-C gets runs for them too (they had ended the process at once, with no word, leaving a
+    half-made run directory). Main thread only; a signal the process ignores stays ignored."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> RaiseOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                if sig != signal.SIGINT and signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._raise)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    @staticmethod
+    def _raise(signum: int, frame) -> None:
+        raise Stopped(signum, f"{signal.Signals(signum).name} before training started")
+
+
 class GuardedStream:
     """A text stream (stdout, stderr) that stops writing once its reader is gone: the first write or flush
     that fails (a broken pipe, a terminal that hung up) calls `lost` and every later one is dropped."""

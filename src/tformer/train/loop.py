@@ -47,7 +47,7 @@ from tformer.train.checkpoint import (
     why_none_committed,
 )
 from tformer.train.config import TrainConfig, refuse_ignored_settings, unread_settings
-from tformer.train.interrupt import SIGPIPE, GuardedStream, Stopped, StopRequests
+from tformer.train.interrupt import SIGPIPE, GuardedStream, RaiseOnSignals, Stopped, StopRequests
 from tformer.train.metrics import MetricsLog, peak_memory_mib, plot_loss_curve
 from tformer.train.optim import lr_factor, make_optimizer, make_scheduler
 from tformer.train.resume import (
@@ -149,14 +149,18 @@ class Trainer:
         self._lock = lock_run_dir(self.run_dir, self, exclusive=self.env.is_main)
         self._holds = True
         try:
-            if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
-                for name in RUN_TOKENIZERS:
-                    (self.run_dir / name).unlink(missing_ok=True)
-                self._write_config(cfg)  # first: the files that follow belong to a run (refuse_foreign_files)
-            self._build(task, cfg, meta, resume_from)
-            self._start(cfg, resume_from, meta)
-        except BaseException:  # bad data or model settings, a missing package, a full disk, a Ctrl-C before
-            # training starts: leave no directory behind (a resumed run's directory existed: created is None)
+            with RaiseOnSignals():  # a SIGTERM or hang-up in these (long) minutes cleans up as a Ctrl-C does
+                if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
+                    for name in RUN_TOKENIZERS:
+                        (self.run_dir / name).unlink(missing_ok=True)
+                    self._write_config(
+                        cfg
+                    )  # first: the files that follow belong to a run (refuse_foreign_files)
+                self._build(task, cfg, meta, resume_from)
+                self._start(cfg, resume_from, meta)
+        except BaseException:  # bad data or model settings, a missing package, a full disk, a Ctrl-C (or
+            # SIGTERM, SIGHUP) before training starts: leave no directory behind (a resumed run's directory
+            # existed: created is None)
             self._release_lock()
             if created is not None and self.env.is_main:  # the outermost directory this run made
                 shutil.rmtree(created, ignore_errors=True)
