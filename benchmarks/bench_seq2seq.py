@@ -364,31 +364,13 @@ def search_section(s: dict, run: str | None) -> dict:
     # pad and the decoder's start never; EOS not before the n_new-th token: every output is n_new + 1 long
     banned, n_new = [0, 1], BEAM["max_len"]
 
-    def tformer_search(
-        beams: int,
-    ):  # as `Translator` searches: fast_decode on (row-blocked linears on the CPU)
-        method = "beam" if beams > 1 else "greedy"
-        cfg = SearchConfig(
-            method=method, beam_size=beams, length_penalty=0.0, max_len=n_new + 1, min_len=n_new
-        )
-        return [
-            (h.tokens, h.finished) for h in search(ours, src, mask, cfg, bos_id=1, eos_id=2, banned=banned)
-        ]
+    ids = dict(bos=1, eos=2, banned=banned, max_len=n_new + 1, min_len=n_new)
+
+    def tformer_search(beams: int):
+        return tformer_outputs(ours, src, mask, beams, **ids)
 
     def hf_search(beams: int):
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=src,
-                attention_mask=mask.long(),
-                num_beams=beams,
-                do_sample=False,
-                length_penalty=0.0,
-                early_stopping="never",
-                max_new_tokens=n_new + 1,
-                min_new_tokens=n_new,
-                suppress_tokens=banned,
-            )
-        return hf_outputs(out, eos_id=2)
+        return hf_canonical_outputs(hf, src, mask, beams, **ids)
 
     same = {f"beam {k}" if k > 1 else "greedy": tformer_search(k) == hf_search(k) for k in (BEAM["beam"], 1)}
     variants = {
@@ -460,32 +442,13 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
     limit = model.cfg.max_seq_len - 1  # generated tokens, EOS included: the decoder's positions end there
     banned = [tok.pad_id, tok.bos_id]
 
+    ids = dict(bos=tok.bos_id, eos=tok.eos_id, banned=banned, max_len=limit, min_len=1)
+
     def tformer_search(beams: int):
-        method = "beam" if beams > 1 else "greedy"
-        cfg = SearchConfig(method=method, beam_size=beams, length_penalty=0.0, max_len=limit, min_len=1)
-        return [
-            (h.tokens, h.finished)
-            for src, mask in batches
-            for h in search(model, src, mask, cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, banned=banned)
-        ]
+        return [out for src, mask in batches for out in tformer_outputs(model, src, mask, beams, **ids)]
 
     def hf_search(beams: int):
-        out = []
-        for src, mask in batches:
-            with torch.no_grad():
-                seqs = hf.generate(
-                    input_ids=src,
-                    attention_mask=mask.long(),
-                    num_beams=beams,
-                    do_sample=False,
-                    length_penalty=0.0,
-                    early_stopping="never",
-                    max_new_tokens=limit,
-                    min_new_tokens=1,
-                    suppress_tokens=banned,
-                )
-            out += hf_outputs(seqs, tok.eos_id)
-        return out
+        return [out for src, mask in batches for out in hf_canonical_outputs(hf, src, mask, beams, **ids)]
 
     same = {}
     for k in (BEAM["beam"], 1):
@@ -518,6 +481,39 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
         "times_s": times,
         "load": meter.result,
     }
+
+
+def tformer_outputs(
+    model, src, mask, beams, *, bos, eos, banned, max_len, min_len
+) -> list[tuple[list[int], bool]]:
+    """tformer's search as `Translator` runs it (`search`, fast_decode on: row-blocked linears on the CPU):
+    beam search at alpha 0 (beams > 1) or greedy; (tokens, ended with EOS) per sentence."""
+    method = "beam" if beams > 1 else "greedy"
+    cfg = SearchConfig(method=method, beam_size=beams, length_penalty=0.0, max_len=max_len, min_len=min_len)
+    return [
+        (h.tokens, h.finished) for h in search(model, src, mask, cfg, bos_id=bos, eos_id=eos, banned=banned)
+    ]
+
+
+def hf_canonical_outputs(
+    hf, src, mask, beams, *, bos, eos, banned, max_len, min_len
+) -> list[tuple[list[int], bool]]:
+    """HF `generate` with the same settings: its canonical beam search (`length_penalty=0`,
+    `early_stopping="never"`: the hypotheses tformer's alpha 0 finds) or greedy; max_len / min_len count
+    generated tokens, EOS included, as tformer's do. bos: the decoder's start (the model's config)."""
+    with torch.no_grad():
+        sequences = hf.generate(
+            input_ids=src,
+            attention_mask=mask.long(),
+            num_beams=beams,
+            do_sample=False,
+            length_penalty=0.0,
+            early_stopping="never",
+            max_new_tokens=max_len,
+            min_new_tokens=min_len,
+            suppress_tokens=banned,
+        )
+    return hf_outputs(sequences, eos)
 
 
 def hf_outputs(sequences: torch.Tensor, eos_id: int) -> list[tuple[list[int], bool]]:
