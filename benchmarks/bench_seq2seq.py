@@ -500,11 +500,12 @@ def hf_canonical_outputs(
 ) -> list[tuple[list[int], bool]]:
     """HF `generate` with the same settings: its canonical beam search (`length_penalty=0`,
     `early_stopping="never"`: the hypotheses tformer's alpha 0 finds) or greedy; max_len / min_len count
-    generated tokens, EOS included, as tformer's do. bos: the decoder's start (the model's config)."""
+    generated tokens, EOS included, as tformer's do. bos: the decoder's start."""
     with torch.no_grad():
         sequences = hf.generate(
             input_ids=src,
             attention_mask=mask.long(),
+            decoder_start_token_id=bos,
             num_beams=beams,
             do_sample=False,
             length_penalty=0.0,

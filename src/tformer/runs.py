@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import unicodedata
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.data.corpus_base import is_blank
 from tformer.data.tokenizer import Tokenizer
 from tformer.distributed.env import resolve_device
 from tformer.model import build_model
@@ -61,10 +61,11 @@ class LoadedRun:
         return mean + (f"_ens{len(self.ensemble) + 1}-{path_digest(*self.ensemble)}" if self.ensemble else "")
 
 
-def path_digest(*paths: str | Path) -> str:
-    """8 hex digits naming a set of files or folders by their resolved paths (in any order)."""
-    resolved = sorted(str(Path(p).resolve()) for p in paths)
-    return hashlib.sha256("\n".join(resolved).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+def path_digest(*paths: str | Path, resolve: bool = True) -> str:
+    """8 hex digits naming a set of files or folders by their resolved paths (in any order). resolve=False:
+    by their absolute paths as given (/dev/stdin, a shell's /dev/fd/N: resolved, a new pipe each time)."""
+    named = sorted(str(Path(p).resolve() if resolve else Path(p).absolute()) for p in paths)
+    return hashlib.sha256("\n".join(named).encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
 def weights_words(step: int, averaged_steps: Sequence[int] = (), ensemble: Sequence[str] = ()) -> str:
@@ -146,12 +147,6 @@ def check_texts(texts: Iterable[str]) -> list[str]:
                 f"text {i} is empty{'' if not text.strip() else ' (nothing but invisible characters)'}"
             )
     return texts
-
-
-def is_blank(text: str) -> bool:
-    """Nothing but whitespace and invisible format characters (zero-width spaces and joiners, byte-order
-    marks: Unicode category Cf): no text to translate or classify."""
-    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 def find_checkpoint(path: str | Path) -> Path:

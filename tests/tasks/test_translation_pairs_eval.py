@@ -182,6 +182,24 @@ def test_same_named_files_in_two_folders_keep_their_outputs_apart(run: Path, tmp
     assert Path(again["translations"]) == written["a"]  # the same file by another spelling: the same name
 
 
+def test_a_long_file_name_gives_output_names_the_file_system_takes(run: Path, tmp_path: Path, capsys) -> None:
+    """The file's name is cut to 96 bytes in its outputs' names (with the digest and the prefix, a name of
+    over 224 bytes had passed the file system's 255 and the translations were lost after the search); a
+    side of invisible characters only is empty."""
+    path = tmp_path / ("ü" * 120 + ".tsv")  # 240 bytes
+    path.write_text("Der Hund.\tThe dog.\n", encoding="utf-8")
+    result = eval_json(capsys, "--run", str(run), "--pairs-file", str(path))
+    written = Path(result["translations"])
+    assert (
+        written.exists()
+        and len(written.name.encode()) <= 255
+        and written.name.startswith("translations_pairs_üü")
+    )
+    path.write_text("Der Hund.\tThe dog.\n\u200b\tThe cat.\n", encoding="utf-8")
+    assert main(["eval", "--run", str(run), "--pairs-file", str(path)]) == 2
+    assert "line 2: expected one source<TAB>reference pair, found an empty side" in capsys.readouterr().err
+
+
 def test_evaluate_pairs_names_bad_arguments(run: Path) -> None:
     with pytest.raises(TypeError, match="pairs must be a list of .source, reference. pairs, got str"):
         evaluate_pairs(run, "Der Hund.\tThe dog.")

@@ -388,12 +388,19 @@ def test_a_sigterm_or_hang_up_before_training_starts_cleans_up_as_a_ctrl_c_does(
 ) -> None:
     """SIGTERM / SIGHUP while the run is being set up (here: while the metrics log opens, after the
     vocabulary is trained) raise Stopped with the signal, so the directory the run made is removed; they
-    had ended the process at once, leaving config.json, data.json and tokenizer.json behind. The
-    handlers are the process's own again afterwards."""
+    had ended the process at once, leaving config.json, data.json and tokenizer.json behind. A repeat
+    during the cleanup is ignored; the handlers are the process's own again afterwards."""
     from tformer.train.metrics import MetricsLog
 
     before = signal.getsignal(sig)
     monkeypatch.setattr(MetricsLog, "truncate_after", lambda self, step: os.kill(os.getpid(), sig))
+    release = Trainer._release_lock
+
+    def signalled_again(self):  # a repeat (a scheduler, torchrun) during the cleanup: it had ended the
+        os.kill(os.getpid(), sig)  # process there, the directory half removed
+        release(self)
+
+    monkeypatch.setattr(Trainer, "_release_lock", signalled_again)
     with pytest.raises(Stopped) as stopped:
         Trainer(small_config(corpus_dir, steps=3), tmp_path / "new" / "run", "lm", progress=False)
     assert stopped.value.signum == sig and not (tmp_path / "new").exists()

@@ -117,8 +117,12 @@ def run_task_eval(run_, args: argparse.Namespace, items: list[tuple[str, str]] |
         from tformer.runs import path_digest
 
         # a file's outputs carry a digest of its path: same-named files in two folders keep theirs apart
-        plain = re.sub(r"[/\\\0]", "_", path.stem) or "file"
-        stem = "stdin" if name == "stdin" else f"{plain}-{path_digest(path)}"
+        # (its name cut to 96 bytes: the output names stay well under the file system's 255)
+        plain = re.sub(r"[/\\\0]", "_", path.stem).encode("utf-8", "surrogateescape")[:96]
+        plain = plain.decode("utf-8", "ignore") or "file"
+        device = str(path.expanduser().absolute()).startswith(("/dev/", "/proc/"))  # /dev/stdin, /dev/fd/N
+        digest = path_digest(path.expanduser(), resolve=not device)  # (resolved, a new pipe every time)
+        stem = "stdin" if name == "stdin" else f"{plain}-{digest}"
         score = module.evaluate_pairs if task == "translation" else module.evaluate_labelled
         result = score(run_, items, stem, max_batches=args.max_batches)
         result["data"] = f"{'pairs' if task == 'translation' else 'labelled'} file {name}"
@@ -133,13 +137,15 @@ def read_tab_file(path: str | Path, what: str, split_at_every_tab: bool) -> list
     """A test set of the user's, two fields a line: `source<TAB>reference` pairs (exactly one tab), or
     `label<TAB>text` lines (split at the first tab: a text may hold more). Empty lines are skipped; any
     other line without a tab where one is needed, or with an empty field, is an error naming it."""
+    from tformer.data.corpus_base import is_blank
+
     path = Path(path).expanduser()
     items = []
     for number, line in enumerate(input_lines(read_input_file(path)), 1):
-        if not line.strip() and "\t" not in line:  # (a tab alone holds two empty fields)
+        if is_blank(line) and "\t" not in line:  # (a tab alone holds two empty fields)
             continue
         sides = line.split("\t") if split_at_every_tab else line.split("\t", 1)
-        if len(sides) != 2 or not sides[0].strip() or not sides[1].strip():
+        if len(sides) != 2 or is_blank(sides[0]) or is_blank(sides[1]):
             found = f"{len(sides) - 1} tabs" if len(sides) != 2 else "an empty side"
             raise ValueError(
                 f"{input_name(path)} line {number}: expected one {what}, found {found}: {line[:60]!r}"

@@ -28,8 +28,8 @@ from tformer.cli.options import (
     utf8_text,
     warn,
 )
+from tformer.data.corpus_base import is_blank
 from tformer.generate.beam import SearchConfig
-from tformer.runs import is_blank
 
 CHUNK_LINES = 512  # input lines searched (sorted by length) and printed together
 

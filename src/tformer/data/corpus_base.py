@@ -205,6 +205,22 @@ def normalized(text: str) -> str:
     return " ".join(_WORDS.findall(text.casefold())) or text
 
 
+# characters that draw nothing: Unicode's default-ignorable code points (zero-width spaces and joiners,
+# the BOM, bidirectional marks, variation selectors, invisible operators) and the Hangul fillers
+INVISIBLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f"
+    "\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0000-\U000e0fff]"
+)
+
+
+def is_blank(text: str) -> bool:
+    """Nothing but whitespace and characters that draw nothing (`INVISIBLE`: a zero-width space, a BOM, a
+    joiner): no text to translate or classify. Format characters that draw something (the Arabic number
+    sign, an end-of-ayah mark) are text."""
+    return not INVISIBLE.sub("", text).strip()
+
+
 def sha256_hex(key: str) -> str:
     """The hex sha256 of a text (what the hash splits order by)."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()

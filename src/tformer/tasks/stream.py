@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tformer.data.corpus_base import is_blank
 from tformer.data.loader import ResumableLoader, make_bucket_loader
 
 
@@ -48,7 +49,7 @@ def check_own_items(items: object, arg: str, fields: tuple[str, str], name: obje
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(t, str) for t in item)):
             raise TypeError(f"{arg}[{i}] must be a {pair} pair of two str, got {item!r:.80}")
         for field, text in zip(fields, item):
-            if not text.strip():
+            if is_blank(text):  # spaces, or characters that draw nothing
                 raise ValueError(f"{arg}[{i}] has an empty {field}")
     if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "/\\\0")):
         raise ValueError(f"name must be a non-empty str usable in a file name (or None), got {name!r}")

@@ -27,7 +27,8 @@ SIGPIPE = getattr(signal, "SIGPIPE", 13)  # the stop for lost output (13 where t
 
 
 class Stopped(KeyboardInterrupt):
-    """The run stopped at a step boundary on a signal, after saving a checkpoint."""
+    """The run stopped on a signal: at a step boundary after saving a checkpoint, or before training
+    started (`RaiseOnSignals`), with nothing to save."""
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
@@ -99,12 +100,17 @@ class StopRequests:
 
 class RaiseOnSignals:
     """Context manager for work with nothing to save yet (a run being set up: its data read, its
-    vocabulary trained): SIGTERM and SIGHUP raise `Stopped`, a KeyboardInterrupt as Ctrl-C's is, so the
-    cleanup a Ctrl-C gets runs for them too (they had ended the process at once, with no word, leaving a
-    half-made run directory). Main thread only; a signal the process ignores stays ignored."""
+    vocabulary trained): the first SIGTERM or SIGHUP raises `Stopped`, a KeyboardInterrupt as Ctrl-C's is,
+    so the cleanup a Ctrl-C gets runs for them too (they had ended the process at once, with no word,
+    leaving a half-made run directory); repeats (a scheduler or torchrun signalling again) are ignored
+    until the context ends, so they cannot cut that cleanup short: put the cleanup inside the context.
+    Python acts on a signal between its own instructions, so one that comes while native code runs (the
+    tokenizer's training) is acted on when that returns. Main thread only; a signal the process ignores
+    stays ignored."""
 
     def __init__(self) -> None:
         self._previous: dict[int, object] = {}
+        self.signum: int | None = None
 
     def __enter__(self) -> RaiseOnSignals:
         if threading.current_thread() is threading.main_thread():
@@ -118,8 +124,10 @@ class RaiseOnSignals:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    @staticmethod
-    def _raise(signum: int, frame) -> None:
+    def _raise(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
         raise Stopped(signum, f"{signal.Signals(signum).name} before training started")
 
 

@@ -148,25 +148,25 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run_dir(self.run_dir, self, exclusive=self.env.is_main)
         self._holds = True
-        try:
-            with RaiseOnSignals():  # a SIGTERM or hang-up in these (long) minutes cleans up as a Ctrl-C does
+        # a SIGTERM or hang-up in these (long) minutes cleans up as a Ctrl-C does; a repeat cannot cut it short
+        with RaiseOnSignals():
+            try:
                 if self.env.is_main and resume_from is None:  # a fresh run trains its own vocabulary
                     for name in RUN_TOKENIZERS:
                         (self.run_dir / name).unlink(missing_ok=True)
-                    self._write_config(
-                        cfg
-                    )  # first: the files that follow belong to a run (refuse_foreign_files)
+                    # first: the files that follow belong to a run (refuse_foreign_files)
+                    self._write_config(cfg)
                 self._build(task, cfg, meta, resume_from)
                 self._start(cfg, resume_from, meta)
-        except BaseException:  # bad data or model settings, a missing package, a full disk, a Ctrl-C (or
-            # SIGTERM, SIGHUP) before training starts: leave no directory behind (a resumed run's directory
-            # existed: created is None)
-            self._release_lock()
-            if created is not None and self.env.is_main:  # the outermost directory this run made
-                shutil.rmtree(created, ignore_errors=True)
-            elif resume_from is None and self.env.is_main:  # a directory the user made: this run's files
-                remove_run_files(self.run_dir)
-            raise
+            except BaseException:  # bad data or model settings, a missing package, a full disk, a Ctrl-C (or
+                # SIGTERM, SIGHUP) before training starts: leave no directory behind (a resumed run's
+                # directory existed: created is None)
+                self._release_lock()
+                if created is not None and self.env.is_main:  # the outermost directory this run made
+                    shutil.rmtree(created, ignore_errors=True)
+                elif resume_from is None and self.env.is_main:  # a directory the user made: this run's files
+                    remove_run_files(self.run_dir)
+                raise
 
     def _checked(
         self, cfg: TrainConfig, task, run_dir, resume: bool
