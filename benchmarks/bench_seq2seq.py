@@ -351,7 +351,7 @@ def beam_section(s: dict, run: str | None) -> dict:
 
 # ----------------------------------------------------------------------------- search vs HF generate
 def search_section(s: dict, run: str | None) -> dict:
-    from peers import hf_marian, marian_state_for_tformer, tformer_marian_config
+    from peers import hf_canonical_outputs, hf_marian, marian_state_for_tformer, tformer_marian_config
 
     torch.manual_seed(0)
     hf = hf_marian(s, max(BEAM["src"], BEAM["max_len"] + 1)).eval().to(DEVICE)
@@ -414,7 +414,7 @@ def trained_search(run: str, sentences: int = 200, batch: int = 32) -> dict:
     sentences (its model written into a MarianMTModel, `peers.marian_of_tformer`): real sentences, real
     EOS. Both take the same batches (sorted by source length) and the same rule (alpha 0, HF's
     canonical beam search), the length limit the model's context; the outputs are compared."""
-    from peers import marian_of_tformer
+    from peers import hf_canonical_outputs, marian_of_tformer
 
     from tformer.data.corpora import load_corpus
     from tformer.data.datasets import pad_sequences
@@ -493,39 +493,6 @@ def tformer_outputs(
     return [
         (h.tokens, h.finished) for h in search(model, src, mask, cfg, bos_id=bos, eos_id=eos, banned=banned)
     ]
-
-
-def hf_canonical_outputs(
-    hf, src, mask, beams, *, bos, eos, banned, max_len, min_len
-) -> list[tuple[list[int], bool]]:
-    """HF `generate` with the same settings: its canonical beam search (`length_penalty=0`,
-    `early_stopping="never"`: the hypotheses tformer's alpha 0 finds) or greedy; max_len / min_len count
-    generated tokens, EOS included, as tformer's do. bos: the decoder's start."""
-    with torch.no_grad():
-        sequences = hf.generate(
-            input_ids=src,
-            attention_mask=mask.long(),
-            decoder_start_token_id=bos,
-            num_beams=beams,
-            do_sample=False,
-            length_penalty=0.0,
-            early_stopping="never",
-            max_new_tokens=max_len,
-            min_new_tokens=min_len,
-            suppress_tokens=banned,
-        )
-    return hf_outputs(sequences, eos)
-
-
-def hf_outputs(sequences: torch.Tensor, eos_id: int) -> list[tuple[list[int], bool]]:
-    """HF `generate`'s sequences as tformer's hypotheses read: (the tokens before the first EOS, ended
-    with EOS), after the decoder's start token (padding follows an EOS; a sequence without one ran to the
-    limit and has none)."""
-    out = []
-    for seq in sequences[:, 1:].tolist():
-        ended = eos_id in seq
-        out.append((seq[: seq.index(eos_id)] if ended else seq, ended))
-    return out
 
 
 def search_rows(times: dict[str, list[float]], sentences: int) -> list[dict]:

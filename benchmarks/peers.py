@@ -327,3 +327,36 @@ def marian_of_tformer(model: nn.Module, pad_id: int, bos_id: int, eos_id: int) -
     if left or unexpected:
         raise ValueError(f"Marian's weights do not match: missing {sorted(left)}, unexpected {unexpected}")
     return hf.eval()
+
+
+def hf_canonical_outputs(
+    hf, src, mask, beams, *, bos, eos, banned, max_len, min_len
+) -> list[tuple[list[int], bool]]:
+    """HF `generate` with the same settings: its canonical beam search (`length_penalty=0`,
+    `early_stopping="never"`: the hypotheses tformer's alpha 0 finds) or greedy; max_len / min_len count
+    generated tokens, EOS included, as tformer's do. bos: the decoder's start."""
+    with torch.no_grad():
+        sequences = hf.generate(
+            input_ids=src,
+            attention_mask=mask.long(),
+            decoder_start_token_id=bos,
+            num_beams=beams,
+            do_sample=False,
+            length_penalty=0.0,
+            early_stopping="never",
+            max_new_tokens=max_len,
+            min_new_tokens=min_len,
+            suppress_tokens=banned,
+        )
+    return hf_outputs(sequences, eos)
+
+
+def hf_outputs(sequences: torch.Tensor, eos_id: int) -> list[tuple[list[int], bool]]:
+    """HF `generate`'s sequences as tformer's hypotheses read: (the tokens before the first EOS, ended
+    with EOS), after the decoder's start token (padding follows an EOS; a sequence without one ran to the
+    limit and has none)."""
+    out = []
+    for seq in sequences[:, 1:].tolist():
+        ended = eos_id in seq
+        out.append((seq[: seq.index(eos_id)] if ended else seq, ended))
+    return out

@@ -308,15 +308,6 @@ def test_a_rank_set_outside_torchrun_still_says_its_errors(capsys, monkeypatch, 
     assert capsys.readouterr().err.startswith("tformer train: error: TrainConfig.model.d_model must be >= 1")
 
 
-def test_a_world_size_that_is_not_a_number_is_named(capsys, monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "x")
-    assert main(["train", "--preset", "tiny-lm", "--set", "steps=1", "--out", "never"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(
-        "tformer train: error: the environment variable WORLD_SIZE='x' is not a whole number"
-    )
-
-
 def test_unknown_option_lists_the_allowed_ones(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--preset", "tiny-lm", "--lr", "3"])

@@ -183,3 +183,12 @@ def test_a_collective_timeout_past_timedelta_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="timeout_s must be from 1 to 1,000,000,000"):
         ParallelConfig(timeout_s=10**14)  # had overflowed datetime.timedelta on every rank
+
+
+def test_a_world_size_that_is_not_a_number_is_named(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    assert main(["train", "--preset", "tiny-lm", "--set", "steps=1", "--out", "never"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "tformer train: error: the environment variable WORLD_SIZE='x' is not a whole number"
+    )

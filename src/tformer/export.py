@@ -29,9 +29,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.config import ModelConfig
-from tformer.train.interrupt import SIGNALS, Stopped
+from tformer.train.interrupt import RaiseOnSignals
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -406,26 +404,10 @@ def experts_implementation(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
     return None if all(w * s % 16 == 0 for w in widths for s in (4, size)) else "eager"
 
 
-@contextmanager
-def signals_interrupt():
+def signals_interrupt() -> RaiseOnSignals:
     """SIGTERM and a hang-up (SIGHUP) raise KeyboardInterrupt while the directory is written, as Ctrl-C
     does, so the temporary folder is removed (the exit status says which signal)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise Stopped(signum, "export stopped before its directory was complete; nothing was written")
-
-    previous = {}
-    for sig in SIGNALS[1:]:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return RaiseOnSignals("export stopped before its directory was complete; nothing was written")
 
 
 def check_out(out: str | Path) -> Path:

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks.peers import (
     hf_marian,
+    hf_outputs,
     marian_hidden_order,
     marian_of_tformer,
     marian_state_for_tformer,
@@ -67,12 +68,8 @@ def hf_generate(hf, src, mask, *, beams: int, min_len: int, banned: list[int], n
         output_scores=True,
         return_dict_in_generate=True,
     )
-    outputs = []
-    for seq in out.sequences[:, 1:].tolist():  # after the decoder's start token
-        ended = EOS in seq
-        outputs.append((seq[: seq.index(EOS)] if ended else seq, ended))
     scores = out.sequences_scores.tolist() if beams > 1 else None
-    return outputs, scores
+    return hf_outputs(out.sequences, EOS), scores
 
 
 @pytest.mark.parametrize("d", [32, 7])

@@ -100,7 +100,7 @@ class StopRequests:
 
 class RaiseOnSignals:
     """Context manager for work with nothing to save yet (a run being set up: its data read, its
-    vocabulary trained): the first SIGTERM or SIGHUP raises `Stopped`, a KeyboardInterrupt as Ctrl-C's is,
+    vocabulary trained; an export's directory being written): the first SIGTERM or SIGHUP raises `Stopped`, a KeyboardInterrupt as Ctrl-C's is,
     so the cleanup a Ctrl-C gets runs for them too (they had ended the process at once, with no word,
     leaving a half-made run directory); repeats (a scheduler or torchrun signalling again) are ignored
     until the context ends, so they cannot cut that cleanup short: put the cleanup inside the context.
@@ -108,7 +108,8 @@ class RaiseOnSignals:
     tokenizer's training) is acted on when that returns. Main thread only; a signal the process ignores
     stays ignored."""
 
-    def __init__(self) -> None:
+    def __init__(self, message: str = "stopped before training started") -> None:
+        self.message = message
         self._previous: dict[int, object] = {}
         self.signum: int | None = None
 
@@ -128,7 +129,7 @@ class RaiseOnSignals:
         if self.signum is not None:
             return
         self.signum = signum
-        raise Stopped(signum, f"{signal.Signals(signum).name} before training started")
+        raise Stopped(signum, f"{signal.Signals(signum).name}: {self.message}")
 
 
 class GuardedStream:
